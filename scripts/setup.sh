@@ -109,6 +109,19 @@ fi
 series_sha="$( { echo "$wheel_sha"; cat patches/series; while read -r p; do cat "patches/$p"; done < <(grep -vE '^\s*(#|$)' patches/series); } | sha256sum | awk '{print $1}' )" \
     || die "patches/series names a patch file that does not exist (see above)"
 SG=build/series-git
+# Commits a developer made in $SG (patches/README.md) must reach patches/ before a rebuild
+# replaces $SG: refuse while they are not refreshed; once they are, rebuild from patches/.
+if [[ -d "$SG/.git" ]]; then
+    sg_head="$(git -C "$SG" rev-parse -q --verify HEAD 2>/dev/null || true)"
+    built_head="$(cat build/stamps/series-head 2>/dev/null || git -C "$SG" rev-parse -q --verify 'pristine^{commit}' 2>/dev/null || true)"
+    if [[ "$sg_head" != "$built_head" ]]; then
+        [[ -z "$(git -C "$SG" status --porcelain 2>/dev/null)" ]] \
+            || die "$SG has uncommitted edits. Commit them and run scripts/refresh_patches.sh, or discard them (git -C $SG checkout -- .), then rerun."
+        scripts/refresh_patches.sh --check >/dev/null \
+            || die "$SG has commits that patches/ does not have (HEAD: $(git -C "$SG" log -1 --format='%h %s')). Run scripts/refresh_patches.sh to write them to patches/, or drop them (rm -rf $SG), then rerun."
+        rm -f build/stamps/series
+    fi
+fi
 if [[ "$(cat build/stamps/series 2>/dev/null || true)" != "$series_sha" || ! -d megatron/core ]]; then
     if [[ -d "$SG/.git" ]] && [[ -n "$(git -C "$SG" status --porcelain 2>/dev/null)" ]]; then
         die "$SG has uncommitted edits. Commit them and run scripts/refresh_patches.sh, or discard them (git -C $SG checkout -- .), then rerun."
@@ -136,6 +149,7 @@ if [[ "$(cat build/stamps/series 2>/dev/null || true)" != "$series_sha" || ! -d 
     git -C "$SG.tmp" archive HEAD megatron | tar -x -C megatron.tmp
     # The prebuilt extension is not text; git keeps it byte-exact but archive drops nothing else.
     rm -rf "$SG" && mv "$SG.tmp" "$SG"
+    git -C "$SG" rev-parse HEAD > build/stamps/series-head
     rm -rf megatron && mv megatron.tmp/megatron megatron && rmdir megatron.tmp
     echo "$series_sha" > build/stamps/series
 else
