@@ -1,0 +1,157 @@
+#!/usr/bin/env bash
+# scripts/refresh_patches.sh: regenerate patches/ from build/series-git, byte-stable
+# (the same commits give the same bytes, run after run, machine after machine).
+#
+# Usage: scripts/refresh_patches.sh [--check]
+#   (none)   write patches/NNNN-<subject>.patch (one per commit in pristine..HEAD),
+#            patches/series and patches/manifest.sha256; remove *.patch files that are no
+#            longer in the series. Files that already hold the right bytes are not rewritten.
+#   --check  write nothing; say whether patches/ already equals what a refresh would write.
+# Env:   SERIES_GIT=DIR   the series repo (default build/series-git; tag `pristine` + commits)
+#        PATCHES_DIR=DIR  where the series lives (default patches/)
+# Exit:  0 patches/ written or already up to date (--check: up to date)
+#        1 error: no series repo, no `pristine` tag, uncommitted edits, a merge or an empty
+#          commit in pristine..HEAD, an unreadable package_info.py (message says what to do)
+#        2 usage error
+#        3 --check only: patches/ differs from what a refresh would write
+#
+# What is generated:
+#   NNNN-<subject>.patch  `git format-patch --zero-commit --no-signature --full-index -N
+#                         --no-renames --diff-algorithm=myers`, global/system git config ignored,
+#                         so no hash of ours, no git version, no local diff settings leak in.
+#   series                the comment/blank lines that open the existing series file (kept
+#                         verbatim; a default header if there is none), then one patch per line.
+#                         Comments placed between patch names are not kept.
+#   manifest.sha256       read by scripts/apply_patches.sh: `base MAJOR.MINOR`, the sha256 of every
+#                         patch file, and per touched file its pristine and patched sha256
+#                         (`-` = the file does not exist on that side).
+#
+# Editing workflow (the series is a git history; patches/ is its serialized form):
+#   1. scripts/setup.sh             builds build/series-git: commit `pristine` (the 0.17.1 wheel)
+#                                   and one commit per patch (git am patches/series).
+#   2. cd build/series-git, edit megatron/..., then one of
+#        git commit -a --amend                        change the last patch
+#        git commit -a --fixup=<sha>; git rebase -i --autosquash pristine
+#                                                     change an earlier patch
+#        git rebase -i pristine                       reorder, reword, drop, split (`edit`)
+#        git commit -a                                add a patch (message: see STYLE.md section 3)
+#   3. scripts/refresh_patches.sh   rewrites patches/ from the commits; review `git diff patches/`.
+#   4. scripts/setup.sh             rebuilds build/series-git from patches/ and megatron/ from it.
+#                                   It refuses to run while series-git holds commits that are not
+#                                   in patches/ yet (run step 3 first, or rm -rf build/series-git).
+#   5. scripts/test.sh              then commit patches/ in this repo.
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+SG="${SERIES_GIT:-$ROOT/build/series-git}"
+PD="${PATCHES_DIR:-$ROOT/patches}"
+CHECK=0
+case "${1:-}" in
+    "") ;;
+    --check) CHECK=1 ;;
+    -h|--help) sed -n '2,/^set -euo/p' "${BASH_SOURCE[0]}" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
+    *) echo "refresh_patches.sh: usage: scripts/refresh_patches.sh [--check] (got '$1')" >&2; exit 2 ;;
+esac
+[[ $# -le 1 ]] || { echo "refresh_patches.sh: usage: scripts/refresh_patches.sh [--check]" >&2; exit 2; }
+
+die() { echo "refresh_patches.sh: error: $*" >&2; exit 1; }
+# Only the repository's own config counts; user/system settings must not change the bytes.
+g() { GIT_CONFIG_NOSYSTEM=1 GIT_CONFIG_GLOBAL=/dev/null LC_ALL=C git -C "$SG" "$@"; }
+
+[[ -d "$SG/.git" ]] || die "$SG is not a git repository. Run scripts/setup.sh to build it from patches/."
+g rev-parse -q --verify 'refs/tags/pristine^{commit}' >/dev/null \
+    || die "$SG has no tag 'pristine'. Rebuild it: rm -rf $SG && scripts/setup.sh"
+gitdir="$(g rev-parse --absolute-git-dir)"
+for st in rebase-merge rebase-apply MERGE_HEAD CHERRY_PICK_HEAD; do
+    [[ ! -e "$gitdir/$st" ]] || die "$SG is in the middle of a rebase/am/merge ($st). Finish it (git rebase --continue) or abort it, then rerun."
+done
+[[ -z "$(g status --porcelain)" ]] \
+    || die "$SG has uncommitted changes ($(g status --porcelain | head -n3 | tr '\n' ' ')). Commit them (git commit -a --amend, or --fixup) or discard them (git checkout -- . ; git clean -fd), then rerun."
+g merge-base --is-ancestor pristine HEAD || die "$SG HEAD does not descend from tag 'pristine'. Rebase your commits onto it: git rebase pristine"
+[[ -z "$(g rev-list --merges pristine..HEAD)" ]] || die "$SG has merge commits in pristine..HEAD; a patch series must be linear. Run: git rebase pristine"
+while read -r c; do
+    [[ -z "$c" ]] && continue
+    g diff-tree --quiet "$c^" "$c" -- && die "commit $(g log -1 --format='%h %s' "$c") in $SG changes nothing; drop it (git rebase -i pristine)."
+done < <(g rev-list pristine..HEAD)
+
+pinfo="$(g show pristine:megatron/core/package_info.py 2>/dev/null)" \
+    || die "tag 'pristine' in $SG has no megatron/core/package_info.py; rebuild it: rm -rf $SG && scripts/setup.sh"
+major="$(sed -nE 's/^MAJOR[[:space:]]*=[[:space:]]*([0-9]+).*/\1/p' <<<"$pinfo" | head -n1)"
+minor="$(sed -nE 's/^MINOR[[:space:]]*=[[:space:]]*([0-9]+).*/\1/p' <<<"$pinfo" | head -n1)"
+patchv="$(sed -nE 's/^PATCH[[:space:]]*=[[:space:]]*([0-9]+).*/\1/p' <<<"$pinfo" | head -n1)"
+[[ -n "$major" && -n "$minor" ]] || die "cannot read MAJOR/MINOR from megatron/core/package_info.py at tag 'pristine'"
+
+tmp="$(mktemp -d)"
+trap 'rm -rf "$tmp"' EXIT
+mkdir "$tmp/out"
+
+# ---------------------------------------------------------------- patches
+g -c core.quotePath=true -c diff.noprefix=false -c diff.mnemonicPrefix=false \
+    -c diff.relative=false -c diff.orderFile=/dev/null -c diff.context=3 -c diff.interHunkContext=0 \
+    -c diff.suppressBlankEmpty=false -c format.signature= -c format.suffix=.patch \
+    format-patch --quiet --zero-commit --no-signature --full-index -N --no-renames \
+    --diff-algorithm=myers --no-thread --no-cover-letter --no-attach --filename-max-length=64 \
+    -o "$tmp/out" pristine..HEAD >/dev/null \
+    || die "git format-patch failed in $SG (see above)"
+mapfile -t names < <(cd "$tmp/out" && LC_ALL=C ls -1 -- *.patch 2>/dev/null || true)
+
+# ---------------------------------------------------------------- series
+{
+    if [[ -f "$PD/series" ]]; then
+        # Keep the opening block of comment/blank lines verbatim.
+        while IFS= read -r line || [[ -n "$line" ]]; do
+            [[ "$line" =~ ^[[:space:]]*(#|$) ]] || break
+            printf '%s\n' "$line"
+        done < "$PD/series"
+    else
+        echo "# Patch series against megatron-core $major.$minor${patchv:+.$patchv}."
+        echo "# Apply in this order. Every prefix is meant to pass scripts/test.sh."
+    fi
+    for n in "${names[@]}"; do printf '%s\n' "$n"; done
+} > "$tmp/series"
+
+# ---------------------------------------------------------------- manifest
+blobsha() { # <rev> <path>: sha256 of the file at rev, or '-' when it does not exist there
+    if g cat-file -e "$1:$2" 2>/dev/null; then g cat-file blob "$1:$2" | sha256sum | cut -d' ' -f1; else echo -; fi
+}
+{
+    echo "# manifest.sha256: generated by scripts/refresh_patches.sh; do not edit by hand."
+    echo "# Read by scripts/apply_patches.sh to verify the series and to recognize a target's state."
+    echo "#   base MAJOR.MINOR                        megatron-core version the series applies to (x.y.*)"
+    echo "#   patch SHA256 FILE                       every patch file, in series order"
+    echo "#   file PRISTINE-SHA256 PATCHED-SHA256 PATH every touched file; '-' = absent on that side"
+    echo "base $major.$minor"
+    for n in "${names[@]}"; do echo "patch $(sha256sum "$tmp/out/$n" | cut -d' ' -f1) $n"; done
+    while IFS= read -r -d '' p; do
+        echo "file $(blobsha pristine "$p") $(blobsha HEAD "$p") $p"
+    done < <(g diff -z --name-only --no-renames pristine HEAD | LC_ALL=C sort -z)
+} > "$tmp/manifest.sha256"
+
+# ---------------------------------------------------------------- compare / write
+changed=()
+for n in "${names[@]}" series manifest.sha256; do
+    src="$tmp/out/$n"; [[ -f "$src" ]] || src="$tmp/$n"
+    cmp -s "$src" "$PD/$n" 2>/dev/null || changed+=("$n")
+done
+stale=()
+for f in "$PD"/*.patch; do
+    [[ -e "$f" ]] || continue
+    b="$(basename "$f")"
+    [[ " ${names[*]} " == *" $b "* ]] || stale+=("$b")
+done
+
+if [[ ${#changed[@]} -eq 0 && ${#stale[@]} -eq 0 ]]; then
+    echo "refresh_patches.sh: $PD is up to date (${#names[@]} patches)"
+    exit 0
+fi
+if [[ $CHECK == 1 ]]; then
+    echo "refresh_patches.sh: $PD differs from $SG: ${changed[*]:+would write ${changed[*]}}${stale[*]:+; would remove ${stale[*]}}. Run scripts/refresh_patches.sh" >&2
+    exit 3
+fi
+mkdir -p "$PD"
+for b in "${stale[@]}"; do rm -f -- "$PD/$b"; done
+for n in "${changed[@]}"; do
+    src="$tmp/out/$n"; [[ -f "$src" ]] || src="$tmp/$n"
+    cp -- "$src" "$PD/$n.tmp" && mv -f -- "$PD/$n.tmp" "$PD/$n"
+done
+echo "refresh_patches.sh: wrote ${changed[*]:-nothing}${stale[*]:+; removed ${stale[*]}} in $PD (${#names[@]} patches)"

@@ -1,0 +1,681 @@
+"""Tests of the patch tooling: scripts/refresh_patches.sh, apply_patches.sh, review_diff.sh.
+
+Every test runs the scripts as a user would (subprocess). Two series are exercised:
+  * "real": patches/ as committed (tests that need patches skip while it is empty);
+  * "synthetic": a two-patch series built here from a throwaway series repo with
+    scripts/refresh_patches.sh, so the tooling is tested independently of the real patches.
+Targets are full copies of build/upstream/megatron (about 20 ms each). Every bad-input case
+checks that the message is there, that stderr is one line, and that every file of the
+target is byte-identical afterwards.
+"""
+
+import contextlib
+import hashlib
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPTS = ROOT / "scripts"
+APPLY = str(SCRIPTS / "apply_patches.sh")
+REFRESH = str(SCRIPTS / "refresh_patches.sh")
+REVIEW = str(SCRIPTS / "review_diff.sh")
+UPSTREAM = ROOT / "build" / "upstream"
+SERIES_GIT = ROOT / "build" / "series-git"
+REAL_PATCHES = ROOT / "patches"
+
+# Exit codes of apply_patches.sh (see its header).
+OK, ERROR, USAGE, NOT_APPLIED, PARTIAL, WRONG_BASE = 0, 1, 2, 3, 4, 5
+
+GIT_ENV = {
+    "GIT_AUTHOR_NAME": "Patch Tooling Test",
+    "GIT_AUTHOR_EMAIL": "test@invalid",
+    "GIT_COMMITTER_NAME": "Patch Tooling Test",
+    "GIT_COMMITTER_EMAIL": "test@invalid",
+    "GIT_AUTHOR_DATE": "2001-02-03T04:05:06Z",
+    "GIT_COMMITTER_DATE": "2001-02-03T04:05:06Z",
+    "GIT_CONFIG_GLOBAL": "/dev/null",
+    "GIT_CONFIG_NOSYSTEM": "1",
+}
+
+PGB = "megatron/core/distributed/param_and_grad_buffer.py"
+LWO = "megatron/core/optimizer/layer_wise_optimizer.py"
+NEW_FILE = "megatron/core/distributed/_patch_tooling_fixture.py"
+
+
+def run(*cmd, env=None, cwd=None, check=False):
+    full_env = {**os.environ, **GIT_ENV, **(env or {})}
+    proc = subprocess.run(
+        [str(c) for c in cmd], env=full_env, cwd=cwd, capture_output=True, text=True, timeout=120
+    )
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{cmd} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+def git(repo, *args):
+    return run("git", "-C", repo, *args, check=True).stdout
+
+
+def sha256(path):
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def tree_hashes(root):
+    """sha256 of every file under root (not .git), keyed by relative path; mode bits too."""
+    root = Path(root)
+    out = {}
+    for p in sorted(root.rglob("*")):
+        rel = p.relative_to(root)
+        if rel.parts and rel.parts[0] == ".git":
+            continue
+        if p.is_symlink():
+            out[str(rel)] = ("link", os.readlink(p))
+        elif p.is_file():
+            out[str(rel)] = (sha256(p), p.stat().st_mode)
+        elif p.is_dir():
+            out[str(rel)] = ("dir", p.stat().st_mode)
+    return out
+
+
+def read_series(patches_dir):
+    lines = (Path(patches_dir) / "series").read_text().splitlines()
+    return [ln.strip() for ln in lines if ln.strip() and not ln.strip().startswith("#")]
+
+
+def read_manifest(patches_dir):
+    """{path: (pristine_sha, patched_sha)} from manifest.sha256."""
+    files = {}
+    for ln in (Path(patches_dir) / "manifest.sha256").read_text().splitlines():
+        f = ln.split()
+        if f and f[0] == "file":
+            files[f[3]] = (f[1], f[2])
+    return files
+
+
+def copy_upstream(dest):
+    """A site-packages-like target: dest/megatron, a full copy of the pristine tree."""
+    dest = Path(dest)
+    dest.mkdir(parents=True, exist_ok=True)
+    shutil.copytree(UPSTREAM / "megatron", dest / "megatron", symlinks=True)
+    return dest
+
+
+def make_git_checkout(dest):
+    copy_upstream(dest)
+    git(dest, "init", "-q", "-b", "main")
+    git(dest, "add", "-A")
+    git(dest, "commit", "-q", "-m", "megatron-core 0.17.1")
+    return dest
+
+
+def one_line_error(proc, *needles):
+    err = proc.stderr.strip()
+    assert len(err.splitlines()) == 1, f"expected a one-line error, got:\n{proc.stderr}"
+    for n in needles:
+        assert n in err, f"{n!r} not in {err!r}"
+    return err
+
+
+# ---------------------------------------------------------------------------- series fixtures
+
+
+def _insert_before(text, pattern, new_line):
+    m = re.search(pattern, text, flags=re.M)
+    assert m, pattern
+    return text[: m.start()] + new_line + text[m.start():]
+
+
+def build_synthetic_series(base):
+    """A throwaway series repo (pristine + 2 commits) and its refreshed patches dir.
+
+    Patch 1 adds comment lines in two places of param_and_grad_buffer.py. Patch 2 edits it
+    again, edits layer_wise_optimizer.py and creates a new file, so the series has a
+    multi-patch file, a second file and a file that only exists when patched.
+    """
+    sg = Path(base) / "series-git"
+    copy_upstream(sg)
+    git(sg, "init", "-q", "-b", "main")
+    git(sg, "add", "-A")
+    git(sg, "commit", "-q", "-m", "megatron-core 0.17.1 pristine")
+    git(sg, "tag", "pristine")
+
+    p = sg / PGB
+    t = p.read_text()
+    t = _insert_before(t, r"^import ", "# patch-tooling fixture: first change\n")
+    t = t + "\n# patch-tooling fixture: end of file\n"
+    p.write_text(t)
+    git(sg, "commit", "-q", "-a", "-m", "fixture: mark param_and_grad_buffer\n\nWhy: test the tooling.")
+
+    t = p.read_text()
+    t = _insert_before(t, r"^class ", "# patch-tooling fixture: second change\n")
+    p.write_text(t)
+    q = sg / LWO
+    q.write_text(_insert_before(q.read_text(), r"^class ", "# patch-tooling fixture: optimizer\n"))
+    (sg / NEW_FILE).write_text('"""Created by the patch-tooling fixture."""\n')
+    git(sg, "add", "-A")
+    git(sg, "commit", "-q", "-m", "fixture: mark optimizer, add a module\n\nWhy: test the tooling.")
+
+    pd = Path(base) / "patches"
+    pd.mkdir()
+    (pd / "series").write_text("# Synthetic series against megatron-core 0.17.1.\n")
+    run(REFRESH, env={"SERIES_GIT": str(sg), "PATCHES_DIR": str(pd)}, check=True)
+    return sg, pd
+
+
+@pytest.fixture(scope="module")
+def synthetic(tmp_path_factory):
+    return build_synthetic_series(tmp_path_factory.mktemp("synthetic"))
+
+
+@pytest.fixture(params=["real", "synthetic"])
+def series(request):
+    """(patches_dir, env) for each series; the real one skips while it is empty."""
+    if request.param == "real":
+        pd = REAL_PATCHES
+        if not read_series(pd):
+            pytest.skip("patches/series is empty")
+    else:
+        pd = request.getfixturevalue("synthetic")[1]
+    return pd, {"PATCHES_DIR": str(pd)}
+
+
+@pytest.fixture
+def series_copy(synthetic, tmp_path):
+    """A writable copy of the synthetic patches dir, to corrupt."""
+    dst = tmp_path / "patches-copy"
+    shutil.copytree(synthetic[1], dst)
+    return dst
+
+
+# ---------------------------------------------------------------------------- refresh
+
+
+def test_refresh_reproduces_committed_patches(tmp_path):
+    """The committed patches/ equal what refresh_patches.sh writes from build/series-git."""
+    assert SERIES_GIT.is_dir(), "run scripts/setup.sh first"
+    proc = run(REFRESH, "--check")
+    assert proc.returncode == 0, (
+        "patches/ differs from build/series-git: run scripts/refresh_patches.sh\n" + proc.stderr
+    )
+    out = tmp_path / "out"
+    out.mkdir()
+    shutil.copy(REAL_PATCHES / "series", out / "series")  # the hand-written header comes from here
+    for _ in range(2):
+        run(REFRESH, env={"PATCHES_DIR": str(out)}, check=True)
+        generated = sorted(p.name for p in out.iterdir())
+        committed = sorted(p.name for p in REAL_PATCHES.iterdir() if p.name != "README.md")
+        assert generated == committed
+        for name in generated:
+            assert (out / name).read_bytes() == (REAL_PATCHES / name).read_bytes(), name
+
+
+def test_refresh_is_byte_stable_and_removes_stale(synthetic, tmp_path):
+    sg, pd = synthetic
+    out = tmp_path / "out"
+    shutil.copytree(pd, out)
+    (out / "9999-stale.patch").write_text("old\n")
+    env = {"SERIES_GIT": str(sg), "PATCHES_DIR": str(out)}
+    assert run(REFRESH, "--check", env=env).returncode == 3
+    run(REFRESH, env=env, check=True)
+    first = tree_hashes(out)
+    proc = run(REFRESH, env=env, check=True)
+    assert "up to date" in proc.stdout
+    assert tree_hashes(out) == first == tree_hashes(pd)
+    assert run(REFRESH, "--check", env=env).returncode == 0
+    names = read_series(out)
+    assert names == sorted(p.name for p in out.glob("*.patch"))
+    assert [n[:5] for n in names] == ["0001-", "0002-"]
+    text = (out / names[0]).read_text()
+    assert text.startswith("From 0000000000000000000000000000000000000000 ")
+    assert "Subject: [PATCH] fixture: mark param_and_grad_buffer" in text
+    assert not re.search(r"^-- $", text, re.M), "no signature / git version"
+    assert (out / "series").read_text().startswith("# Synthetic series")
+    man = read_manifest(out)
+    assert set(man) == {PGB, LWO, NEW_FILE}
+    assert man[NEW_FILE][0] == "-"
+    assert man[PGB][0] == sha256(UPSTREAM / PGB)
+
+
+def test_refresh_refuses_dirty_series_git(synthetic, tmp_path):
+    sg, pd = synthetic
+    sg2 = tmp_path / "sg"
+    shutil.copytree(sg, sg2, symlinks=True)
+    (sg2 / LWO).write_text((sg2 / LWO).read_text() + "# uncommitted\n")
+    out = tmp_path / "out"
+    shutil.copytree(pd, out)
+    before = tree_hashes(out)
+    proc = run(REFRESH, env={"SERIES_GIT": str(sg2), "PATCHES_DIR": str(out)})
+    assert proc.returncode == 1
+    one_line_error(proc, "uncommitted changes")
+    assert tree_hashes(out) == before
+
+
+# ---------------------------------------------------------------------------- the generated trees
+
+
+def test_check_on_generated_trees():
+    """--check: repo root (megatron/, patched) says applied; build/upstream says not applied."""
+    proc = run(APPLY, ROOT, "--check")
+    assert proc.returncode == OK and proc.stdout.startswith("applied"), proc.stdout + proc.stderr
+    if not read_series(REAL_PATCHES):
+        pytest.skip("patches/series is empty: pristine and patched trees are the same")
+    proc = run(APPLY, UPSTREAM, "--check")
+    assert proc.returncode == NOT_APPLIED and proc.stdout.startswith("not applied"), proc.stdout
+
+
+def test_review_diff_reproduces_patched_tree(series, tmp_path):
+    """review_diff.sh: diffstat + a diff that turns the pristine tree into the patched one."""
+    pd, env = series
+    patched = copy_upstream(tmp_path / "patched")
+    run(APPLY, patched, env=env, check=True)
+    proc = run(REVIEW, UPSTREAM, patched, check=True)
+    man = read_manifest(pd)
+    for f in man:
+        assert f in proc.stdout
+    assert re.search(r"\d+ files? changed", proc.stdout)
+    diff = proc.stdout[re.search(r"^--- ", proc.stdout, re.M).start():]
+    target = copy_upstream(tmp_path / "pristine")
+    (tmp_path / "review.diff").write_text(diff)
+    run("patch", "-p1", "--fuzz=0", "-s", "-d", target, "-i", tmp_path / "review.diff", check=True)
+    assert tree_hashes(target) == tree_hashes(patched)
+    same = run(REVIEW, UPSTREAM, UPSTREAM, check=True)
+    assert same.stdout.startswith("no differences")
+    assert run(REVIEW).returncode == 0  # the default: megatron/ against build/upstream
+
+
+# ---------------------------------------------------------------------------- happy paths
+
+
+def test_gnu_patch_applies_each_patch_without_fuzz_or_offset(series, tmp_path):
+    """`patch -p1 --fuzz=0`, one patch after another, on a copy of the wheel tree."""
+    pd, _ = series
+    target = copy_upstream(tmp_path / "t")
+    for name in read_series(pd):
+        for extra in (["--dry-run"], []):
+            proc = run("patch", "-p1", "--fuzz=0", *extra, "-d", target, "-i", pd / name)
+            assert proc.returncode == 0, proc.stdout + proc.stderr
+            assert not re.search(r"offset|fuzz", proc.stdout + proc.stderr, re.I), proc.stdout
+    for f, (_, patched_sha) in read_manifest(pd).items():
+        assert sha256(target / f) == patched_sha, f
+
+
+def test_apply_check_reverse_plain_dir(series, tmp_path):
+    pd, env = series
+    target = copy_upstream(tmp_path / "site-packages")
+    pristine = tree_hashes(target)
+    proc = run(APPLY, target, "--check", env=env)
+    assert proc.returncode == NOT_APPLIED and "not applied" in proc.stdout
+    proc = run(APPLY, target, env=env)
+    assert proc.returncode == OK, proc.stderr
+    for f, (_, patched_sha) in read_manifest(pd).items():
+        assert sha256(target / f) == patched_sha
+    if pd == REAL_PATCHES:  # the patched tree equals the generated megatron/
+        for f in read_manifest(pd):
+            assert sha256(target / f) == sha256(ROOT / f)
+    proc = run(APPLY, target, "--check", env=env)
+    assert proc.returncode == OK and proc.stdout.startswith("applied")
+    # Mode bits survive the rewrite.
+    assert {k: v[1] for k, v in tree_hashes(target).items() if k in pristine} == {
+        k: v[1] for k, v in pristine.items()
+    }
+    proc = run(APPLY, target, "--reverse", env=env)
+    assert proc.returncode == OK, proc.stderr
+    assert tree_hashes(target) == pristine
+    proc = run(APPLY, target, "--reverse", env=env)
+    assert proc.returncode == OK and "nothing to reverse" in proc.stdout
+    assert tree_hashes(target) == pristine
+
+
+def test_apply_twice_is_a_noop(series, tmp_path):
+    pd, env = series
+    target = copy_upstream(tmp_path / "t")
+    run(APPLY, target, env=env, check=True)
+    before = tree_hashes(target)
+    proc = run(APPLY, target, env=env)
+    assert proc.returncode == OK and "already applied" in proc.stdout and "nothing to do" in proc.stdout
+    assert tree_hashes(target) == before
+
+
+def test_apply_on_git_checkout_makes_one_commit_per_patch(series, tmp_path):
+    pd, env = series
+    repo = make_git_checkout(tmp_path / "Megatron-LM")
+    base = git(repo, "rev-parse", "HEAD").strip()
+    pristine = tree_hashes(repo)
+    proc = run(APPLY, repo, env=env)
+    assert proc.returncode == OK, proc.stderr
+    names = read_series(pd)
+    subjects = git(repo, "log", "--format=%s", f"{base}..HEAD").splitlines()[::-1]
+    assert len(subjects) == len(names)
+    for name, subj in zip(names, subjects):
+        m = re.search(r"^Subject: \[PATCH\] (.*)$", (pd / name).read_text(), re.M)
+        assert subj.startswith(m.group(1)), (subj, m.group(1))
+    assert git(repo, "status", "--porcelain") == ""
+    assert run(APPLY, repo, "--check", env=env).returncode == OK
+    head = git(repo, "rev-parse", "HEAD")
+    proc = run(APPLY, repo, env=env)
+    assert proc.returncode == OK and "already applied" in proc.stdout
+    assert git(repo, "rev-parse", "HEAD") == head
+
+    proc = run(APPLY, repo, "--reverse", env=env)
+    assert proc.returncode == OK, proc.stderr
+    reverts = git(repo, "log", "--format=%s", f"{head.strip()}..HEAD").splitlines()[::-1]
+    assert len(reverts) == len(names) and all(r.startswith('Revert "') for r in reverts)
+    assert subjects[-1] in reverts[0]  # newest patch reverted first
+    assert tree_hashes(repo) == pristine
+    assert git(repo, "diff", base, "HEAD") == ""
+    assert git(repo, "status", "--porcelain") == ""
+    assert run(APPLY, repo, "--check", env=env).returncode == NOT_APPLIED
+
+
+# ---------------------------------------------------------------------------- bad input
+
+
+def expect_refusal(target, args, env, code, *needles):
+    """Run apply_patches.sh, expect exit `code`, the message, and an unchanged target."""
+    before = tree_hashes(target) if Path(target).exists() else None
+    proc = run(APPLY, target, *args, env=env)
+    assert proc.returncode == code, f"exit {proc.returncode}:\n{proc.stdout}{proc.stderr}"
+    msg = one_line_error(proc, *needles)
+    after = tree_hashes(target) if Path(target).exists() else None
+    assert after == before, "target changed"
+    return msg
+
+
+@pytest.mark.parametrize("args", [[], ["--check", "--reverse"], ["--bogus"], ["a", "b"]])
+def test_usage_errors(args, tmp_path):
+    proc = run(APPLY, *args)
+    assert proc.returncode == USAGE
+    one_line_error(proc, "usage: scripts/apply_patches.sh TARGET")
+
+
+def test_missing_target(synthetic, tmp_path):
+    env = {"PATCHES_DIR": str(synthetic[1])}
+    missing = tmp_path / "nope"
+    for mode in ([], ["--check"], ["--reverse"]):
+        expect_refusal(missing, mode, env, ERROR, "does not exist", "pass a Megatron-LM checkout")
+    assert not missing.exists()
+
+
+def test_target_is_not_megatron(synthetic, tmp_path):
+    env = {"PATCHES_DIR": str(synthetic[1])}
+    target = tmp_path / "not-megatron"
+    (target / "src").mkdir(parents=True)
+    (target / "src" / "x.py").write_text("print(1)\n")
+    for mode in ([], ["--check"], ["--reverse"]):
+        expect_refusal(target, mode, env, ERROR, "not megatron-core")
+    f = tmp_path / "file"
+    f.write_text("x")
+    expect_refusal(f, [], env, ERROR, "not a directory")
+
+
+def test_target_is_the_megatron_package_itself(synthetic, tmp_path):
+    env = {"PATCHES_DIR": str(synthetic[1])}
+    target = copy_upstream(tmp_path / "sp")
+    msg = expect_refusal(target / "megatron", [], env, ERROR, "the megatron package itself")
+    assert str(target) in msg
+
+
+@pytest.mark.parametrize("minor", ["16", "18"])
+def test_wrong_base_version(series, tmp_path, minor):
+    _, env = series
+    target = copy_upstream(tmp_path / "t")
+    pinfo = target / "megatron/core/package_info.py"
+    pinfo.write_text(re.sub(r"^MINOR = 17$", f"MINOR = {minor}", pinfo.read_text(), flags=re.M))
+    for mode in ([], ["--check"], ["--reverse"]):
+        expect_refusal(target, mode, env, WRONG_BASE, f"0.{minor}.1", "0.17.x")
+
+
+def test_partly_applied(synthetic, tmp_path):
+    """Only the first patch is in: apply, check and reverse all refuse with exit 4."""
+    _, pd = synthetic
+    env = {"PATCHES_DIR": str(pd)}
+    target = copy_upstream(tmp_path / "t")
+    first = read_series(pd)[0]
+    run("patch", "-p1", "-s", "--fuzz=0", "-d", target, "-i", pd / first, check=True)
+    for mode in ([], ["--reverse"]):
+        expect_refusal(target, mode, env, PARTIAL, "partly applied or foreign changes", PGB)
+    before = tree_hashes(target)
+    proc = run(APPLY, target, "--check", env=env)
+    assert proc.returncode == PARTIAL and "partly applied" in proc.stdout
+    assert f"{LWO}: pristine" in proc.stdout and f"{PGB}: foreign changes" in proc.stdout
+    assert tree_hashes(target) == before
+
+
+def test_hand_edited_touched_file(series, tmp_path):
+    pd, env = series
+    touched = sorted(read_manifest(pd))[0]
+    for state in ("pristine", "patched"):
+        target = copy_upstream(tmp_path / state)
+        if state == "patched":
+            run(APPLY, target, env=env, check=True)
+        with open(target / touched, "a") as fh:
+            fh.write("# a local edit\n")
+        for mode in ([], ["--reverse"]):
+            expect_refusal(target, mode, env, PARTIAL, "foreign changes", touched)
+        assert run(APPLY, target, "--check", env=env).returncode == PARTIAL
+
+
+def test_git_checkout_with_uncommitted_changes(series, tmp_path):
+    pd, env = series
+    repo = make_git_checkout(tmp_path / "repo")
+    touched = sorted(read_manifest(pd))[0]
+    with open(repo / touched, "a") as fh:
+        fh.write("# work in progress\n")
+    head = git(repo, "rev-parse", "HEAD")
+    expect_refusal(repo, [], env, ERROR, "uncommitted changes", touched, "commit or stash")
+    assert git(repo, "rev-parse", "HEAD") == head
+
+
+def test_git_am_failure_is_rolled_back(series, tmp_path):
+    """A hook that rejects the second commit: git am stops; everything is restored."""
+    pd, env = series
+    if len(read_series(pd)) < 2:
+        pytest.skip("needs two patches")
+    repo = make_git_checkout(tmp_path / "repo")
+    head = git(repo, "rev-parse", "HEAD")
+    hook = repo / ".git/hooks/applypatch-msg"
+    hook.write_text(
+        '#!/bin/sh\n[ -f "$(dirname "$0")/seen" ] && exit 1\ntouch "$(dirname "$0")/seen"\n'
+    )
+    hook.chmod(0o755)
+    expect_refusal(repo, [], env, ERROR, "git am failed", "restored")
+    assert git(repo, "rev-parse", "HEAD") == head
+    assert git(repo, "status", "--porcelain") == ""
+
+
+def test_patch_file_corrupt(series_copy, tmp_path):
+    env = {"PATCHES_DIR": str(series_copy)}
+    target = copy_upstream(tmp_path / "t")
+    p = series_copy / read_series(series_copy)[1]
+    lines = p.read_text().splitlines(keepends=True)
+    i = next(k for k, ln in enumerate(lines) if ln.startswith("@@"))
+    lines[i + 2] = "garbage that is not a diff line\n"
+    p.write_text("".join(lines))
+    for mode in ([], ["--check"], ["--reverse"]):
+        expect_refusal(target, mode, env, ERROR, p.name, "corrupt or truncated", "restore")
+
+
+def test_patch_file_truncated(series_copy, tmp_path):
+    env = {"PATCHES_DIR": str(series_copy)}
+    target = copy_upstream(tmp_path / "t")
+    p = series_copy / read_series(series_copy)[0]
+    data = p.read_bytes()
+    p.write_bytes(data[: len(data) // 2])
+    expect_refusal(target, [], env, ERROR, p.name, "corrupt or truncated")
+    p.write_bytes(b"")
+    expect_refusal(target, [], env, ERROR, p.name, "corrupt or truncated")
+
+
+def _rehash_in_manifest(patches_dir, patch):
+    """Make manifest.sha256 vouch for a modified patch (a consistent but broken series)."""
+    man = patches_dir / "manifest.sha256"
+    text = re.sub(
+        rf"^patch [0-9a-f]{{64}} {re.escape(patch.name)}$",
+        f"patch {sha256(patch)} {patch.name}",
+        man.read_text(),
+        flags=re.M,
+    )
+    man.write_text(text)
+
+
+def test_dry_run_catches_a_broken_patch_the_manifest_vouches_for(series_copy, tmp_path):
+    """Corrupt hunk: git apply fails in the dry run; nothing is touched."""
+    env = {"PATCHES_DIR": str(series_copy)}
+    target = copy_upstream(tmp_path / "t")
+    p = series_copy / read_series(series_copy)[1]
+    lines = p.read_text().splitlines(keepends=True)
+    i = next(k for k, ln in enumerate(lines) if ln.startswith(f"--- a/{LWO}"))
+    assert lines[i + 2].startswith("@@") and lines[i + 3].startswith(" ")
+    lines[i + 3] = " context that is not in the file\n"
+    p.write_text("".join(lines))
+    _rehash_in_manifest(series_copy, p)
+    expect_refusal(target, [], env, ERROR, "dry run", p.name, "does not apply", "nothing was changed")
+
+
+def test_dry_run_catches_a_truncated_patch_the_manifest_vouches_for(series_copy, tmp_path):
+    """Cut after a whole hunk: still a valid patch, but the result has the wrong sha256."""
+    env = {"PATCHES_DIR": str(series_copy)}
+    target = copy_upstream(tmp_path / "t")
+    p = series_copy / read_series(series_copy)[1]
+    text = p.read_text()
+    cut = text.index("\ndiff --git", text.index("\ndiff --git") + 1) + 1  # drop the 2nd+ file
+    p.write_text(text[:cut])
+    _rehash_in_manifest(series_copy, p)
+    expect_refusal(target, [], env, ERROR, "dry run", "does not expect")
+
+
+def test_dry_run_refuses_offsets(series_copy, tmp_path):
+    """A hunk whose line numbers are off applies with git apply only at an offset: refused."""
+    env = {"PATCHES_DIR": str(series_copy)}
+    target = copy_upstream(tmp_path / "t")
+    p = series_copy / read_series(series_copy)[0]
+    text = re.sub(
+        r"^@@ -(\d+),(\d+) \+(\d+),(\d+) @@",
+        lambda m: f"@@ -{int(m[1]) + 3},{m[2]} +{int(m[3]) + 3},{m[4]} @@",
+        p.read_text(),
+        count=1,
+        flags=re.M,
+    )
+    p.write_text(text)
+    _rehash_in_manifest(series_copy, p)
+    expect_refusal(target, [], env, ERROR, "shifted lines", "offset")
+
+
+def test_series_names_a_missing_file(series_copy, tmp_path):
+    env = {"PATCHES_DIR": str(series_copy)}
+    target = copy_upstream(tmp_path / "t")
+    with open(series_copy / "series", "a") as fh:
+        fh.write("0003-not-there.patch\n")
+    for mode in ([], ["--check"], ["--reverse"]):
+        expect_refusal(target, mode, env, ERROR, "0003-not-there.patch", "does not exist")
+
+
+def test_missing_manifest_or_series(series_copy, tmp_path):
+    env = {"PATCHES_DIR": str(series_copy)}
+    target = copy_upstream(tmp_path / "t")
+    (series_copy / "manifest.sha256").unlink()
+    expect_refusal(target, [], env, ERROR, "manifest.sha256 is missing")
+    (series_copy / "series").unlink()
+    expect_refusal(target, [], env, ERROR, "no series file")
+
+
+def test_series_and_manifest_disagree(series_copy, tmp_path):
+    env = {"PATCHES_DIR": str(series_copy)}
+    target = copy_upstream(tmp_path / "t")
+    names = read_series(series_copy)
+    (series_copy / "series").write_text(f"# reordered\n{names[1]}\n{names[0]}\n")
+    expect_refusal(target, [], env, ERROR, "list different patches")
+
+
+# ---------------------------------------------------------------------------- read-only targets
+#
+# The tests run as root, and root ignores permission bits, so chmod cannot make a tree
+# read-only. Two ways that do stop root, each skipped where the machine cannot do it:
+#   immutable: `chattr +i` (ext4/xfs/btrfs; needs CAP_LINUX_IMMUTABLE);
+#   ro-mount:  a read-only bind mount inside `unshare -rm` (a private user+mount namespace).
+# As a non-root user, chmod a-w is used instead. The script probes writability explicitly
+# (test -w on each touched file, and creating a probe file in its directory), so it refuses
+# before it writes anything in all three cases.
+
+
+def _immutable_supported(tmp_path):
+    probe = tmp_path / "immutable-probe"
+    probe.write_text("x")
+    if run("chattr", "+i", probe).returncode != 0:
+        return False
+    try:
+        with open(probe, "a"):
+            pass
+        ok = False
+    except PermissionError:
+        ok = True
+    run("chattr", "-i", probe)
+    return ok
+
+
+@contextlib.contextmanager
+def immutable(paths):
+    done = []
+    try:
+        for p in paths:
+            run("chattr", "+i", p, check=True)
+            done.append(p)
+        yield
+    finally:
+        for p in reversed(done):
+            run("chattr", "-i", p)
+
+
+def _read_only_variants():
+    return ["immutable", "ro-mount"] if os.geteuid() == 0 else ["chmod"]
+
+
+@pytest.mark.parametrize("how", _read_only_variants())
+def test_read_only_target(series, tmp_path, how):
+    pd, env = series
+    target = copy_upstream(tmp_path / "t")
+    touched = [target / f for f in read_manifest(pd) if (target / f).exists()]
+    dirs = sorted({p.parent for p in touched} | {target / Path(f).parent for f in read_manifest(pd)})
+    dirs = [d for d in dirs if d.exists()]
+    before = tree_hashes(target)
+    needles = ("not writable", "nothing was changed")
+    if how == "immutable":
+        if not _immutable_supported(tmp_path):
+            pytest.skip("chattr +i does not work here")
+        with immutable(touched + dirs):
+            proc = run(APPLY, target, env=env)
+            assert run(APPLY, target, "--check", env=env).returncode == NOT_APPLIED
+    elif how == "ro-mount":
+        if run("unshare", "-rm", "true").returncode != 0:
+            pytest.skip("unshare -rm (user + mount namespace) is not available")
+        script = 'mount --bind "$1" "$1" && mount -o remount,bind,ro "$1" "$1" && exec "$2" "$1"'
+        proc = run("unshare", "-rm", "sh", "-c", script, "sh", target, APPLY, env=env)
+        if "mount" in proc.stderr and "apply_patches" not in proc.stderr:
+            pytest.skip(f"read-only bind mount failed: {proc.stderr.strip()}")
+    else:
+        for p in touched + dirs:
+            p.chmod(p.stat().st_mode & ~0o222)
+        proc = run(APPLY, target, env=env)
+    assert proc.returncode == ERROR, proc.stdout + proc.stderr
+    one_line_error(proc, *needles)
+    assert tree_hashes(target) == before
+
+
+def test_partly_read_only_target_changes_nothing(series, tmp_path):
+    """Only the last touched file is immutable: the earlier ones must not be written either."""
+    pd, env = series
+    if os.geteuid() != 0 or not _immutable_supported(tmp_path):
+        pytest.skip("needs root and chattr +i")
+    target = copy_upstream(tmp_path / "t")
+    last = [target / f for f in sorted(read_manifest(pd)) if (target / f).exists()][-1]
+    before = tree_hashes(target)
+    with immutable([last]):
+        proc = run(APPLY, target, env=env)
+    assert proc.returncode == ERROR
+    one_line_error(proc, "not writable", str(last.relative_to(target)))
+    assert tree_hashes(target) == before
