@@ -1,0 +1,280 @@
+"""Tests of harness/cpu_runtime.py, the CPU runtime layer.
+
+Single-process tests install the layer in this process and uninstall it afterwards (unless
+it was installed before). Multi-rank tests start real gloo ranks as subprocesses
+(``cpu_runtime_gloo_worker.py``), once per world size, and assert on the facts each rank
+wrote.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Dict, List
+
+import pytest
+import torch
+
+import harness.cpu_runtime as cpu_runtime
+
+ROOT = Path(__file__).resolve().parents[2]
+WORKER = Path(__file__).with_name("cpu_runtime_gloo_worker.py")
+
+
+@pytest.fixture
+def runtime():
+    """The layer installed for one test (force: the layer itself is under test)."""
+    was_installed = cpu_runtime.is_installed()
+    cpu_runtime.install(force=True)
+    yield cpu_runtime
+    if not was_installed:
+        cpu_runtime.uninstall()
+
+
+@pytest.fixture
+def clean_runtime():
+    """No layer during the test; the previous state is restored afterwards."""
+    was_installed = cpu_runtime.is_installed()
+    cpu_runtime.uninstall()
+    yield cpu_runtime
+    cpu_runtime.uninstall()
+    if was_installed:
+        cpu_runtime.install(force=True)
+
+
+# ----------------------------------------------------------------------------- single process
+def test_device_mapping(runtime):
+    cpu = torch.device("cpu")
+    assert torch.empty(3, device="cuda").device == cpu
+    assert torch.tensor([1, 2], device="cuda:0").device == cpu
+    assert torch.zeros(2, device=torch.device("cuda", 0)).device == cpu
+    assert torch.ones(2, device=torch.cuda.current_device()).device == cpu
+    assert torch.ones(2, pin_memory=True).device == cpu
+    t = torch.arange(4.0)
+    assert t.cuda() is t, ".cuda() of a tensor already 'on the device' returns it"
+    assert t.to("cuda") is t and t.to(torch.device("cuda:0")) is t and t.to(0) is t
+    assert t.to("cuda", torch.bfloat16).dtype == torch.bfloat16, "dtype in .to() still applies"
+    assert t.new_empty(5, device="cuda").device == cpu
+    assert t.pin_memory() is t
+
+
+def test_tensor_type_strings(runtime):
+    assert torch.zeros(1).type() == "torch.cuda.FloatTensor"
+    assert torch.zeros(1, dtype=torch.bfloat16).type() == "torch.cuda.BFloat16Tensor"
+    assert torch.zeros(1, dtype=torch.float16).type() == "torch.cuda.HalfTensor"
+    assert torch.zeros(1, dtype=torch.long).type() == "torch.cuda.LongTensor"
+    assert torch.nn.Parameter(torch.zeros(2)).type() == "torch.cuda.FloatTensor"
+    converted = torch.zeros(2).type("torch.cuda.HalfTensor")
+    assert converted.dtype == torch.float16 and converted.device.type == "cpu"
+
+
+def test_tensor_type_unpatched_after_uninstall(clean_runtime):
+    assert torch.zeros(1).type() == "torch.FloatTensor"
+    cpu_runtime.install(force=True)
+    assert torch.zeros(1).type() == "torch.cuda.FloatTensor"
+
+
+def test_cuda_stubs(runtime):
+    assert torch.cuda.is_available() and torch.cuda.device_count() == 1
+    torch.cuda.set_device(0)
+    assert torch.cuda.current_device() == 0
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        assert torch.cuda.current_stream() is stream
+    assert torch.cuda.current_stream() is not stream
+    end.record()
+    torch.cuda.synchronize()
+    assert end.elapsed_time(start) <= 0.0 <= start.elapsed_time(end)
+    assert not torch.cuda.is_current_stream_capturing()
+    stats = torch.cuda.memory_stats()
+    assert stats["allocated_bytes.all.current"] == 0 and stats["allocated_bytes.all.peak"] == 0
+    assert torch.cuda.memory_allocated() == 0 and torch.cuda.device_memory_used() == 0
+    assert not torch.accelerator.is_available()
+
+
+def test_compile_and_helpers_off(runtime):
+    def f(x):
+        return x * 2
+
+    assert torch.compile(f) is f
+    assert torch.compile(mode="max-autotune")(f) is f
+    import megatron.core.datasets.utils as ds_utils
+
+    assert ds_utils.compile_helpers() is None  # a no-op: upstream would run `make`
+
+
+def _dropout_mask(n: int = 64) -> torch.Tensor:
+    return torch.nn.functional.dropout(torch.ones(n), p=0.5)
+
+
+def test_cuda_rng_state_roundtrip(runtime):
+    torch.cuda.manual_seed(1234)
+    saved = torch.cuda.get_rng_state()
+    first = _dropout_mask()
+    torch.cuda.set_rng_state(saved)
+    again = _dropout_mask()
+    assert torch.equal(first, again), "restored CUDA RNG state must replay dropout exactly"
+    assert not torch.equal(first, _dropout_mask()), "the generator must advance"
+    # megatron's own helpers (upstream defers the set through torch.cuda._lazy_call: never runs)
+    from megatron.core.tensor_parallel import random as mrandom
+
+    assert torch.equal(mrandom._get_cuda_rng_state(), torch.get_rng_state())
+    mrandom._set_cuda_rng_state(saved)
+    assert torch.equal(first, _dropout_mask()), "megatron's _set_cuda_rng_state must apply at once"
+
+
+def test_megatron_tracker_fork_roundtrip(runtime):
+    """CudaRNGStatesTracker: fork switches dropout to the tracker state, restores the default,
+    and saved tracker states replay exactly (what checkpoint save/load relies on)."""
+    from megatron.core.tensor_parallel import random as mrandom
+
+    torch.manual_seed(2718)
+    expected_in_fork = _dropout_mask()  # what a generator seeded 2718 draws first
+    torch.manual_seed(99)
+    default_before = torch.get_rng_state()
+    tracker = mrandom.CudaRNGStatesTracker()
+    tracker.add("model-parallel-rng", 2718)
+    assert torch.equal(default_before, torch.get_rng_state()), "add() must restore the default state"
+    saved_states = {k: v.clone() for k, v in tracker.get_states().items()}
+    with tracker.fork("model-parallel-rng"):
+        in_fork = _dropout_mask()
+    assert torch.equal(in_fork, expected_in_fork), "fork must draw from the tracker's state"
+    assert torch.equal(default_before, torch.get_rng_state()), "fork must restore the default state"
+    with tracker.fork("model-parallel-rng"):
+        in_fork_next = _dropout_mask()
+    assert not torch.equal(in_fork, in_fork_next), "the tracker state must advance inside fork"
+    tracker.set_states(saved_states)
+    with tracker.fork("model-parallel-rng"):
+        replay = _dropout_mask()
+    assert torch.equal(in_fork, replay), "restored tracker states must replay exactly"
+
+
+def test_dataloader_iter_keeps_cpu_rng(runtime):
+    loader = torch.utils.data.DataLoader(list(range(8)), batch_size=2)
+    before = torch.get_rng_state()
+    batches = list(iter(loader))
+    assert len(batches) == 4
+    assert torch.equal(before, torch.get_rng_state())
+
+
+def test_dataloader_iter_consumes_rng_without_layer(clean_runtime):
+    """The control of the test above: plain torch does draw, so that test can fail."""
+    loader = torch.utils.data.DataLoader(list(range(8)), batch_size=2)
+    before = torch.get_rng_state()
+    iter(loader)
+    assert not torch.equal(before, torch.get_rng_state())
+
+
+def test_refuses_on_real_gpu_before_patching(clean_runtime, monkeypatch):
+    monkeypatch.setattr(cpu_runtime, "_real_gpu_present", lambda: True)
+    real_is_available, real_type = torch.cuda.is_available, torch.Tensor.type
+    with pytest.raises(RuntimeError, match="real CUDA GPU is present"):
+        cpu_runtime.install()
+    assert not cpu_runtime.is_installed()
+    assert torch.cuda.is_available is real_is_available and torch.Tensor.type is real_type
+    monkeypatch.setenv(cpu_runtime.ENV_VAR, "1")
+    with pytest.raises(RuntimeError, match="refuses to install"):
+        cpu_runtime.install_if_requested()
+    assert not cpu_runtime.is_installed()
+    cpu_runtime.install(force=True)
+    assert cpu_runtime.is_installed() and torch.cuda.is_available is not real_is_available
+
+
+def test_install_if_requested_env(clean_runtime, monkeypatch):
+    monkeypatch.setattr(cpu_runtime, "_real_gpu_present", lambda: True)
+    monkeypatch.delenv(cpu_runtime.ENV_VAR, raising=False)
+    assert cpu_runtime.install_if_requested() is False and not cpu_runtime.is_installed()
+    monkeypatch.setenv(cpu_runtime.ENV_VAR, "force")
+    assert cpu_runtime.install_if_requested() is True and cpu_runtime.is_installed()
+    cpu_runtime.install(force=True)  # idempotent
+    assert cpu_runtime.installed_items().count("cuda->cpu TorchFunctionMode") == 1
+
+
+# ----------------------------------------------------------------------------- gloo ranks
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run_gloo_workers(world: int, out_dir: Path, timeout_s: int = 240) -> List[Dict]:
+    """Start ``world`` gloo ranks of the worker script; return each rank's facts."""
+    port = _free_port()
+    procs = []
+    for rank in range(world):
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=str(port), PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+                   PYTHONWARNINGS="ignore")
+        procs.append(subprocess.Popen([sys.executable, str(WORKER), str(out_dir)], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    failures = []
+    for rank, proc in enumerate(procs):
+        try:
+            _, err = proc.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            for p in procs:
+                p.kill()
+            raise AssertionError(f"gloo worker rank {rank} of {world} timed out after {timeout_s} s")
+        if proc.returncode != 0:
+            failures.append(f"rank {rank} exit {proc.returncode}:\n" + "\n".join(err.splitlines()[-15:]))
+    assert not failures, "\n".join(failures)
+    return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(world)]
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=lambda w: f"world{w}")
+def gloo_facts(request, tmp_path_factory) -> List[Dict]:
+    return _run_gloo_workers(request.param, tmp_path_factory.mktemp(f"gloo{request.param}"))
+
+
+@pytest.mark.gloo
+def test_uneven_all_gather_equals_reference(gloo_facts):
+    for facts in gloo_facts:
+        assert 0 in facts["sizes"], "the case must include an empty slot"
+        for key, value in facts.items():
+            if key.startswith("sync_"):
+                assert value == {"equal": True, "work_is_none": True}, f"rank {facts['rank']} {key}: {value}"
+
+
+@pytest.mark.gloo
+def test_async_work_handles(gloo_facts):
+    for facts in gloo_facts:
+        assert facts["async"] == {"has_wait": True, "wait_returned": [True, True], "completed": True,
+                                  "equal_a": True, "equal_b": True}, f"rank {facts['rank']}: {facts['async']}"
+
+
+@pytest.mark.gloo
+def test_uneven_all_gather_allocates_nothing(gloo_facts):
+    for facts in gloo_facts:
+        rank = facts["rank"]
+        # This thread's torch allocations: profiler and dispatch mode see none...
+        assert facts["alloc_profiler_sync"] == 0 and facts["alloc_profiler_async"] == 0, f"{rank=}"
+        assert facts["alloc_dispatch_sync"]["bytes"] == 0, f"{rank=} {facts['alloc_dispatch_sync']}"
+        assert facts["alloc_dispatch_async"]["bytes"] == 0, f"{rank=} {facts['alloc_dispatch_async']}"
+        # ...while the same instruments do see an allocation next to a gather.
+        assert facts["control_profiler_empty"] >= 4000, f"{rank=} profiler control"
+        assert facts["control_dispatch_clone"]["bytes"] >= 4000, f"{rank=} dispatch control"
+
+
+@pytest.mark.gloo
+def test_uneven_all_gather_no_rss_growth(gloo_facts):
+    """Process-wide (gloo threads included): no buffer of slot size appears, while gloo's own
+    allgather shows its ``world * slot`` flat buffer."""
+    for facts in gloo_facts:
+        rss = facts["rss"]
+        if rss["sync"] is None:
+            pytest.skip("/proc/self/clear_refs not available")
+        rank, slot, world = facts["rank"], rss["slot_bytes"], facts["world"]
+        assert rss["sync"] < 64 * 1024 and rss["async"] < 64 * 1024, f"{rank=} {rss=}"
+        assert rss["control_gloo_allgather"] >= 0.9 * world * slot, f"{rank=} control {rss=}"
+
+
+@pytest.mark.gloo
+def test_all_gather_error_names_rank(gloo_facts):
+    for facts in gloo_facts:
+        assert f"rank={facts['rank']}" in facts["bad_count_error"]
