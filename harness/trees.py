@@ -1,0 +1,113 @@
+"""Select the megatron tree a process imports: pristine upstream or patched.
+
+scripts/setup.sh materializes two trees from the pinned megatron-core wheel:
+
+    build/upstream/megatron   pristine megatron-core 0.17.1
+    megatron/                 pristine + patches/series (repo root)
+
+`megatron` is a namespace package (the wheel has no megatron/__init__.py), so the first
+entry of sys.path that holds megatron/core wins. The harness therefore puts the chosen
+tree's parent first on PYTHONPATH, then the repo root (for our `harness` package). A
+child process can verify the choice through MEGATRON_EXPECT_TREE (see
+check_expected_tree()).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Dict, Union
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+TREES = ("upstream", "patched")
+
+
+def tree_parent(tree: Union[str, Path]) -> Path:
+    """Directory to put first on PYTHONPATH so that `import megatron.core` gets `tree`.
+
+    Args:
+        tree: "upstream" (pristine), "patched", or a Path to a directory that holds a
+            megatron/ tree (e.g. a mutant tree from make_mutant_tree()).
+
+    Raises:
+        ValueError: unknown tree name.
+        FileNotFoundError: the tree was not generated yet (run scripts/setup.sh).
+    """
+    if isinstance(tree, Path):
+        parent = tree
+    elif tree in TREES:
+        parent = REPO_ROOT / "build" / "upstream" if tree == "upstream" else REPO_ROOT
+    else:
+        raise ValueError(f"unknown tree {tree!r}; expected one of {TREES} or a Path")
+    if not (parent / "megatron" / "core" / "__init__.py").is_file():
+        raise FileNotFoundError(
+            f"{parent / 'megatron'} is missing; run scripts/setup.sh to generate the trees"
+        )
+    return parent
+
+
+def env_for_tree(tree: Union[str, Path], base: Dict[str, str] | None = None) -> Dict[str, str]:
+    """Environment for a child process that must import `tree` (see tree_parent()).
+
+    Sets PYTHONPATH to "<tree parent>:<repo root>" (dropping any inherited entries, so
+    that nothing can shadow the choice) and MEGATRON_EXPECT_TREE to the tree's megatron
+    directory.
+    """
+    env = dict(os.environ if base is None else base)
+    parent = tree_parent(tree)
+    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys([str(parent), str(REPO_ROOT)]))
+    env["MEGATRON_EXPECT_TREE"] = str(parent / "megatron")
+    return env
+
+
+def check_expected_tree() -> str:
+    """Raise RuntimeError unless megatron.core comes from $MEGATRON_EXPECT_TREE (if set).
+
+    Returns the directory megatron.core was imported from.
+    """
+    import megatron.core
+
+    got = Path(megatron.core.__file__).resolve().parent.parent
+    want = os.environ.get("MEGATRON_EXPECT_TREE")
+    if want and got != Path(want).resolve():
+        raise RuntimeError(
+            f"imported megatron from {got}, expected {want}; check PYTHONPATH "
+            "(harness.trees.env_for_tree builds it)"
+        )
+    return str(got)
+
+
+def make_mutant_tree(mutant_patch: Path, dest: Path) -> Path:
+    """Copy the patched tree to dest/megatron and apply a mutant patch on top of it.
+
+    Mutants (tests/functional_tests/mutants/*.patch) are deliberate bugs used to prove
+    that the tests catch them; they are never part of patches/.
+
+    Returns:
+        dest, to pass to env_for_tree().
+
+    Raises:
+        RuntimeError: the mutant does not apply cleanly (patch -p1 --fuzz=0), with
+            patch's output; dest is removed.
+    """
+    dest = Path(dest)
+    if dest.exists():
+        shutil.rmtree(dest)
+    dest.mkdir(parents=True)
+    shutil.copytree(
+        tree_parent("patched") / "megatron",
+        dest / "megatron",
+        ignore=shutil.ignore_patterns("__pycache__"),
+    )
+    proc = subprocess.run(
+        ["patch", "-p1", "--fuzz=0", "--no-backup-if-mismatch", "-i", str(mutant_patch)],
+        cwd=dest,
+        capture_output=True,
+        text=True,
+    )
+    if proc.returncode != 0:
+        shutil.rmtree(dest)
+        raise RuntimeError(f"mutant {mutant_patch} does not apply: {proc.stdout}{proc.stderr}")
+    return dest
