@@ -1,0 +1,525 @@
+"""tests/functional_tests/python_test_utils: reader, schema, comparisons, golden update, plot.
+
+Event files are written with torch's SummaryWriter, the writer Megatron's training_log
+uses, so the reader is tested against the real on-disk format. Expected values are
+computed independently (numpy float32 widening, Python's round) rather than taken from
+the code under test.
+"""
+
+import json
+import math
+from pathlib import Path
+
+import numpy
+import pytest
+
+from tests.functional_tests.python_test_utils import compare, golden_schema, plot
+from tests.functional_tests.python_test_utils import tensorboard_reader as tbr
+from tests.functional_tests.python_test_utils.golden_schema import MetricSeries
+
+STEPS = 10
+
+
+def f32(x: float) -> float:
+    """What a tensorboard simple_value holds for x, widened back to a Python float."""
+    return float(numpy.float32(x))
+
+
+def next_f32(x: float) -> float:
+    """The float32 one ulp above x."""
+    return float(numpy.nextafter(numpy.float32(x), numpy.float32(math.inf)))
+
+
+def curve(metric: str, step: int) -> float:
+    base = {"lm loss": 10.0, "grad-norm": 3.0, "num-zeros": 100.0, "learning-rate": 1e-4}[metric]
+    return base / (1 + 0.1 * step) + 0.001 * math.sin(step)
+
+
+def write_events(folder: Path, scalars: dict, **kwargs) -> Path:
+    """scalars: tag -> {step: value}; kwargs go to add_scalar (e.g. new_style=True)."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    writer = SummaryWriter(str(folder))
+    steps = sorted({s for values in scalars.values() for s in values})
+    for step in steps:  # interleaved per step, as training_log writes them
+        for tag, values in scalars.items():
+            if step in values:
+                writer.add_scalar(tag, values[step], step, **kwargs)
+    writer.close()
+    return folder
+
+
+def run_scalars(overrides: dict | None = None) -> dict:
+    """Synthetic run: every metric on steps 1..STEPS, iteration-time missing at step 1."""
+    scalars = {
+        m: {t: curve(m, t) for t in range(1, STEPS + 1)}
+        for m in ("lm loss", "grad-norm", "num-zeros", "learning-rate")
+    }
+    scalars["iteration-time"] = {t: 0.1 + 0.01 * t for t in range(2, STEPS + 1)}
+    scalars["batch-size"] = {t: 8.0 for t in range(1, STEPS + 1)}  # not a requested tag
+    for (tag, step), value in (overrides or {}).items():
+        scalars[tag][step] = value
+    return scalars
+
+
+def series(values: list[float], start: int = 1) -> MetricSeries:
+    return MetricSeries(start, start + len(values) - 1, 1, dict(enumerate(values, start)))
+
+
+def three(lm=None, gn=None, nz=None, n=STEPS) -> dict:
+    return {
+        "lm loss": series(lm or [curve("lm loss", t) for t in range(1, n + 1)]),
+        "grad-norm": series(gn or [curve("grad-norm", t) for t in range(1, n + 1)]),
+        "num-zeros": series(nz or [float(t) for t in range(1, n + 1)]),
+    }
+
+
+RULES = {
+    "lm loss": compare.MetricRule(compare.Approximate(rtol=1e-3)),
+    "grad-norm": compare.MetricRule(compare.Approximate(rtol=1e-2)),
+    "num-zeros": compare.MetricRule(compare.Exact()),
+}
+
+
+# --------------------------------------------------------------------------- reader
+
+
+def test_reader_round_trip(tmp_path):
+    scalars = run_scalars()
+    write_events(tmp_path / "tb", scalars)
+    exact = tbr.write_run_metrics(tmp_path / "tb", tmp_path / "out", end_step=STEPS)
+
+    assert list(exact) == ["lm loss", "grad-norm", "num-zeros", "learning-rate", "iteration-time"]
+    for tag, series_ in exact.items():
+        assert (series_.start_step, series_.end_step, series_.step_interval) == (1, STEPS, 1)
+        for step in range(1, STEPS + 1):
+            want = f32(scalars[tag][step]) if step in scalars[tag] else math.nan
+            got = series_.values[step]
+            assert (math.isnan(want) and math.isnan(got)) or got == want, (tag, step)
+    assert math.isnan(exact["iteration-time"].values[1])
+
+    rounded = json.loads((tmp_path / "out" / tbr.ROUNDED_FILE).read_text())
+    assert set(rounded["lm loss"]) == {"start_step", "end_step", "step_interval", "values"}
+    assert rounded["lm loss"]["values"]["3"] == round(f32(scalars["lm loss"][3]), 5)
+    assert rounded["iteration-time"]["values"]["1"] == "nan"
+    exact_json = json.loads((tmp_path / "out" / tbr.EXACT_FILE).read_text())
+    assert exact_json["grad-norm"]["values"]["7"] == f32(scalars["grad-norm"][7])
+
+    again = tbr.load_run_metrics(tmp_path / "out")
+    assert all(
+        compare.same_bits(again[m].values[t], exact[m].values[t])
+        for m in exact
+        for t in exact[m].steps
+    )
+
+
+def test_reader_reads_double_precision_tensor_scalars(tmp_path):
+    value = 1 / 3  # not representable in float32
+    write_events(
+        tmp_path / "tb", {"lm loss": {1: value, 2: value}}, new_style=True, double_precision=True
+    )
+    assert tbr.read_run_metrics(tmp_path / "tb")["lm loss"].values[1] == value
+    assert f32(value) != value
+
+
+def test_reader_pads_missing_trailing_steps_and_rejects_extra(tmp_path):
+    write_events(tmp_path / "tb", {"lm loss": {t: 1.0 for t in range(1, 6)}})
+    padded = tbr.read_run_metrics(tmp_path / "tb", end_step=8)["lm loss"]
+    assert padded.end_step == 8 and all(math.isnan(padded.values[t]) for t in (6, 7, 8))
+    with pytest.raises(tbr.TensorboardReadError, match="outside 1..4"):
+        tbr.read_run_metrics(tmp_path / "tb", end_step=4)
+
+
+@pytest.mark.parametrize("setup", ["no_dir", "empty_dir", "no_requested_tag"])
+def test_reader_errors_instead_of_empty_success(tmp_path, setup):
+    folder = tmp_path / "tb"
+    if setup != "no_dir":
+        folder.mkdir()
+    if setup == "no_requested_tag":
+        write_events(folder, {"batch-size": {1: 8.0}})
+    with pytest.raises(tbr.TensorboardReadError):
+        tbr.read_run_metrics(folder)
+    assert tbr.main([str(folder), str(tmp_path / "out")]) == 1
+    assert not (tmp_path / "out" / tbr.ROUNDED_FILE).exists()
+
+
+def test_reader_rejects_step_logged_twice_with_different_values(tmp_path):
+    write_events(tmp_path / "tb", {"lm loss": {1: 5.0, 2: 4.0}})
+    write_events(tmp_path / "tb", {"lm loss": {2: 4.0, 3: 3.0}})  # same value again: fine
+    assert tbr.read_run_metrics(tmp_path / "tb")["lm loss"].values == {1: 5.0, 2: 4.0, 3: 3.0}
+    write_events(tmp_path / "tb", {"lm loss": {3: 3.5}})
+    with pytest.raises(tbr.TensorboardReadError, match="step 3 logged twice"):
+        tbr.read_run_metrics(tmp_path / "tb")
+
+
+def test_rounded_and_exact_files_cannot_drift(tmp_path):
+    write_events(tmp_path / "tb", run_scalars())
+    tbr.write_run_metrics(tmp_path / "tb", tmp_path / "out")
+    path = tmp_path / "out" / tbr.ROUNDED_FILE
+    doc = json.loads(path.read_text())
+    doc["lm loss"]["values"]["2"] += 0.5
+    path.write_text(json.dumps(doc))
+    with pytest.raises(golden_schema.GoldenSchemaError, match="not the rounding"):
+        tbr.load_run_metrics(tmp_path / "out")
+
+
+# --------------------------------------------------------------------------- schema
+
+
+def test_schema_round_trips_floats_bit_for_bit(tmp_path):
+    rng = numpy.random.default_rng(0)
+    values = [float(x) for x in rng.standard_normal(50)]
+    values += [math.nextafter(1.0, 2.0), 5e-324, -0.0, math.nan, math.inf, -math.inf]
+    metrics = {"m": series(values)}
+    golden_schema.save(tmp_path / "m.json", metrics)
+    back = golden_schema.load(tmp_path / "m.json")["m"]
+    assert all(compare.same_bits(a, b) for a, b in zip(values, back.values.values()))
+    assert math.copysign(1, back.values[53]) == -1  # -0.0 kept
+
+
+@pytest.mark.parametrize(
+    "text, match",
+    [
+        (
+            '{"m": {"start_step": 1, "end_step": 3, "step_interval": 1, "values": {"1": 1, "3": 2}}}',
+            "missing \\[2\\]",
+        ),
+        (
+            '{"m": {"start_step": 1, "end_step": 2, "step_interval": 1, "values": {"1": 1, "2": NaN}}}',
+            "bare NaN",
+        ),
+        (
+            '{"m": {"start_step": 1, "end_step": 2, "step_interval": 1, "values": {"1": 1, "2": true}}}',
+            "step 2: boolean",
+        ),
+        (
+            '{"m": {"start_step": 1, "end_step": 2, "step_interval": 1, "values": {"1": 1, "2": "n/a"}}}',
+            "step 2: value 'n/a'",
+        ),
+        (
+            '{"m": {"start_step": 1, "end_step": 1, "step_interval": 1, "values": {"1": 1, "1": 2}}}',
+            "duplicate key '1'",
+        ),
+        ('{"m": {"start_step": 1, "end_step": 1, "values": {"1": 1}}}', "keys must be"),
+        (
+            '{"m": {"start_step": 1, "end_step": 4, "step_interval": 2, "values": {"1": 1, "3": 1}}}',
+            "bad step grid",
+        ),
+        ("{}", "non-empty"),
+    ],
+)
+def test_schema_rejects_malformed_files(text, match):
+    with pytest.raises(golden_schema.GoldenSchemaError, match=match):
+        golden_schema.loads(text, "golden.json")
+
+
+def test_schema_missing_file_is_a_distinct_error(tmp_path):
+    with pytest.raises(golden_schema.GoldenFileMissingError, match="file not found"):
+        golden_schema.load(tmp_path / "absent.json")
+
+
+def test_schema_accepts_upstream_style_file():
+    text = json.dumps(
+        {
+            "lm loss": {
+                "start_step": 1,
+                "end_step": 10,
+                "step_interval": 5,
+                "values": {"1": 10.9, "5": "nan", "10": 10.1},
+            }
+        }
+    )
+    with pytest.raises(golden_schema.GoldenSchemaError):
+        golden_schema.loads(text)  # 1, 5, 10 is not a regular grid
+    text = text.replace('"start_step": 1', '"start_step": 0').replace('"1": 10.9', '"0": 10.9')
+    loaded = golden_schema.loads(text)["lm loss"]
+    assert list(loaded.steps) == [0, 5, 10] and math.isnan(loaded.values[5])
+
+
+# --------------------------------------------------------------------------- exact check
+
+
+def test_single_one_ulp_difference_is_found_at_its_step(tmp_path):
+    base = run_scalars()
+    loss7 = base["lm loss"][7]
+    write_events(tmp_path / "up", base)
+    write_events(tmp_path / "pa", run_scalars({("lm loss", 7): next_f32(loss7)}))
+    up = tbr.read_run_metrics(tmp_path / "up")
+    pa = tbr.read_run_metrics(tmp_path / "pa")
+    result = compare.compare_variants(up, pa)
+    assert result.first == compare.Divergence(7, "lm loss", f32(loss7), next_f32(loss7))
+    assert result.max_abs_diff["lm loss"] == next_f32(loss7) - f32(loss7) > 0
+    assert result.max_abs_diff["grad-norm"] == 0.0
+    line = result.first.describe()
+    assert (
+        line
+        == f"diverged at step 7 (lm loss, {str(numpy.float32(loss7))}, {str(numpy.float32(next_f32(loss7)))})"
+    )
+    assert str(numpy.float32(loss7)) != str(numpy.float32(next_f32(loss7)))
+
+
+def test_float64_one_ulp_difference_is_a_divergence():
+    up = three()
+    values = list(up["grad-norm"].values.values())
+    values[2] = math.nextafter(values[2], math.inf)
+    pa = {**up, "grad-norm": series(values)}
+    first = compare.compare_variants(up, pa).first
+    assert (first.step, first.metric) == (3, "grad-norm")
+
+
+def test_first_divergence_is_earliest_step_then_metric_order():
+    up = three()
+    lm = list(up["lm loss"].values.values())
+    gn = list(up["grad-norm"].values.values())
+    nz = list(up["num-zeros"].values.values())
+    lm[4] += 1.0
+    gn[2] += 1.0
+    first = compare.compare_variants(up, three(lm=lm, gn=gn)).first
+    assert (first.step, first.metric) == (3, "grad-norm")
+    lm[2] += 1.0
+    nz[2] += 1.0
+    first = compare.compare_variants(up, three(lm=lm, gn=gn, nz=nz)).first
+    assert (first.step, first.metric) == (3, "lm loss")
+
+
+def test_identical_runs_and_missing_required_metric():
+    assert compare.compare_variants(three(), three()).identical
+    up = three()
+    pa = {k: v for k, v in three().items() if k != "num-zeros"}
+    result = compare.compare_variants(up, pa)
+    assert result.first is None and result.failures == ["num-zeros: not logged by patched"]
+
+
+def test_variant_grid_mismatch_and_shared_nan_are_failures():
+    short = three(n=STEPS - 2)
+    result = compare.compare_variants(three(), short)
+    assert any("step grids differ" in f for f in result.failures)
+    lm = [curve("lm loss", t) for t in range(1, STEPS + 1)]
+    lm[5] = math.nan
+    result = compare.compare_variants(three(lm=lm), three(lm=lm))
+    assert result.first is None and any("steps [6]" in f for f in result.failures)
+
+
+# --------------------------------------------------------------------------- tolerances
+
+
+def test_tolerance_boundaries():
+    assert compare.Approximate(rtol=0.25).allows(5.0, 4.0)  # |1.0| <= 0.25 * 4
+    assert compare.Approximate(rtol=0.25).allows(3.0, 4.0)
+    assert not compare.Approximate(rtol=0.25).allows(math.nextafter(5.0, 6.0), 4.0)
+    assert compare.Approximate(rtol=0.0, atol=0.5).allows(0.5, 0.0)
+    assert not compare.Approximate(rtol=0.0, atol=0.5).allows(0.5000001, 0.0)
+    assert compare.Approximate(rtol=0.5, atol=0.5).allows(6.5, 4.0)  # 2.5 <= 0.5 + 0.5 * 4
+    assert not compare.Approximate(rtol=0.5, atol=0.5).allows(6.5001, 4.0)
+    assert not compare.Approximate(rtol=1.0).allows(math.inf, 4.0)
+    assert compare.Approximate(rtol=1.0).allows(math.inf, math.inf)
+    assert compare.Exact().allows(2.5, 2.5)
+    assert not compare.Exact().allows(math.nextafter(2.5, 3), 2.5)
+    with pytest.raises(ValueError):
+        compare.Approximate(rtol=-1e-3)
+
+
+def test_golden_check_applies_tolerance_per_step_on_rounded_values():
+    golden = three()
+    lm = list(golden["lm loss"].values.values())
+    # Inside: 0.9e-3 relative at every step (no averaging can hide a failing step...)
+    inside = [v * (1 + 0.9e-3) for v in lm]
+    result = compare.compare_to_golden(three(lm=inside), golden, RULES, "patched")
+    assert result.failures == [] and result.failing_steps["lm loss"] == 0
+    # ...and one step outside by 1.1e-3 fails alone, naming that step.
+    inside[6] = lm[6] * (1 + 1.1e-3)
+    result = compare.compare_to_golden(three(lm=inside), golden, RULES, "patched")
+    assert result.failing_steps["lm loss"] == 1
+    assert result.failures[0].startswith("patched: lm loss: step 7: ")
+
+
+def test_golden_exact_rule_compares_at_five_decimals(tmp_path):
+    exact_up = three(nz=[1.000004] * STEPS)
+    golden_schema.save(tmp_path / "g.json", {"num-zeros": series([1.0] * STEPS)})
+    rules = {"num-zeros": RULES["num-zeros"]}
+    ok = compare.build_comparison("c", exact_up, exact_up, tmp_path / "g.json", rules)
+    assert ok["verdict"] == "identical"
+    bad = three(nz=[1.000006] * STEPS)  # rounds to 1.00001
+    out = compare.build_comparison("c", bad, bad, tmp_path / "g.json", rules)
+    assert out["verdict"] == "outside_golden"
+    assert out["metrics"]["num-zeros"]["golden_failing_steps"] == {
+        "upstream": STEPS,
+        "patched": STEPS,
+    }
+
+
+@pytest.mark.parametrize(
+    "kind, expect",
+    [
+        ("missing_step", "step 4: missing or NaN in the run"),
+        ("nan", "step 4: missing or NaN in the run"),
+        ("golden_nan", "step 4: golden has no value but the run has"),
+        ("short_run", "step-count mismatch: run 1..8 every 1 (8 steps), golden 1..10"),
+    ],
+)
+def test_golden_check_failures(kind, expect, tmp_path):
+    golden = three()
+    lm = [curve("lm loss", t) for t in range(1, STEPS + 1)]
+    if kind in ("missing_step", "nan"):
+        scalars = run_scalars()
+        if kind == "missing_step":
+            del scalars["lm loss"][4]
+        else:
+            scalars["lm loss"][4] = math.nan
+        write_events(tmp_path / "tb", scalars)
+        run = tbr.read_run_metrics(tmp_path / "tb", end_step=STEPS)
+        golden = golden_schema.round_all(run)
+        golden["lm loss"] = series([round(f32(v), 5) for v in lm])
+    elif kind == "golden_nan":
+        run = three()
+        lm[3] = math.nan
+        golden = three(lm=lm)
+    else:
+        run = three(n=STEPS - 2)
+    result = compare.compare_to_golden(golden_schema.round_all(run), golden, RULES, "upstream")
+    messages = result.failures + result.structural
+    assert any(expect in m for m in messages), messages
+
+
+def test_missing_step_allowed_only_where_rule_says_so():
+    golden = {"iteration-time": series([math.nan, 0.1, 0.1])}
+    run = {"iteration-time": series([math.nan, 0.2, 0.1])}
+    rule = {"iteration-time": compare.MetricRule(compare.Approximate(rtol=0.0), allow_missing=True)}
+    assert compare.compare_to_golden(run, golden, rule).failing_steps["iteration-time"] == 1
+    strict = {
+        "iteration-time": compare.MetricRule(compare.Approximate(rtol=1.0), allow_missing=False)
+    }
+    result = compare.compare_to_golden(run, golden, strict)
+    assert result.failures == [
+        "actual: iteration-time: step 1: no value in the run nor in the golden file"
+    ]
+
+
+# --------------------------------------------------------------------------- verdicts
+
+
+def test_build_comparison_verdicts(tmp_path):
+    golden_path = tmp_path / "golden.json"
+    up = three()
+    golden_schema.save(golden_path, golden_schema.round_all(up))
+
+    same = compare.build_comparison("case", up, three(), golden_path, RULES)
+    assert same["verdict"] == "identical" and same["verdict_line"] == "identical"
+    assert same["first_divergent_step"] is None and same["failures"] == []
+    assert same["metrics"]["lm loss"]["max_abs_diff_variants"] == 0.0
+    json.dumps(same, allow_nan=False)
+
+    lm = list(up["lm loss"].values.values())
+    lm[5] += 0.5
+    div = compare.build_comparison("case", up, three(lm=lm), golden_path, RULES)
+    assert div["verdict"] == "diverged" and div["first_divergent_step"] == 6
+    assert (
+        div["verdict_line"]
+        == f"diverged at step 6 (lm loss, {up['lm loss'].values[6]!r}, {lm[5]!r})"
+    )
+    assert div["metrics"]["lm loss"]["max_abs_diff_variants"] == pytest.approx(0.5)
+    assert div["metrics"]["lm loss"]["identical"] is False
+    assert any(m.startswith("patched: lm loss: step 6") for m in div["failures"])
+
+    missing = compare.build_comparison("case", up, three(), tmp_path / "none.json", RULES)
+    assert missing["verdict"] == "failed" and "golden file not found" in missing["verdict_line"]
+
+    crashed = compare.build_comparison(
+        "case", up, three(), golden_path, RULES, ["rank 1 exited with 1"]
+    )
+    assert crashed["verdict"] == "failed"
+    assert crashed["verdict_line"] == "failed: rank 1 exited with 1"
+
+    # A failure outranks golden deviations: both variants off golden AND one metric absent.
+    off = three(lm=[v * 1.5 for v in lm])
+    del off["num-zeros"]
+    both = compare.build_comparison("case", off, dict(off), golden_path, RULES)
+    assert both["verdict"] == "failed"
+    assert any("num-zeros: not logged by upstream and patched" == f for f in both["failures"])
+    assert any(f.startswith("upstream: lm loss: step 1:") for f in both["failures"])
+
+
+def test_all_metrics_failures_collected_before_verdict(tmp_path):
+    golden_path = tmp_path / "golden.json"
+    golden_schema.save(golden_path, golden_schema.round_all(three()))
+    off = three(
+        lm=[v * 1.01 for v in three()["lm loss"].values.values()],
+        gn=[v * 1.5 for v in three()["grad-norm"].values.values()],
+    )
+    out = compare.build_comparison("case", off, off, golden_path, RULES)
+    assert out["verdict"] == "outside_golden" and out["verdict_line"] == "outside golden tolerance"
+    failing = out["metrics"]
+    assert failing["lm loss"]["golden_failing_steps"] == {"upstream": STEPS, "patched": STEPS}
+    assert failing["grad-norm"]["golden_failing_steps"] == {"upstream": STEPS, "patched": STEPS}
+    assert failing["num-zeros"]["golden_failing_steps"] == {"upstream": 0, "patched": 0}
+    assert len(out["failures"]) == 4 * STEPS
+    table = compare.format_table(out)
+    assert "grad-norm" in table and table.endswith("verdict: outside golden tolerance")
+
+
+def test_rules_for_unknown_metric_is_an_error():
+    assert list(compare.rules_for(["lm loss", "iteration-time"])) == ["lm loss", "iteration-time"]
+    with pytest.raises(KeyError, match="no golden rule"):
+        compare.rules_for(["lm loss", "throughput"])
+
+
+# --------------------------------------------------------------------------- golden update
+
+
+def test_update_golden_refuses_when_variants_differ(tmp_path):
+    path = tmp_path / "golden.json"
+    golden_schema.save(path, golden_schema.round_all(three()))
+    before = path.read_bytes()
+    lm = list(three()["lm loss"].values.values())
+    lm[8] = math.nextafter(lm[8], 0)
+    with pytest.raises(compare.GoldenUpdateRefused, match="diverged at step 9"):
+        compare.update_golden(path, three(), three(lm=lm), RULES)
+    assert path.read_bytes() == before
+    with pytest.raises(compare.GoldenUpdateRefused, match="num-zeros: not logged"):
+        compare.update_golden(
+            path, three(), {k: v for k, v in three().items() if k != "num-zeros"}, RULES
+        )
+    nan_lm = list(three()["lm loss"].values.values())
+    nan_lm[0] = math.nan
+    with pytest.raises(compare.GoldenUpdateRefused, match="no value"):
+        compare.update_golden(path, three(lm=nan_lm), three(lm=nan_lm), RULES)
+    assert path.read_bytes() == before
+
+
+def test_update_golden_writes_and_shows_per_step_diff(tmp_path):
+    path = tmp_path / "golden.json"
+    text = compare.update_golden(path, three(), three(), RULES)
+    assert "created" in text
+    assert golden_schema.load(path) == golden_schema.round_all(three())
+
+    lm = list(three()["lm loss"].values.values())
+    lm[1] += 0.25
+    diff = compare.update_golden(path, three(lm=lm), three(lm=lm), RULES)
+    old2, new2 = round(three()["lm loss"].values[2], 5), round(lm[1], 5)
+    assert f"lm loss step 2: {old2!r} -> {new2!r}" in diff
+    assert "= grad-norm: unchanged" in diff
+    assert sum("step" in line for line in diff.splitlines()) == 1
+    assert golden_schema.load(path)["lm loss"].values[2] == new2
+
+
+# --------------------------------------------------------------------------- plot
+
+
+def test_plot_writes_png(tmp_path):
+    up = three()
+    lm = list(up["lm loss"].values.values())
+    lm[5] += 1.0
+    path = plot.plot_loss_curves(
+        tmp_path / "sub" / "loss_curves.png",
+        {"upstream": up, "patched": three(lm=lm), "golden": golden_schema.round_all(up)},
+        first_divergent_step=6,
+        title="case: diverged at step 6",
+    )
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+    width, height = int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
+    assert (width, height) == (1200, 450)
+    with pytest.raises(ValueError, match="no curve"):
+        plot.plot_loss_curves(
+            tmp_path / "x.png", {"upstream": {"num-zeros": up["num-zeros"]}, "golden": None}
+        )
