@@ -111,3 +111,47 @@ def make_mutant_tree(mutant_patch: Path, dest: Path) -> Path:
         shutil.rmtree(dest)
         raise RuntimeError(f"mutant {mutant_patch} does not apply: {proc.stdout}{proc.stderr}")
     return dest
+
+
+def series_patches() -> list:
+    """Patch files of patches/series, in order (comments and blank lines skipped)."""
+    lines = (REPO_ROOT / "patches" / "series").read_text().splitlines()
+    names = [ln.strip() for ln in lines if ln.strip() and not ln.lstrip().startswith("#")]
+    return [REPO_ROOT / "patches" / n for n in names]
+
+
+def make_prefix_tree(k: int, dest: Path) -> Path:
+    """Pristine tree plus the first k patches of the series, in dest/megatron.
+
+    Used to check that every prefix of the series is correct on its own.
+
+    Returns:
+        dest, to pass to env_for_tree().
+
+    Raises:
+        ValueError: k outside 0..len(series).
+        RuntimeError: a patch does not apply cleanly (patch -p1 --fuzz=0); dest removed.
+    """
+    patches = series_patches()
+    if not 0 <= k <= len(patches):
+        raise ValueError(f"prefix length {k} outside 0..{len(patches)}")
+    dest = Path(dest)
+    if dest.exists():
+        shutil.rmtree(dest)
+    dest.mkdir(parents=True)
+    shutil.copytree(
+        tree_parent("upstream") / "megatron",
+        dest / "megatron",
+        ignore=shutil.ignore_patterns("__pycache__"),
+    )
+    for patch in patches[:k]:
+        proc = subprocess.run(
+            ["patch", "-p1", "--fuzz=0", "--no-backup-if-mismatch", "-i", str(patch)],
+            cwd=dest,
+            capture_output=True,
+            text=True,
+        )
+        if proc.returncode != 0:
+            shutil.rmtree(dest)
+            raise RuntimeError(f"{patch.name} does not apply: {proc.stdout}{proc.stderr}")
+    return dest

@@ -22,7 +22,13 @@ from pathlib import Path
 
 import pytest
 
-from harness.trees import REPO_ROOT, env_for_tree, make_mutant_tree
+from harness.trees import (
+    REPO_ROOT,
+    env_for_tree,
+    make_mutant_tree,
+    make_prefix_tree,
+    series_patches,
+)
 
 WORKER = Path(__file__).with_name("layerwise_worker.py")
 MUTANTS = REPO_ROOT / "tests" / "functional_tests" / "mutants"
@@ -220,3 +226,14 @@ def test_mutants_are_caught(runs, tmp_path, mutant):
     res = runs(tree, 2, "gather,microbatches,training,forced_sync", CONFIGS[:1])
     failed = _failed_checks(res)
     assert failed, f"mutant {mutant} was not caught by any check"
+
+
+@pytest.mark.parametrize("k", range(1, len(series_patches())))
+def test_every_prefix_of_the_series_keeps_numerics(runs, tmp_path, k):
+    """Pristine + the first k patches (the full series is covered above): params gathered
+    right, grad_data zero before backward, grads equal overlap-off, and real training
+    steps overlap == sync, on 2 ranks."""
+    tree = make_prefix_tree(k, tmp_path / "tree")
+    res = runs(tree, 2, "gather,microbatches,training", CONFIGS[:1])
+    failed = [f for f in _failed_checks(res) if not f.endswith("grad_data_zero_after_sync_step")]
+    assert not failed, f"prefix of {k} patches fails: {failed}"
