@@ -104,6 +104,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec  # noqa: E402
 from megatron.core.utils import get_batch_on_this_cp_rank  # noqa: E402
 from megatron.training import get_args, get_timers, get_tokenizer, pretrain, print_rank_0  # noqa: E402
 from megatron.training.arguments import core_transformer_config_from_args  # noqa: E402
+from megatron.core.utils import get_attr_wrapped_model  # noqa: E402
 from megatron.training.utils import (  # noqa: E402
     get_batch_on_this_tp_rank,
     get_blend_and_blend_per_split,
@@ -247,7 +248,8 @@ def forward_step(data_iterator: Any, model: GPTModel) -> Tuple[torch.Tensor, Any
     """
     timers = get_timers()
     timers("batch-generator", log_level=2).start()
-    vp_stage = getattr(model, "vp_stage", None)
+    # The model chunk arrives wrapped (DDP, Float16Module); vp_stage lives on the GPTModel.
+    vp_stage = get_attr_wrapped_model(model, "vp_stage")
     batch = get_batch(data_iterator, vp_stage)
     timers("batch-generator").stop()
     output_tensor = model(

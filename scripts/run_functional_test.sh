@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# scripts/run_functional_test.sh: the main job. Sets up on first use (scripts/setup.sh),
+# prepares the offline training data if missing, then, for each test case, trains the
+# pristine upstream tree and the patched tree with torchrun and compares them:
+# exactly with each other, per step with the committed golden values.
+#
+# Usage: scripts/run_functional_test.sh [--device cpu|cuda] [--update-golden] [--list] [CASE ...|all]
+#   no CASE: the default case gpt_dp2_bf16_fp32grad_overlap_layerwise
+#   --device cuda: NCCL on GPUs (golden_values_dgx_h200.json) instead of CPU gloo ranks
+#   --update-golden: rewrite the golden values from this run; refused unless patched == upstream
+# Writes: build/functional/<case>/{upstream,patched}/metrics.json, comparison.json, loss_curves.png
+# Exit:   0 when every case is "identical"; 1 diverged / outside golden tolerance / failed;
+#         2 bad arguments (unknown case).
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+scripts/setup.sh --quiet
+export PYTHONPATH="$ROOT"
+exec .venv/bin/python -m tests.functional_tests.python_test_utils.run_case "$@"

@@ -1,0 +1,399 @@
+"""Functional test runner: train a case on the pristine and the patched tree, compare.
+
+The main job of the harness (scripts/run_functional_test.sh calls this module). For each
+test case folder ``tests/functional_tests/test_cases/<model>/<case>/``:
+
+1. ``model_config.yaml`` (Megatron's layout: ENV_VARS, MODEL_ARGS, METRICS, TEST_TYPE;
+   ours adds NPROC_PER_NODE) becomes a ``harness.pretrain_gpt`` command line; ``${VAR}``
+   in MODEL_ARGS expands to DATA_PATH, TENSORBOARD_PATH, CHECKPOINT_SAVE_PATH,
+   CHECKPOINT_LOAD_PATH.
+2. Both variants train with torchrun: CPU gloo ranks by default (``--device cpu``), NCCL
+   on GPUs with ``--device cuda``. TEST_TYPE ``ckpt-resume`` trains N iterations saving
+   at MODEL_ARGS --save-interval, then resumes from that checkpoint to N; the resumed
+   steps must equal the straight run bit for bit.
+3. The tensorboard event files become ``metrics.json`` / ``metrics_exact.json``
+   (``tensorboard_reader``), compared exactly (patched vs upstream) and per step against
+   ``golden_values_<env>_<platform>.json`` (``compare``).
+
+Outputs, per case: ``build/functional/<case>/{upstream,patched}/`` (logs, tensorboard,
+metrics), ``comparison.json`` and ``loss_curves.png``. Exit code 0 only if every case is
+"identical" (patched == upstream exactly, both within golden tolerance).
+
+``--update-golden`` rewrites the golden file from the runs, only if patched == upstream
+exactly, and prints the per-step diff of old and new values.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence
+
+import yaml
+
+from harness import launch
+from harness.trees import REPO_ROOT
+
+from . import compare, golden_schema, plot
+from . import tensorboard_reader as tbr
+
+CASES_DIR = REPO_ROOT / "tests" / "functional_tests" / "test_cases"
+OUT_ROOT = REPO_ROOT / "build" / "functional"
+DEFAULT_CASE = "gpt_dp2_bf16_fp32grad_overlap_layerwise"
+GOLDEN_NAME = {"cpu": "golden_values_cpu_gloo.json", "cuda": "golden_values_dgx_h200.json"}
+VARIANTS = ("upstream", "patched")
+TEST_TYPES = ("regular", "ckpt-resume")
+
+
+class CaseConfigError(ValueError):
+    """model_config.yaml is missing, unreadable or lacks a required key."""
+
+
+@dataclass
+class Case:
+    """A parsed test case folder."""
+
+    name: str
+    folder: Path
+    env_vars: Dict[str, str]
+    nproc: int
+    model_args: Dict[str, object]
+    metrics: List[str]
+    test_type: str
+
+    @property
+    def train_iters(self) -> int:
+        return int(self.model_args["--train-iters"])
+
+    def golden_path(self, device: str) -> Path:
+        return self.folder / GOLDEN_NAME[device]
+
+
+def find_case(name: str) -> Path:
+    """Folder of test case `name` (searched under every model folder).
+
+    Raises:
+        CaseConfigError: no such case (lists the known ones).
+    """
+    hits = sorted(p.parent for p in CASES_DIR.glob(f"*/{name}/model_config.yaml"))
+    if not hits:
+        known = sorted(p.parent.name for p in CASES_DIR.glob("*/*/model_config.yaml"))
+        raise CaseConfigError(f"unknown test case {name!r}; known cases: {', '.join(known)}")
+    return hits[0]
+
+
+def all_cases() -> List[str]:
+    return sorted(p.parent.name for p in CASES_DIR.glob("*/*/model_config.yaml"))
+
+
+def load_case(folder: Path) -> Case:
+    """Parse ``folder/model_config.yaml``.
+
+    Raises:
+        CaseConfigError: file missing or invalid, a required key missing, unknown
+            TEST_TYPE, or a ckpt-resume case without --save-interval.
+    """
+    path = folder / "model_config.yaml"
+    try:
+        doc = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError) as e:
+        raise CaseConfigError(f"{path}: {e}") from e
+    missing = [k for k in ("MODEL_ARGS", "METRICS", "TEST_TYPE") if k not in (doc or {})]
+    if missing:
+        raise CaseConfigError(f"{path}: missing keys {missing}")
+    if doc["TEST_TYPE"] not in TEST_TYPES:
+        raise CaseConfigError(f"{path}: TEST_TYPE {doc['TEST_TYPE']!r} not in {TEST_TYPES}")
+    if doc["TEST_TYPE"] == "ckpt-resume" and "--save-interval" not in doc["MODEL_ARGS"]:
+        raise CaseConfigError(f"{path}: ckpt-resume needs --save-interval in MODEL_ARGS")
+    return Case(
+        name=folder.name,
+        folder=folder,
+        env_vars={k: str(v) for k, v in (doc.get("ENV_VARS") or {}).items()},
+        nproc=int(doc.get("NPROC_PER_NODE", 2)),
+        model_args=dict(doc["MODEL_ARGS"]),
+        metrics=list(doc["METRICS"]),
+        test_type=doc["TEST_TYPE"],
+    )
+
+
+def expand_args(model_args: Dict[str, object], variables: Dict[str, str]) -> List[str]:
+    """MODEL_ARGS dict -> argv list. True: bare flag; False/None: omitted; ${VAR} expanded.
+
+    Raises:
+        CaseConfigError: a ${VAR} with no value.
+    """
+    argv: List[str] = []
+    for flag, value in model_args.items():
+        if value is False or value is None:
+            continue
+        argv.append(flag)
+        if value is True:
+            continue
+        text = str(value)
+
+        def sub(m):
+            if m.group(1) not in variables:
+                raise CaseConfigError(f"{flag}: no value for ${{{m.group(1)}}}")
+            return variables[m.group(1)]
+
+        argv.append(re.sub(r"\$\{(\w+)\}", sub, text))
+    return argv
+
+
+class Progress:
+    """Prints the newest "iteration N/M" line of a run's stdout every few seconds."""
+
+    PATTERN = re.compile(rb"iteration\s+(\d+)/\s*(\d+)")
+
+    def __init__(self, label: str, log: Path, interval_s: float = 5.0):
+        self.label, self.log, self.interval_s = label, log, interval_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._last = None
+
+    def _run(self):
+        while not self._stop.wait(self.interval_s):
+            try:
+                hits = self.PATTERN.findall(self.log.read_bytes()[-20000:])
+            except OSError:
+                continue
+            if hits and hits[-1] != self._last:
+                self._last = hits[-1]
+                print(f"    {self.label}: iteration {int(hits[-1][0])}/{int(hits[-1][1])}", flush=True)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+
+
+@dataclass
+class VariantResult:
+    metrics: Optional[golden_schema.Metrics] = None
+    wall_s: float = 0.0
+    failures: List[str] = field(default_factory=list)
+
+
+def run_variant(
+    case: Case, variant, out_dir: Path, data_path: str, device: str, timeout_s: float
+) -> VariantResult:
+    """Train one variant (tree name or mutant tree Path) and read its metrics.
+
+    A crashed rank, a timeout or unreadable event files become failure messages (the
+    verdict is then "failed"), never an exception.
+    """
+    label = variant if isinstance(variant, str) else f"mutant {Path(variant).name}"
+    if out_dir.exists():
+        shutil.rmtree(out_dir)
+    out_dir.mkdir(parents=True)
+    res = VariantResult()
+    variables = {
+        "DATA_PATH": data_path,
+        "TENSORBOARD_PATH": str(out_dir / "tensorboard"),
+        "CHECKPOINT_SAVE_PATH": str(out_dir / "checkpoints"),
+        "CHECKPOINT_LOAD_PATH": str(out_dir / "checkpoints"),
+    }
+    args = expand_args(case.model_args, variables)
+    cpu = device == "cpu"
+    try:
+        print(f"  [{label}] training {case.train_iters} iterations on {case.nproc} ranks", flush=True)
+        with Progress(label, out_dir / "stdout.log"):
+            res.wall_s = launch.run_pretrain(
+                variant, args, case.nproc, run_dir=out_dir, cpu=cpu, timeout_s=timeout_s,
+                extra_env=case.env_vars,
+            )
+        print(f"  [{label}] done in {res.wall_s:.1f} s", flush=True)
+        res.metrics = tbr.write_run_metrics(
+            out_dir / "tensorboard", out_dir, tags=case.metrics, end_step=case.train_iters
+        )
+        if case.test_type == "ckpt-resume":
+            res.failures += resume_check(case, variant, out_dir, variables, cpu, timeout_s, res)
+    except launch.LaunchError as e:
+        res.failures.append(f"{label} run failed: {e}")
+    except tbr.TensorboardReadError as e:
+        res.failures.append(f"{label}: no metrics: {e}")
+    return res
+
+
+def resume_check(case, variant, out_dir, variables, cpu, timeout_s, straight) -> List[str]:
+    """Resume from the checkpoint saved at --save-interval and train to N again.
+
+    The straight run saved at save_interval (and at N); the resume run loads the
+    checkpoint of iteration save_interval (--ckpt-step) and must reproduce the straight
+    run's steps save_interval+1..N bit for bit on every metric of the exact check.
+    """
+    k = int(case.model_args["--save-interval"])
+    resume_dir = out_dir / "resume"
+    resume_vars = dict(variables, TENSORBOARD_PATH=str(resume_dir / "tensorboard"))
+    args = expand_args(case.model_args, resume_vars) + ["--ckpt-step", str(k)]
+    # The resumed run must not overwrite the straight run's checkpoints.
+    args = _drop_flag(args, "--save") + ["--save", str(resume_dir / "checkpoints")]
+    label = variant if isinstance(variant, str) else "mutant"
+    print(f"  [{label}] resuming from iteration {k}", flush=True)
+    with Progress(f"{label} (resume)", resume_dir / "stdout.log"):
+        straight.wall_s += launch.run_pretrain(
+            variant, args, case.nproc, run_dir=resume_dir, cpu=cpu, timeout_s=timeout_s,
+            extra_env=case.env_vars,
+        )
+    resumed = tbr.read_run_metrics(
+        resume_dir / "tensorboard", tags=case.metrics, start_step=k + 1, end_step=case.train_iters
+    )
+    failures = []
+    for metric in compare.EXACT_REQUIRED:
+        if metric not in resumed:
+            failures.append(f"resume of {label}: {metric} not logged")
+            continue
+        for step, value in resumed[metric].values.items():
+            want = straight.metrics[metric].values.get(step)
+            if want is None or not compare.same_bits(value, want):
+                failures.append(
+                    f"resume of {label} differs from the straight run at step {step} "
+                    f"({metric}: {want!r} straight, {value!r} resumed)"
+                )
+                break
+    return failures
+
+
+def _drop_flag(argv: List[str], flag: str) -> List[str]:
+    out, skip = [], False
+    for i, a in enumerate(argv):
+        if skip:
+            skip = False
+            continue
+        if a == flag:
+            skip = i + 1 < len(argv) and not argv[i + 1].startswith("--")
+            continue
+        out.append(a)
+    return out
+
+
+def run_case(
+    name: str,
+    device: str = "cpu",
+    update_golden: bool = False,
+    timeout_s: float = 900,
+    patched_tree=None,
+    out_root: Path = OUT_ROOT,
+    reuse_upstream: Optional[Path] = None,
+) -> dict:
+    """Run one case end to end; returns the comparison dict (also comparison.json).
+
+    Args:
+        name: test case folder name.
+        device: "cpu" (gloo ranks, CPU runtime layer) or "cuda" (NCCL).
+        update_golden: rewrite the golden file if patched == upstream exactly.
+        patched_tree: None for the patched tree, or a Path of a mutant tree (tests).
+        reuse_upstream: a folder holding an upstream metrics_exact.json of this case to
+            reuse instead of training upstream again (mutant tests only).
+    """
+    from harness import data
+
+    case = load_case(find_case(name))
+    out = out_root / case.name
+    out.mkdir(parents=True, exist_ok=True)
+    artifacts = data.prepare(log=lambda m: None)
+    data_path = str(artifacts.data_prefix)
+    print(f"== {case.name} ({case.test_type}, {case.nproc} ranks, {device})", flush=True)
+    results: Dict[str, VariantResult] = {}
+    for variant in VARIANTS:
+        if variant == "upstream" and reuse_upstream is not None:
+            results[variant] = VariantResult(metrics=tbr.load_run_metrics(reuse_upstream))
+            continue
+        tree = variant if variant == "upstream" or patched_tree is None else Path(patched_tree)
+        results[variant] = run_variant(case, tree, out / variant, data_path, device, timeout_s)
+    failures = [f for r in results.values() for f in r.failures]
+    rules = compare.rules_for(case.metrics)
+    golden_path = case.golden_path(device)
+    if all(r.metrics is not None for r in results.values()):
+        comparison = compare.build_comparison(
+            case.name, results["upstream"].metrics, results["patched"].metrics, golden_path,
+            rules, extra_failures=failures,
+        )
+    else:
+        comparison = {
+            "case": case.name, "verdict": "failed", "verdict_line": f"failed: {failures[0]}",
+            "first_divergent_step": None, "first_divergence": None,
+            "golden_file": str(golden_path), "metrics": {}, "failures": failures,
+        }
+    comparison["wall_s"] = {v: round(r.wall_s, 1) for v, r in results.items()}
+    comparison["data"] = {"path": data_path, "stats": artifacts.stats}
+    if update_golden:
+        try:
+            diff = compare.update_golden(
+                golden_path, results["upstream"].metrics, results["patched"].metrics, rules
+            )
+            print(f"  golden values written to {golden_path}:\n{diff}")
+            comparison = compare.build_comparison(
+                case.name, results["upstream"].metrics, results["patched"].metrics,
+                golden_path, rules, extra_failures=failures,
+            ) | {"wall_s": comparison["wall_s"], "data": comparison["data"]}
+        except (compare.GoldenUpdateRefused, TypeError) as e:
+            print(f"  REFUSED to update golden values: {e}", flush=True)
+            comparison["failures"].append(f"golden update refused: {e}")
+            comparison["verdict"] = comparison["verdict"] if comparison["verdict"] != "identical" else "failed"
+    (out / "comparison.json").write_text(json.dumps(comparison, indent=1) + "\n")
+    curves = {
+        "upstream": results["upstream"].metrics,
+        "patched": results["patched"].metrics,
+        "golden": golden_schema.load(golden_path) if golden_path.exists() else None,
+    }
+    try:
+        plot.plot_loss_curves(
+            out / "loss_curves.png", curves, comparison["first_divergent_step"],
+            title=f"{case.name}: {comparison['verdict_line']}",
+        )
+    except ValueError as e:
+        print(f"  no plot: {e}")
+    print(compare.format_table(comparison))
+    print(f"VERDICT {case.name}: {comparison['verdict_line']}", flush=True)
+    return comparison
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="scripts/run_functional_test.sh",
+        description="Train test cases on the pristine and the patched megatron tree and "
+        "compare them with each other (exactly) and with the golden values.",
+    )
+    ap.add_argument("cases", nargs="*", help=f"case names (default: {DEFAULT_CASE}); 'all' for every case")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    ap.add_argument("--update-golden", action="store_true",
+                    help="rewrite golden values from this run (refused unless patched == upstream)")
+    ap.add_argument("--timeout", type=float, default=900, help="seconds per training run")
+    ap.add_argument("--list", action="store_true", help="list the cases and exit")
+    args = ap.parse_args(argv)
+    if args.list:
+        print("\n".join(all_cases()))
+        return 0
+    names = args.cases or [DEFAULT_CASE]
+    if names == ["all"]:
+        names = all_cases()
+    try:
+        for n in names:
+            find_case(n)
+    except CaseConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    t0 = time.monotonic()
+    verdicts = {}
+    for n in names:
+        verdicts[n] = run_case(n, args.device, args.update_golden, args.timeout)["verdict_line"]
+    print(f"\n== summary ({time.monotonic() - t0:.0f} s)")
+    for n, v in verdicts.items():
+        print(f"  {n:55s} {v}")
+    return 0 if all(v == "identical" for v in verdicts.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
