@@ -50,6 +50,11 @@ OUT_ROOT = REPO_ROOT / "build" / "functional"
 DEFAULT_CASE = "gpt_dp2_bf16_fp32grad_overlap_layerwise"
 GOLDEN_NAME = {"cpu": "golden_values_cpu_gloo.json", "cuda": "golden_values_dgx_h200.json"}
 VARIANTS = ("upstream", "patched")
+# sha256 of the training data the committed golden values were made from (written by
+# --update-golden). The corpus is the pinned interpreter's stdlib docstrings, so another
+# Python patch release gives other tokens and other curves: say so instead of reporting
+# a bare "outside golden tolerance".
+GOLDEN_DATA = CASES_DIR / "golden_data.json"
 TEST_TYPES = ("regular", "ckpt-resume")
 
 
@@ -326,6 +331,11 @@ def run_case(
             "first_divergent_step": None, "first_divergence": None,
             "golden_file": str(golden_path), "metrics": {}, "failures": failures,
         }
+    data_note = check_golden_data(artifacts)
+    if data_note and comparison["verdict"] != "diverged" and not update_golden:
+        comparison["failures"].append(data_note)
+        comparison["verdict"] = "failed"
+        comparison["verdict_line"] = f"failed: {data_note}"
     comparison["wall_s"] = {v: round(r.wall_s, 1) for v, r in results.items()}
     comparison["data"] = {"path": data_path, "stats": artifacts.stats}
     if update_golden:
@@ -334,6 +344,7 @@ def run_case(
                 golden_path, results["upstream"].metrics, results["patched"].metrics, rules
             )
             print(f"  golden values written to {golden_path}:\n{diff}")
+            GOLDEN_DATA.write_text(json.dumps(data_fingerprint(artifacts), indent=1) + "\n")
             comparison = compare.build_comparison(
                 case.name, results["upstream"].metrics, results["patched"].metrics,
                 golden_path, rules, extra_failures=failures,
@@ -358,6 +369,35 @@ def run_case(
     print(compare.format_table(comparison))
     print(f"VERDICT {case.name}: {comparison['verdict_line']}", flush=True)
     return comparison
+
+
+def data_fingerprint(artifacts) -> dict:
+    """sha256 of the dataset files and the Python that made the corpus."""
+    import hashlib
+
+    prefix = Path(artifacts.data_prefix)
+    out = {"python": sys.version.split()[0]}
+    for suffix in (".bin", ".idx"):
+        out[prefix.name + suffix] = hashlib.sha256(
+            prefix.with_suffix(suffix).read_bytes()
+        ).hexdigest()
+    return out
+
+
+def check_golden_data(artifacts) -> Optional[str]:
+    """None if the data equals what the golden values were made from, else a message."""
+    if not GOLDEN_DATA.exists():
+        return None
+    want = json.loads(GOLDEN_DATA.read_text())
+    have = data_fingerprint(artifacts)
+    if all(have.get(k) == v for k, v in want.items() if k != "python"):
+        return None
+    return (
+        f"training data differs from the data the golden values were made with (corpus "
+        f"from Python {have['python']}'s stdlib; golden values: Python {want.get('python')}). "
+        f"Use that Python (PYTHON=... scripts/setup.sh after removing .venv) or regenerate "
+        f"the golden values on purpose with --update-golden"
+    )
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
