@@ -102,7 +102,7 @@ def make_mutant_tree(mutant_patch: Path, dest: Path) -> Path:
         ignore=shutil.ignore_patterns("__pycache__"),
     )
     proc = subprocess.run(
-        ["patch", "-p1", "--fuzz=0", "--no-backup-if-mismatch", "-i", str(mutant_patch)],
+        ["patch", "-p1", "--fuzz=0", "--no-backup-if-mismatch", "-i", str(Path(mutant_patch).resolve())],
         cwd=dest,
         capture_output=True,
         text=True,
