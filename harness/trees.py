@@ -79,6 +79,31 @@ def check_expected_tree() -> str:
     return str(got)
 
 
+def _tree_with_patches(base: Path, patches: list, dest: Path) -> Path:
+    """Copy base/megatron to dest/megatron and apply `patches` in order with
+    ``patch -p1 --fuzz=0``. On failure dest is removed and RuntimeError names the patch
+    and quotes patch's output."""
+    dest = Path(dest)
+    if dest.exists():
+        shutil.rmtree(dest)
+    dest.mkdir(parents=True)
+    shutil.copytree(
+        base / "megatron", dest / "megatron", ignore=shutil.ignore_patterns("__pycache__")
+    )
+    for patch in patches:
+        patch = Path(patch).resolve()
+        proc = subprocess.run(
+            ["patch", "-p1", "--fuzz=0", "--no-backup-if-mismatch", "-i", str(patch)],
+            cwd=dest,
+            capture_output=True,
+            text=True,
+        )
+        if proc.returncode != 0:
+            shutil.rmtree(dest)
+            raise RuntimeError(f"{patch} does not apply: {proc.stdout}{proc.stderr}")
+    return dest
+
+
 def make_mutant_tree(mutant_patch: Path, dest: Path) -> Path:
     """Copy the patched tree to dest/megatron and apply a mutant patch on top of it.
 
@@ -92,25 +117,7 @@ def make_mutant_tree(mutant_patch: Path, dest: Path) -> Path:
         RuntimeError: the mutant does not apply cleanly (patch -p1 --fuzz=0), with
             patch's output; dest is removed.
     """
-    dest = Path(dest)
-    if dest.exists():
-        shutil.rmtree(dest)
-    dest.mkdir(parents=True)
-    shutil.copytree(
-        tree_parent("patched") / "megatron",
-        dest / "megatron",
-        ignore=shutil.ignore_patterns("__pycache__"),
-    )
-    proc = subprocess.run(
-        ["patch", "-p1", "--fuzz=0", "--no-backup-if-mismatch", "-i", str(Path(mutant_patch).resolve())],
-        cwd=dest,
-        capture_output=True,
-        text=True,
-    )
-    if proc.returncode != 0:
-        shutil.rmtree(dest)
-        raise RuntimeError(f"mutant {mutant_patch} does not apply: {proc.stdout}{proc.stderr}")
-    return dest
+    return _tree_with_patches(tree_parent("patched"), [mutant_patch], dest)
 
 
 def series_patches() -> list:
@@ -135,23 +142,4 @@ def make_prefix_tree(k: int, dest: Path) -> Path:
     patches = series_patches()
     if not 0 <= k <= len(patches):
         raise ValueError(f"prefix length {k} outside 0..{len(patches)}")
-    dest = Path(dest)
-    if dest.exists():
-        shutil.rmtree(dest)
-    dest.mkdir(parents=True)
-    shutil.copytree(
-        tree_parent("upstream") / "megatron",
-        dest / "megatron",
-        ignore=shutil.ignore_patterns("__pycache__"),
-    )
-    for patch in patches[:k]:
-        proc = subprocess.run(
-            ["patch", "-p1", "--fuzz=0", "--no-backup-if-mismatch", "-i", str(patch)],
-            cwd=dest,
-            capture_output=True,
-            text=True,
-        )
-        if proc.returncode != 0:
-            shutil.rmtree(dest)
-            raise RuntimeError(f"{patch.name} does not apply: {proc.stdout}{proc.stderr}")
-    return dest
+    return _tree_with_patches(tree_parent("upstream"), patches[:k], dest)
