@@ -35,6 +35,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from harness.alloc_counter import AllocationCounter  # noqa: E402
+from harness.param_sync_theory import theory_upstream_bytes  # noqa: E402
 from harness.trees import check_expected_tree  # noqa: E402
 
 GARBAGE = -777.0  # what non-owned params hold before a gather ("stale")
@@ -442,23 +443,6 @@ def sc_offload(dtype, fp32_grad, bucket_size):
         "fallback_warnings": len(warnings),
         "main_grad_after_restore_equals_overlap_off": all_ranks(diff == 0.0),
     }
-
-
-def theory_upstream_bytes(params_by_rank, rank, itemsize):
-    """Bytes upstream 0.17.1 allocates for one gather of one bucket (or of the whole
-    model, for the optimizer's path), from start_param_sync / allgather_params:
-
-    - a torch.empty receive tensor for every other rank: sum of their sizes;
-    - the local flatten (_flatten_dense_tensors): a new tensor when this rank owns two
-      or more params; for exactly one param it returns a view of it, for none an empty
-      tensor (0 bytes).
-    Nothing when no rank owns anything or the group has one rank.
-    """
-    sizes = [sum(p.numel() for p in ps) for ps in params_by_rank]
-    if len(sizes) < 2 or max(sizes) == 0:
-        return 0
-    local = sizes[rank] if len(params_by_rank[rank]) > 1 else 0
-    return (sum(sizes) - sizes[rank] + local) * itemsize
 
 
 def _theory_bytes(s, buckets):
