@@ -225,7 +225,9 @@ def run_variant(
         if case.test_type == "ckpt-resume":
             res.failures += resume_check(case, variant, out_dir, variables, cpu, timeout_s, res)
     except launch.LaunchError as e:
-        res.failures.append(f"{label} run failed: {e}")
+        # One line for the verdict; the command, log paths and stderr tail go to stdout.
+        print(f"  [{label}] FAILED:\n{e}", flush=True)
+        res.failures.append(f"{label} run failed: {str(e).splitlines()[0]} (logs in {out_dir})")
     except tbr.TensorboardReadError as e:
         res.failures.append(f"{label}: no metrics: {e}")
     return res
