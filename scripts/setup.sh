@@ -14,7 +14,7 @@
 #        pyenv's newest 3.12/3.13, or python3 if it is >= 3.12).
 # Exit:  0 ready; 1 a step failed (the message says which and what to do).
 #
-# Developer workflow for changing the series: see README.md, "Editing the patch series".
+# Developer workflow for changing the series: see patches/README.md, "Editing the series".
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -23,6 +23,8 @@ QUIET=0
 [[ "${1:-}" == "--quiet" ]] && QUIET=1
 
 log() { [[ $QUIET == 1 ]] || echo "[setup] $*"; }
+# Work that takes time is always announced, --quiet or not (a silent first run looks hung).
+say() { echo "[setup] $*"; }
 die() { echo "[setup] ERROR: $*" >&2; exit 1; }
 sha() { sha256sum "$@" | awk '{print $1}'; }
 
@@ -53,7 +55,7 @@ if [[ ! -x .venv/bin/python ]]; then
     "$PY" -c 'import sys; sys.exit(0 if sys.version_info >= (3, 12) else 1)' \
         || die "$PY is Python $("$PY" -c 'import sys; print(sys.version.split()[0])'); megatron-core $MCORE_VERSION needs >= 3.12. Set PYTHON=/path/to/python3.12"
     "$PY" -c 'import venv, ensurepip' 2>/dev/null || die "$PY lacks venv/ensurepip (Debian: apt-get install python3.12-venv)"
-    log "creating .venv from $PY"
+    say "creating .venv from $PY"
     "$PY" -m venv .venv
 fi
 VPY="$ROOT/.venv/bin/python"
@@ -61,7 +63,7 @@ VPY="$ROOT/.venv/bin/python"
 # ---------------------------------------------------------------- 2. packages
 lock_sha="$(sha requirements/lock.txt)"
 if [[ "$(cat build/stamps/venv 2>/dev/null || true)" != "$lock_sha" ]]; then
-    log "installing requirements/lock.txt into .venv (torch is a large download on first run)"
+    say "installing requirements/lock.txt into .venv (first run: torch is a ~3 GB download, about 90 s)"
     # A machine-wide pip constraint (e.g. /etc/xdg/pip capping torch) must not override the lock.
     PIP_CONSTRAINT="" PIP_CONFIG_FILE=/dev/null "$VPY" -m pip install --disable-pip-version-check \
         -q -r requirements/lock.txt || die "pip install -r requirements/lock.txt failed (see above)"
@@ -73,7 +75,7 @@ fi
 # ---------------------------------------------------------------- 3. pinned wheel
 WHEEL="build/wheels/$MCORE_WHEEL"
 if [[ ! -f "$WHEEL" ]]; then
-    log "downloading megatron-core==$MCORE_VERSION wheel"
+    say "downloading megatron-core==$MCORE_VERSION wheel"
     tmpd="$(mktemp -d build/wheels/.dl.XXXXXX)"
     PIP_CONFIG_FILE=/dev/null "$VPY" -m pip download --disable-pip-version-check -q --no-deps \
         --only-binary :all: --python-version 3.12 -d "$tmpd" "megatron-core==$MCORE_VERSION" \
@@ -89,7 +91,7 @@ fi
 
 # ---------------------------------------------------------------- 4. pristine tree
 if [[ "$(cat build/stamps/upstream 2>/dev/null || true)" != "$wheel_sha" || ! -d build/upstream/megatron/core ]]; then
-    log "extracting pristine tree build/upstream/megatron"
+    say "extracting pristine tree build/upstream/megatron"
     rm -rf build/upstream.tmp && mkdir -p build/upstream.tmp
     "$VPY" - "$WHEEL" build/upstream.tmp <<'PY'
 import sys, zipfile
@@ -126,7 +128,7 @@ if [[ "$(cat build/stamps/series 2>/dev/null || true)" != "$series_sha" || ! -d 
     if [[ -d "$SG/.git" ]] && [[ -n "$(git -C "$SG" status --porcelain 2>/dev/null)" ]]; then
         die "$SG has uncommitted edits. Commit them and run scripts/refresh_patches.sh, or discard them (git -C $SG checkout -- .), then rerun."
     fi
-    log "building $SG: pristine commit + git am patches/series"
+    say "building $SG: pristine commit + git am patches/series"
     rm -rf "$SG.tmp" && mkdir -p "$SG.tmp"
     cp -a build/upstream/megatron "$SG.tmp/megatron"
     export GIT_AUTHOR_NAME="megatron-core wheel" GIT_AUTHOR_EMAIL="pristine@invalid" \

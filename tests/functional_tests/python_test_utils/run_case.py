@@ -188,6 +188,32 @@ class VariantResult:
     metrics: Optional[golden_schema.Metrics] = None
     wall_s: float = 0.0
     failures: List[str] = field(default_factory=list)
+    # Last "iteration N/M" the run printed: tells a crash during training from one at exit.
+    iterations_completed: Optional[int] = None
+
+
+def last_iteration(stdout_log: Path) -> Optional[int]:
+    """N of the last "iteration N/M" line in a run's stdout, or None."""
+    try:
+        hits = Progress.PATTERN.findall(stdout_log.read_bytes())
+    except OSError:
+        return None
+    return int(hits[-1][0]) if hits else None
+
+
+def failure_cause(stderr_log: Path) -> str:
+    """The most telling line of a failed run's stderr: the last exception or abort line
+    raised by a rank (torchrun's own ChildFailedError report is skipped)."""
+    try:
+        lines = stderr_log.read_text(errors="replace").splitlines()
+    except OSError:
+        return "no stderr log"
+    pattern = re.compile(r"(Error|Exception|terminate called|Assertion|Signal \d+|Killed)")
+    for line in reversed(lines):
+        text = line.strip()
+        if pattern.search(text) and "ChildFailedError" not in text and "elastic" not in text:
+            return text[:300]
+    return "no error line in stderr"
 
 
 def run_variant(
@@ -227,7 +253,12 @@ def run_variant(
     except launch.LaunchError as e:
         # One line for the verdict; the command, log paths and stderr tail go to stdout.
         print(f"  [{label}] FAILED:\n{e}", flush=True)
-        res.failures.append(f"{label} run failed: {str(e).splitlines()[0]} (logs in {out_dir})")
+        log_dir = out_dir / "resume" if (out_dir / "resume" / "stderr.log").exists() else out_dir
+        res.iterations_completed = last_iteration(log_dir / "stdout.log")
+        res.failures.append(
+            f"{label} run failed after iteration {res.iterations_completed}: "
+            f"{failure_cause(log_dir / 'stderr.log')} (logs in {log_dir})"
+        )
     except tbr.TensorboardReadError as e:
         res.failures.append(f"{label}: no metrics: {e}")
     return res
@@ -339,6 +370,10 @@ def run_case(
         comparison["verdict"] = "failed"
         comparison["verdict_line"] = f"failed: {data_note}"
     comparison["wall_s"] = {v: round(r.wall_s, 1) for v, r in results.items()}
+    comparison["iterations_completed"] = {
+        v: (case.train_iters if r.metrics is not None and not r.failures else r.iterations_completed)
+        for v, r in results.items()
+    }
     comparison["data"] = {"path": data_path, "stats": artifacts.stats}
     if update_golden:
         try:
