@@ -211,7 +211,9 @@ def failure_cause(stderr_log: Path) -> str:
     pattern = re.compile(r"(Error|Exception|terminate called|Assertion|Signal \d+|Killed)")
     for line in reversed(lines):
         text = line.strip()
-        if pattern.search(text) and "ChildFailedError" not in text and "elastic" not in text:
+        if pattern.search(text) and not any(
+            noise in text for noise in ("ChildFailedError", "elastic", "traceback :", "SIGTERM")
+        ):
             return text[:300]
     return "no error line in stderr"
 
