@@ -1,0 +1,61 @@
+"""Review readiness of the series: upstream's formatting and the patch headers.
+
+Megatron-LM formats megatron/core with black 24 (line length 100,
+skip-string-normalization, skip-magic-trailing-comma) and isort (profile black, line
+length 100); its CI rejects anything else. Every file the series touches must still pass
+both, in the patched tree. The pristine versions are checked too, as a control that the
+settings are upstream's (a wrong setting would fail them as well).
+
+Each patch carries a subject of at most ~75 characters, a body that says why, and
+DEP-3-style provenance lines (Origin, Forwarded, Last-Update).
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+import pytest
+
+from harness.trees import REPO_ROOT, series_patches, tree_parent
+
+BLACK = [sys.executable, "-m", "black", "--check", "-q", "-l", "100", "-S", "-C"]
+ISORT = [sys.executable, "-m", "isort", "--check-only", "-q", "--profile", "black", "-l", "100"]
+
+
+def touched_files():
+    files = set()
+    for patch in series_patches():
+        files.update(re.findall(r"^\+\+\+ b/(\S+)", patch.read_text(), flags=re.M))
+    return sorted(files)
+
+
+def test_series_touches_python_files():
+    files = touched_files()
+    assert files and all(f.startswith("megatron/core/") and f.endswith(".py") for f in files)
+
+
+@pytest.mark.parametrize("tree", ["patched", "upstream"])
+@pytest.mark.parametrize("tool", ["black", "isort"])
+def test_touched_files_keep_upstream_format(tree, tool):
+    cmd = (BLACK if tool == "black" else ISORT) + touched_files()
+    proc = subprocess.run(cmd, cwd=tree_parent(tree), capture_output=True, text=True)
+    assert proc.returncode == 0, f"{tool} rejects {tree} files:\n{proc.stdout}{proc.stderr}"
+
+
+@pytest.mark.parametrize("patch", series_patches(), ids=lambda p: p.name[:4])
+def test_patch_header(patch):
+    text = patch.read_text()
+    subject = re.search(r"^Subject: \[PATCH\] (.+)$", text, flags=re.M)
+    assert subject, f"{patch.name}: no Subject"
+    assert len(subject.group(1)) <= 78, f"{patch.name}: subject too long"
+    body = text.split("\n\n", 1)[1].split("\n---\n", 1)[0]
+    assert len(body.split()) >= 40, f"{patch.name}: the message must say why (body too short)"
+    for field in ("Origin:", "Forwarded:", "Last-Update:"):
+        assert field in body, f"{patch.name}: missing provenance line {field!r}"
+
+
+def test_series_header_names_the_base():
+    first = (REPO_ROOT / "patches" / "series").read_text().splitlines()[0]
+    assert first.startswith("#") and "0.17.1" in first and "core_v0.17.1" in first
