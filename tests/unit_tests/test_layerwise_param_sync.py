@@ -237,3 +237,15 @@ def test_every_prefix_of_the_series_keeps_numerics(runs, tmp_path, k):
     res = runs(tree, 2, "gather,microbatches,training", CONFIGS[:1])
     failed = [f for f in _failed_checks(res) if not f.endswith("grad_data_zero_after_sync_step")]
     assert not failed, f"prefix of {k} patches fails: {failed}"
+
+
+def test_bf16_grad_buffer_is_an_exact_fit(runs):
+    """bf16 params with bf16 grad_data (--grad-reduce-in-bf16): the receive buffer is
+    exactly grad_data, element for element; gather, zeroing, grads and 0 temporaries."""
+    cfg = "bf16-samegrad-many"
+    res = runs("patched", 2, "gather,microbatches,alloc", (cfg,))
+    g, m, a = (result(res, cfg, s) for s in ("gather", "microbatches", "alloc"))
+    assert g["params_equal_owner_values"] and g["grad_data_zero_after_gather"]
+    assert g["main_grad_equals_overlap_off"], g["main_grad_max_abs_diff"]
+    assert all(m[f"mb{n}_equals_overlap_off"] for n in (1, 2, 4)), m
+    assert a["async_bytes"] == a["forced_bytes"] == a["optimizer_bytes"] == 0, a
