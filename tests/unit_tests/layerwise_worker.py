@@ -303,24 +303,34 @@ def sc_microbatches(dtype, fp32_grad, bucket_size):
     return res
 
 
-def sc_training(dtype, fp32_grad, bucket_size, steps=4):
-    """Real optimizer steps: overlapped (pre-hook) gather vs the optimizer's synchronous
-    gather; params and grad norms bitwise equal, params equal on every rank."""
+def train_overlap_and_sync(dtype, fp32_grad, bucket_size, steps, expert=False):
+    """Train the same model `steps` real optimizer steps twice: with the overlapped
+    (pre-hook) gather and with the optimizer's synchronous gather.
+
+    Returns:
+        (overlap Setup, its grad norms, sync Setup, its grad norms, max |param diff|).
+    """
     runs = {}
     for name, overlap in (("overlap", True), ("sync", False)):
-        s = Setup(dtype, fp32_grad, overlap=overlap, bucket_size=bucket_size)
+        s = Setup(dtype, fp32_grad, overlap=overlap, bucket_size=bucket_size, expert=expert)
         norms = []
         for step in range(steps):
             s.ddp.zero_grad_buffer()
             s.opt.zero_grad()
             s.forward_backward(step, 2)
-            ok, norm, zeros = s.opt.step()
-            norms.append(float(norm))
+            norms.append(float(s.opt.step()[1]))
         if overlap:  # the last update is gathered by the next forward's pre-hooks
             s.ddp.start_param_sync(force_sync=True)
         runs[name] = (s, norms)
     (a, na), (b, nb) = runs["overlap"], runs["sync"]
     diff = max_abs_diff([p.detach() for p in a.params], [p.detach() for p in b.params])
+    return a, na, b, nb, diff
+
+
+def sc_training(dtype, fp32_grad, bucket_size, steps=4):
+    """Real optimizer steps: overlapped (pre-hook) gather vs the optimizer's synchronous
+    gather; params and grad norms bitwise equal, params equal on every rank."""
+    a, na, b, nb, diff = train_overlap_and_sync(dtype, fp32_grad, bucket_size, steps)
     # Every rank must hold the same params after the gather.
     same = True
     for p in a.params:
@@ -506,20 +516,7 @@ def sc_alloc(dtype, fp32_grad, bucket_size):
 def sc_small_dp(dtype, fp32_grad, bucket_size, expert=False):
     """DP size 1 (run with one rank) or expert-DP size 1 (expert=True, EP = world): the
     optimizer builds, training runs, params match the synchronous path."""
-    runs = {}
-    for name, overlap in (("overlap", True), ("sync", False)):
-        s = Setup(dtype, fp32_grad, overlap=overlap, bucket_size=bucket_size, expert=expert)
-        norms = []
-        for step in range(3):
-            s.ddp.zero_grad_buffer()
-            s.opt.zero_grad()
-            s.forward_backward(step, 2)
-            norms.append(float(s.opt.step()[1]))
-        if overlap:
-            s.ddp.start_param_sync(force_sync=True)
-        runs[name] = (s, norms)
-    (a, na), (b, nb) = runs["overlap"], runs["sync"]
-    diff = max_abs_diff([p.detach() for p in a.params], [p.detach() for p in b.params])
+    _, na, _, nb, diff = train_overlap_and_sync(dtype, fp32_grad, bucket_size, 3, expert)
     return {
         "trains": True,
         "params_overlap_equal_sync": all_ranks(diff == 0.0),
