@@ -355,7 +355,21 @@ def run_case(
     failures = [f for r in results.values() for f in r.failures]
     rules = compare.rules_for(case.metrics)
     golden_path = case.golden_path(device)
-    if all(r.metrics is not None for r in results.values()):
+    have_metrics = all(r.metrics is not None for r in results.values())
+    if update_golden:
+        # Before the comparison, so that it is built once, against the new golden file.
+        try:
+            if not have_metrics:
+                raise compare.GoldenUpdateRefused("a training run produced no metrics")
+            diff = compare.update_golden(
+                golden_path, results["upstream"].metrics, results["patched"].metrics, rules
+            )
+            print(f"  golden values written to {golden_path}:\n{diff}")
+            GOLDEN_DATA.write_text(json.dumps(data_fingerprint(artifacts), indent=1) + "\n")
+        except compare.GoldenUpdateRefused as e:
+            print(f"  REFUSED to update golden values: {e}", flush=True)
+            failures.append(f"golden update refused: {e}")
+    if have_metrics:
         comparison = compare.build_comparison(
             case.name, results["upstream"].metrics, results["patched"].metrics, golden_path,
             rules, extra_failures=failures,
@@ -377,21 +391,6 @@ def run_case(
         for v, r in results.items()
     }
     comparison["data"] = {"path": data_path, "stats": artifacts.stats}
-    if update_golden:
-        try:
-            diff = compare.update_golden(
-                golden_path, results["upstream"].metrics, results["patched"].metrics, rules
-            )
-            print(f"  golden values written to {golden_path}:\n{diff}")
-            GOLDEN_DATA.write_text(json.dumps(data_fingerprint(artifacts), indent=1) + "\n")
-            comparison = compare.build_comparison(
-                case.name, results["upstream"].metrics, results["patched"].metrics,
-                golden_path, rules, extra_failures=failures,
-            ) | {"wall_s": comparison["wall_s"], "data": comparison["data"]}
-        except (compare.GoldenUpdateRefused, TypeError) as e:
-            print(f"  REFUSED to update golden values: {e}", flush=True)
-            comparison["failures"].append(f"golden update refused: {e}")
-            comparison["verdict"] = comparison["verdict"] if comparison["verdict"] != "identical" else "failed"
     (out / "comparison.json").write_text(json.dumps(comparison, indent=1) + "\n")
     curves = {
         "upstream": results["upstream"].metrics,
