@@ -114,12 +114,13 @@ class MetricRule:
 
 # One table, one rule per metric (STYLE.md: tolerance objects, one table per metric).
 # Tolerances from measured variation (python_test_utils/measure_variation.py, default case,
-# 40 steps, 2026-11-29, 2-core Xeon with AVX-512): run to run on one machine the curves
+# 50 steps, 2026-11-29, 2-core Xeon with AVX-512): run to run on one machine the curves
 # are bitwise equal; forcing PyTorch's CPU kernels to another instruction set
 # (ATEN_CPU_CAPABILITY=default / avx2, oneDNN capped at AVX2), which is what differs
 # between reviewers' machines, moves them by at most (relative, any step):
-#   lm loss 1.1e-4, grad-norm 8.6e-4, params-norm 7.8e-5, num-zeros 113 %.
-# The rtol below leave a margin of about 10x over that. learning-rate comes from the
+#   lm loss 1.1e-4, grad-norm 1.6e-3, params-norm 9.4e-5, num-zeros 100 %
+# (a 40-step run gave 1.1e-4, 8.6e-4, 7.8e-5, 113 %). The rtol below leave a margin of
+# about 6x (grad-norm) to 10x over that. learning-rate comes from the
 # scheduler's Python arithmetic and is exact everywhere. num-zeros (count of grads that
 # are exactly 0 in bf16) flips with any rounding change, so it is only checked exactly
 # between the variants of one run, never against the golden values.
@@ -127,7 +128,7 @@ GOLDEN_RULES: dict[str, MetricRule] = {
     "lm loss": MetricRule(Approximate(rtol=1e-3)),
     "grad-norm": MetricRule(Approximate(rtol=1e-2)),
     "num-zeros": MetricRule(
-        Informational("exactly-zero grad count: 113 % apart across CPU ISAs (measured)")
+        Informational("exactly-zero grad count: up to 113 % apart across CPU ISAs (measured)")
     ),
     "params-norm": MetricRule(Approximate(rtol=1e-3)),
     "learning-rate": MetricRule(Exact()),

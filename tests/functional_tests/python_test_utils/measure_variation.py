@@ -26,10 +26,9 @@ import math
 import sys
 from pathlib import Path
 
-from harness import data, launch
+from harness import data
 
 from . import run_case as rc
-from . import tensorboard_reader as tbr
 
 VARIATIONS = {
     "reference": {},
@@ -61,19 +60,14 @@ def main(argv=None) -> int:
     artifacts = data.prepare(log=lambda m: None)
     runs = {}
     for name, env in VARIATIONS.items():
-        run_dir = rc.OUT_ROOT / "variation" / name
-        variables = {"DATA_PATH": str(artifacts.data_prefix),
-                     "TENSORBOARD_PATH": str(run_dir / "tensorboard")}
-        if run_dir.exists():
-            import shutil
-
-            shutil.rmtree(run_dir)
-        argv_m = rc.expand_args(case.model_args, variables)
-        wall = launch.run_pretrain("patched", argv_m, case.nproc, run_dir=run_dir,
-                                   extra_env={**case.env_vars, **env})
-        runs[name] = tbr.read_run_metrics(run_dir / "tensorboard", tags=METRICS,
-                                          end_step=case.train_iters)
-        print(f"{name:12s} {wall:5.1f} s", flush=True)
+        res = rc.run_variant(
+            case, "patched", rc.OUT_ROOT / "variation" / name, str(artifacts.data_prefix),
+            "cpu", timeout_s=900, extra_env=env,
+        )
+        if res.failures:
+            raise SystemExit(f"{name}: {res.failures[0]}")
+        runs[name] = res.metrics
+        print(f"{name:12s} {res.wall_s:5.1f} s", flush=True)
     ref = runs["reference"]
     report = {"case": case.name, "variations": VARIATIONS, "max_rel_diff": {}}
     for name, metrics in runs.items():

@@ -219,9 +219,17 @@ def failure_cause(stderr_log: Path) -> str:
 
 
 def run_variant(
-    case: Case, variant, out_dir: Path, data_path: str, device: str, timeout_s: float
+    case: Case,
+    variant,
+    out_dir: Path,
+    data_path: str,
+    device: str,
+    timeout_s: float,
+    extra_env: Optional[Dict[str, str]] = None,
 ) -> VariantResult:
     """Train one variant (tree name or mutant tree Path) and read its metrics.
+
+    extra_env is merged over the case's ENV_VARS (measure_variation uses it).
 
     A crashed rank, a timeout or unreadable event files become failure messages (the
     verdict is then "failed"), never an exception.
@@ -244,7 +252,7 @@ def run_variant(
         with Progress(label, out_dir / "stdout.log"):
             res.wall_s = launch.run_pretrain(
                 variant, args, case.nproc, run_dir=out_dir, cpu=cpu, timeout_s=timeout_s,
-                extra_env=case.env_vars,
+                extra_env={**case.env_vars, **(extra_env or {})},
             )
         print(f"  [{label}] done in {res.wall_s:.1f} s", flush=True)
         res.metrics = tbr.write_run_metrics(
