@@ -1,20 +1,29 @@
-"""Launch ``harness.pretrain_gpt`` under torchrun for one megatron tree, with a timeout.
+"""Build torchrun command lines in one place, and launch training with a timeout.
 
-The command line and environment are built here so that tests, functional tests and
-people run the same thing::
+Every multi-rank run of the harness (training, the unit-test workers, the bench, the GPU
+check) gets its command line from ``torchrun_command``, so that they all run the same
+launcher with the same environment::
 
     from harness import launch
+    argv, env = launch.torchrun_command("tests/unit_tests/layerwise_worker.py", ["--out", "r.json"],
+                                        nproc=2, tree="patched")
     wall_s = launch.run_pretrain("patched", launch.tiny_gpt_args(train_iters=50,
                                  tensorboard_dir="build/runs/x/tb"), nproc=2,
                                  run_dir="build/runs/x")
 
+Shell scripts use the CLI (``python -m harness.launch --help``); ``--dry-run`` prints the
+command instead of running it::
+
+    python -m harness.launch --tree upstream --nproc 4 --dry-run pretrain -- --train-iters 10
+    python -m harness.launch --device cuda --nproc 8 script scripts/x.py -- --flag
+
 On CPU (the default) ranks use gloo and ``harness.cpu_runtime`` (``MEGATRON_CPU_RUNTIME=1``);
-with ``cpu=False`` they use NCCL on GPUs. Everything else on the command line is the same:
-``RUNTIME_FLAGS`` (local transformer implementation, CPU initialization, no fused kernels)
-apply to both, so CPU and GPU runs differ only in ``--distributed-backend``.
+on GPUs (``cpu=False`` / ``--device cuda``) NCCL. ``RUNTIME_FLAGS`` (local transformer
+implementation, CPU initialization, no fused kernels) apply to both, so CPU and GPU
+training runs differ only in ``--distributed-backend``.
 
 Tree selection goes through ``harness.trees.env_for_tree``: PYTHONPATH puts the chosen tree
-first and ``MEGATRON_EXPECT_TREE`` makes ``pretrain_gpt`` refuse to train on another one.
+first and ``MEGATRON_EXPECT_TREE`` makes the rank refuse to run on another one.
 """
 
 from __future__ import annotations
@@ -28,7 +37,12 @@ import time
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple, Union
 
-from harness.trees import env_for_tree
+from harness.trees import REPO_ROOT, env_for_tree
+
+#: Read by ``harness.cpu_runtime.install_if_requested`` in every rank.
+CPU_RUNTIME_ENV = "MEGATRON_CPU_RUNTIME"
+#: The training entry point that ``pretrain_command`` launches.
+PRETRAIN_SCRIPT = Path(__file__).resolve().parent / "pretrain_gpt.py"
 
 #: Flags every harness run gets, on CPU and GPU alike (UPSTREAM_NOTES, "What the CPU prototype
 #: needed"): megatron-core's local layers, init on CPU, and none of the fused kernels that only
@@ -101,6 +115,71 @@ def tiny_gpt_args(
     return args
 
 
+def torchrun_command(
+    script: Union[str, Path],
+    script_args: Sequence[str] = (),
+    nproc: int = 2,
+    *,
+    tree: Union[str, Path, None] = "patched",
+    cpu: bool = True,
+    extra_env: Optional[Dict[str, str]] = None,
+    python: str = sys.executable,
+) -> Tuple[List[str], Dict[str, str]]:
+    """The one builder of torchrun command lines: ``nproc`` ranks of ``script`` on one node.
+
+    ``argv`` is ``python -m torch.distributed.run --standalone --nproc-per-node N script
+    *script_args`` (``--standalone``: a free local rendezvous port, so concurrent runs do
+    not collide). The environment selects the megatron tree and the runtime:
+
+    * ``PYTHONPATH`` / ``MEGATRON_EXPECT_TREE``: from ``harness.trees.env_for_tree(tree)``;
+      ``tree=None`` keeps the caller's ``PYTHONPATH`` and puts the repo root after it.
+    * ``OMP_NUM_THREADS=1`` (ranks share the cores), ``CUDA_DEVICE_MAX_CONNECTIONS=1``
+      (what megatron asks for with overlapped communication), ``PYTHONUNBUFFERED=1``
+      (rank output reaches the log before a crash).
+    * ``MEGATRON_CPU_RUNTIME=1`` when ``cpu`` (gloo ranks, ``harness.cpu_runtime``); removed
+      otherwise, so that a GPU run never inherits it.
+
+    Args:
+        script: a Python file, run by path. Not ``-m``: that would put the working
+            directory (the repo root, which holds the patched megatron/) first on
+            ``sys.path``, ahead of the tree that ``PYTHONPATH`` selects.
+        script_args: the script's own arguments, appended unchanged.
+        nproc: ranks on this node (``--nproc-per-node``), >= 1.
+        tree: "upstream", "patched", a directory holding megatron/, or None (see above).
+        cpu: CPU runtime layer on (gloo) or off (GPUs).
+        extra_env: merged into the environment last.
+        python: the interpreter that runs torchrun.
+
+    Returns:
+        ``(argv, env)``: pass both to ``subprocess``; ``format_command`` prints them.
+
+    Raises:
+        ValueError: ``nproc`` < 1, or an unknown tree (``env_for_tree``).
+        FileNotFoundError: a tree or ``script`` that does not exist.
+    """
+    if int(nproc) < 1:
+        raise ValueError(f"torchrun_command: nproc must be >= 1, got {nproc!r}")
+    script = Path(script).resolve()
+    if not script.is_file():
+        raise FileNotFoundError(f"torchrun_command: no script at {script}")
+    if tree is None:
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(
+            dict.fromkeys([p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p] + [str(REPO_ROOT)])
+        )
+    else:
+        env = env_for_tree(tree)
+    env.update(OMP_NUM_THREADS="1", CUDA_DEVICE_MAX_CONNECTIONS="1", PYTHONUNBUFFERED="1")
+    if cpu:
+        env[CPU_RUNTIME_ENV] = "1"
+    else:
+        env.pop(CPU_RUNTIME_ENV, None)
+    env.update(extra_env or {})
+    argv = [python, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(int(nproc)),
+            str(script), *map(str, script_args)]
+    return argv, env
+
+
 def pretrain_command(
     tree: Union[str, Path],
     megatron_args: Sequence[str],
@@ -112,6 +191,9 @@ def pretrain_command(
 ) -> Tuple[List[str], Dict[str, str]]:
     """The torchrun command and environment that train ``harness.pretrain_gpt`` on ``tree``.
 
+    ``torchrun_command`` of ``harness/pretrain_gpt.py`` with ``--distributed-backend``
+    (gloo on CPU, nccl on GPUs), then ``RUNTIME_FLAGS``, then ``megatron_args``.
+
     Args:
         tree: "upstream" (pristine), "patched", or a directory holding a megatron/ tree.
         megatron_args: Megatron flags (e.g. ``tiny_gpt_args()``), appended last: they win
@@ -122,31 +204,28 @@ def pretrain_command(
         extra_env: merged into the environment last.
 
     Returns:
-        ``(argv, env)``. torchrun runs ``--standalone`` (a free local rendezvous port), so
-        concurrent runs do not collide.
+        ``(argv, env)``, as ``torchrun_command``.
 
     Raises:
-        ValueError / FileNotFoundError: from ``harness.trees.env_for_tree`` (unknown or
-            missing tree).
+        ValueError / FileNotFoundError: as ``torchrun_command``.
     """
-    env = env_for_tree(tree)
-    env.update(OMP_NUM_THREADS="1", CUDA_DEVICE_MAX_CONNECTIONS="1", PYTHONUNBUFFERED="1")
-    if cpu:
-        env["MEGATRON_CPU_RUNTIME"] = "1"
-    else:
-        env.pop("MEGATRON_CPU_RUNTIME", None)
-    env.update(extra_env or {})
-    argv = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-        # By path, not "-m harness.pretrain_gpt": "-m" puts the working directory (the
-        # repo root, which holds the patched megatron/) first on sys.path, ahead of the
-        # tree that PYTHONPATH selects.
-        str(Path(__file__).resolve().parent / "pretrain_gpt.py"),
-        "--distributed-backend", "gloo" if cpu else "nccl",
-        *(RUNTIME_FLAGS if runtime_flags else ()),
-        *megatron_args,
-    ]
-    return argv, env
+    return torchrun_command(
+        PRETRAIN_SCRIPT,
+        ["--distributed-backend", "gloo" if cpu else "nccl",
+         *(RUNTIME_FLAGS if runtime_flags else ()), *megatron_args],
+        nproc, tree=tree, cpu=cpu, extra_env=extra_env,
+    )
+
+
+#: Environment variables ``format_command`` shows (the rest is inherited unchanged).
+SHOWN_ENV: Tuple[str, ...] = ("PYTHONPATH", "MEGATRON_EXPECT_TREE", CPU_RUNTIME_ENV, "OMP_NUM_THREADS",
+                              "CUDA_DEVICE_MAX_CONNECTIONS", "PYTHONUNBUFFERED")
+
+
+def format_command(argv: Sequence[str], env: Dict[str, str]) -> str:
+    """One shell line: ``VAR=value ... argv`` for the variables in ``SHOWN_ENV`` that are set."""
+    assigns = [f"{k}={shlex.quote(env[k])}" for k in SHOWN_ENV if k in env]
+    return " ".join(["env", *assigns, shlex.join(argv)])
 
 
 def _tail(path: Path, lines: int) -> str:
@@ -154,6 +233,58 @@ def _tail(path: Path, lines: int) -> str:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
     except OSError:
         return "(no log)"
+
+
+def run_command(
+    argv: Sequence[str],
+    env: Dict[str, str],
+    *,
+    run_dir: Union[str, Path],
+    timeout_s: float = 600,
+    what: str = "run",
+    tail_lines: int = 40,
+) -> float:
+    """Run one command built by ``torchrun_command`` and wait for it, logs in ``run_dir``.
+
+    Args:
+        argv, env: from ``torchrun_command`` / ``pretrain_command``.
+        run_dir: created if needed; gets ``command.txt`` (``format_command``), ``stdout.log``
+            and ``stderr.log``.
+        timeout_s: wall-clock limit in seconds; the whole process group is killed after it.
+        what: names the run in error messages.
+        tail_lines: how many stderr lines a failure message quotes.
+
+    Returns:
+        Wall time of the job in seconds (start-up included).
+
+    Raises:
+        LaunchError: non-zero exit (any rank failed) or timeout; the message holds the
+            command, the log paths and the last ``tail_lines`` lines of stderr.
+    """
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "command.txt").write_text(format_command(argv, env) + "\n")
+    stdout_path, stderr_path = run_dir / "stdout.log", run_dir / "stderr.log"
+    start = time.monotonic()
+    with open(stdout_path, "w") as out, open(stderr_path, "w") as err:
+        proc = subprocess.Popen(list(argv), env=env, cwd=REPO_ROOT, stdout=out, stderr=err,
+                                start_new_session=True)
+        try:
+            returncode = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            raise LaunchError(
+                f"{what} timed out after {timeout_s:.0f} s: {shlex.join(argv)}\n"
+                f"logs: {stdout_path} {stderr_path}\n--- stderr tail ---\n{_tail(stderr_path, tail_lines)}"
+            ) from None
+    wall_s = time.monotonic() - start
+    if returncode != 0:
+        raise LaunchError(
+            f"{what} failed (torchrun exit {returncode}) after {wall_s:.1f} s: {shlex.join(argv)}\n"
+            f"logs: {stdout_path} {stderr_path}\n--- stderr tail ---\n{_tail(stderr_path, tail_lines)}"
+        )
+    return wall_s
 
 
 def run_pretrain(
@@ -168,48 +299,83 @@ def run_pretrain(
     extra_env: Optional[Dict[str, str]] = None,
     tail_lines: int = 40,
 ) -> float:
-    """Run one training job and wait for it.
+    """Run one training job (``pretrain_command``) and wait for it (``run_command``).
 
     Args:
         tree, megatron_args, nproc, cpu, runtime_flags, extra_env: see ``pretrain_command``.
-        run_dir: created if needed; gets ``command.txt``, ``stdout.log`` and ``stderr.log``.
-        timeout_s: wall-clock limit in seconds; the whole process group is killed after it.
-        tail_lines: how many stderr lines a failure message quotes.
+        run_dir, timeout_s, tail_lines: see ``run_command``.
 
     Returns:
         Wall time of the job in seconds (start-up included).
 
     Raises:
-        LaunchError: non-zero exit of torchrun (any rank failed) or timeout; the message holds
-            the command, the log paths and the last ``tail_lines`` lines of stderr.
+        LaunchError: any rank failed, or the timeout passed (see ``run_command``).
     """
-    run_dir = Path(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
     argv, env = pretrain_command(tree, megatron_args, nproc, cpu=cpu, runtime_flags=runtime_flags,
                                  extra_env=extra_env)
-    cwd = Path(__file__).resolve().parent.parent
-    (run_dir / "command.txt").write_text(
-        " ".join(f"{k}={shlex.quote(env[k])}" for k in ("PYTHONPATH", "MEGATRON_EXPECT_TREE",
-                                                       "MEGATRON_CPU_RUNTIME") if k in env)
-        + " " + shlex.join(argv) + "\n"
-    )
-    stdout_path, stderr_path = run_dir / "stdout.log", run_dir / "stderr.log"
-    start = time.monotonic()
-    with open(stdout_path, "w") as out, open(stderr_path, "w") as err:
-        proc = subprocess.Popen(argv, env=env, cwd=cwd, stdout=out, stderr=err, start_new_session=True)
-        try:
-            returncode = proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            raise LaunchError(
-                f"{tree} run timed out after {timeout_s:.0f} s: {shlex.join(argv)}\n"
-                f"logs: {stdout_path} {stderr_path}\n--- stderr tail ---\n{_tail(stderr_path, tail_lines)}"
-            ) from None
-    wall_s = time.monotonic() - start
-    if returncode != 0:
-        raise LaunchError(
-            f"{tree} run failed (torchrun exit {returncode}) after {wall_s:.1f} s: {shlex.join(argv)}\n"
-            f"logs: {stdout_path} {stderr_path}\n--- stderr tail ---\n{_tail(stderr_path, tail_lines)}"
-        )
-    return wall_s
+    return run_command(argv, env, run_dir=run_dir, timeout_s=timeout_s, what=f"{tree} run",
+                       tail_lines=tail_lines)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """``python -m harness.launch``: build (and run) one torchrun command line.
+
+    Forms::
+
+        python -m harness.launch [opts] pretrain [--tiny-gpt ITERS] [-- MEGATRON_ARGS...]
+        python -m harness.launch [opts] script PATH [-- SCRIPT_ARGS...]
+
+    ``pretrain`` trains harness/pretrain_gpt.py; ``--tiny-gpt ITERS`` puts
+    ``tiny_gpt_args(ITERS)`` before MEGATRON_ARGS (later flags win). ``--dry-run`` prints
+    the command (``format_command``: ``env VAR=... python -m torch.distributed.run ...``,
+    runnable as is from any directory) and exits 0; otherwise the command runs in the
+    foreground with the caller's stdout/stderr and its exit code is returned. Exit code 2
+    on bad arguments (unknown tree, missing script, nproc < 1).
+    """
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m harness.launch", description=main.__doc__.splitlines()[0])
+    ap.add_argument("--tree", default="patched",
+                    help='"patched" (default), "upstream", a directory holding megatron/, or "none" '
+                         "(keep the caller's PYTHONPATH)")
+    ap.add_argument("--nproc", type=int, default=2, help="ranks on this node (default 2)")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                    help="cpu: gloo ranks with the CPU runtime layer; cuda: NCCL, one GPU per rank")
+    ap.add_argument("--env", action="append", default=[], metavar="VAR=VALUE",
+                    help="extra environment for the ranks (repeatable)")
+    ap.add_argument("--dry-run", action="store_true", help="print the command instead of running it")
+    sub = ap.add_subparsers(dest="what", required=True)
+    pp = sub.add_parser("pretrain", help="train harness/pretrain_gpt.py")
+    pp.add_argument("--tiny-gpt", type=int, metavar="ITERS", help="start from tiny_gpt_args(ITERS)")
+    pp.add_argument("args", nargs="*")
+    sp = sub.add_parser("script", help="run a Python file on every rank")
+    sp.add_argument("path")
+    sp.add_argument("args", nargs="*")
+    ns = ap.parse_args(argv)
+    extra = {}
+    for item in ns.env:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            ap.error(f"--env wants VAR=VALUE, got {item!r}")
+        extra[key] = value
+    tree = None if ns.tree == "none" else ns.tree
+    cpu = ns.device == "cpu"
+    try:
+        if ns.what == "pretrain":
+            if tree is None:
+                ap.error("pretrain needs a tree (upstream, patched or a directory)")
+            megatron_args = (tiny_gpt_args(ns.tiny_gpt) if ns.tiny_gpt else []) + ns.args
+            cmd, env = pretrain_command(tree, megatron_args, ns.nproc, cpu=cpu, extra_env=extra)
+        else:
+            cmd, env = torchrun_command(ns.path, ns.args, ns.nproc, tree=tree, cpu=cpu, extra_env=extra)
+    except (ValueError, FileNotFoundError) as exc:
+        ap.error(str(exc))
+    if ns.dry_run:
+        print(format_command(cmd, env))
+        return 0
+    sys.stdout.flush()
+    return subprocess.call(cmd, env=env, cwd=REPO_ROOT)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -15,16 +15,14 @@ holds deliberate bugs; test_mutants_are_caught shows that these tests catch them
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from harness.launch import torchrun_command
 from harness.trees import (
     REPO_ROOT,
-    env_for_tree,
     make_mutant_tree,
     make_prefix_tree,
     series_patches,
@@ -45,25 +43,21 @@ def run_worker(tree, nproc, out: Path, scenarios, configs=CONFIGS, expert_parall
     Raises:
         AssertionError: a rank failed or the worker wrote no results (with its output).
     """
-    env = env_for_tree(tree)
-    env["MEGATRON_CPU_RUNTIME"] = "1"
-    env["OMP_NUM_THREADS"] = "1"
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc-per-node={nproc}",
-        str(WORKER),
-        "--out",
-        str(out),
-        "--scenarios",
-        scenarios,
-        "--configs",
-        ",".join(configs),
-        "--expert-parallel",
-        str(expert_parallel),
-    ]
+    cmd, env = torchrun_command(
+        WORKER,
+        [
+            "--out",
+            str(out),
+            "--scenarios",
+            scenarios,
+            "--configs",
+            ",".join(configs),
+            "--expert-parallel",
+            str(expert_parallel),
+        ],
+        nproc,
+        tree=tree,
+    )
     proc = subprocess.run(
         cmd, env=env, capture_output=True, text=True, timeout=TIMEOUT_S, cwd=REPO_ROOT
     )

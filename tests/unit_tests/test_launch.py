@@ -1,0 +1,93 @@
+"""Tests of harness/launch.py: the one torchrun command-line builder and its CLI.
+
+The CLI is run as a subprocess with ``--dry-run``; the printed line is parsed back into
+environment and argv and checked for what torchrun will do with it.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import subprocess
+import sys
+
+import pytest
+
+from harness import launch
+from harness.trees import REPO_ROOT
+
+
+def dry_run(*cli_args: str, env=None):
+    """``python -m harness.launch --dry-run ...`` -> (returncode, {VAR: value}, argv, stderr)."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "harness.launch", "--dry-run", *cli_args],
+        capture_output=True, text=True, cwd=REPO_ROOT, timeout=60, env=env,
+    )
+    if proc.returncode != 0:
+        return proc.returncode, {}, [], proc.stderr
+    words = shlex.split(proc.stdout)
+    assert words[0] == "env", proc.stdout
+    assigns = {}
+    i = 1
+    while "=" in words[i] and not words[i].startswith("/"):
+        key, _, value = words[i].partition("=")
+        assigns[key] = value
+        i += 1
+    return 0, assigns, words[i:], proc.stderr
+
+
+def test_cli_pretrain_upstream_four_ranks():
+    rc, env, argv, err = dry_run("--tree", "upstream", "--nproc", "4", "pretrain", "--tiny-gpt", "3",
+                                 "--", "--seed", "7")
+    assert rc == 0, err
+    assert argv[1:7] == ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
+                         str(REPO_ROOT / "harness" / "pretrain_gpt.py")]
+    assert env["PYTHONPATH"].split(os.pathsep)[0] == str(REPO_ROOT / "build" / "upstream")
+    assert env["MEGATRON_EXPECT_TREE"] == str(REPO_ROOT / "build" / "upstream" / "megatron")
+    assert env["MEGATRON_CPU_RUNTIME"] == "1"
+    script_args = argv[7:]
+    assert script_args[:2] == ["--distributed-backend", "gloo"]
+    # tiny_gpt_args(3) then the user's flags, last: argparse lets the last --seed win.
+    assert script_args[script_args.index("--train-iters") + 1] == "3"
+    assert script_args[-2:] == ["--seed", "7"]
+
+
+def test_cli_cuda_drops_inherited_cpu_runtime():
+    rc, env, argv, err = dry_run("--device", "cuda", "--nproc", "8", "pretrain",
+                                 env=dict(os.environ, MEGATRON_CPU_RUNTIME="1"))
+    assert rc == 0, err
+    assert "MEGATRON_CPU_RUNTIME" not in env
+    assert argv[argv.index("--distributed-backend") + 1] == "nccl"
+    assert argv[argv.index("--nproc-per-node") + 1] == "8"
+
+
+def test_cli_script_keeps_its_arguments():
+    worker = "tests/unit_tests/layerwise_worker.py"
+    rc, env, argv, err = dry_run("script", worker, "--", "--out", "r.json", "--scenarios", "gather")
+    assert rc == 0, err
+    assert argv[argv.index("--standalone") + 3:] == [str(REPO_ROOT / worker), "--out", "r.json",
+                                                     "--scenarios", "gather"]
+
+
+@pytest.mark.parametrize("bad", [("--nproc", "0", "pretrain"), ("script", "no/such/file.py"),
+                                 ("--tree", "no-such-tree", "pretrain"), ("--env", "NOEQUALS", "pretrain")])
+def test_cli_bad_input_exits_2_with_a_message(bad):
+    rc, _, _, err = dry_run(*bad)
+    assert rc == 2 and "error:" in err, err
+
+
+def test_pretrain_command_is_torchrun_command_of_the_entry():
+    """Training and every other launch share one builder: same launcher, same environment."""
+    argv, env = launch.pretrain_command("patched", ["--seed", "1"], 2)
+    argv2, env2 = launch.torchrun_command(launch.PRETRAIN_SCRIPT, argv[argv.index(str(launch.PRETRAIN_SCRIPT)) + 1:],
+                                          2, tree="patched")
+    assert (argv, env) == (argv2, env2)
+    assert argv[argv.index("--distributed-backend") + 2:][: len(launch.RUNTIME_FLAGS)] == list(launch.RUNTIME_FLAGS)
+
+
+def test_tree_none_keeps_callers_pythonpath(monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", "/opt/site")
+    monkeypatch.delenv("MEGATRON_EXPECT_TREE", raising=False)
+    _, env = launch.torchrun_command(launch.PRETRAIN_SCRIPT, [], 1, tree=None, cpu=False)
+    assert env["PYTHONPATH"].split(os.pathsep) == ["/opt/site", str(REPO_ROOT)]
+    assert "MEGATRON_EXPECT_TREE" not in env and "MEGATRON_CPU_RUNTIME" not in env
