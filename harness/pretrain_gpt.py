@@ -16,6 +16,9 @@ Run (all Megatron flags pass through unchanged)::
 Environment:
     MEGATRON_CPU_RUNTIME: ``1`` installs ``harness.cpu_runtime`` before megatron is imported
         (CPU ranks with gloo); ``force`` also on a GPU machine. Unset: plain CUDA.
+    MEGATRON_SHARED_GPU: ``1`` lets several gloo ranks share one GPU
+        (``harness.gpu_check.shared_gpu``: ``LOCAL_RANK`` modulo the GPU count, uneven gloo
+        ``all_gather``).
     MEGATRON_EXPECT_TREE: a directory; start-up fails (RuntimeError) unless ``megatron.core``
         was imported from under it. Every rank logs the tree it imported.
 
@@ -49,6 +52,10 @@ from typing import Any, Dict, List, Optional, Tuple
 from harness import cpu_runtime
 
 cpu_runtime.install_if_requested()
+
+from harness.gpu_check import shared_gpu  # noqa: E402
+
+shared_gpu.install_if_requested()  # MEGATRON_SHARED_GPU=1: gloo ranks sharing one GPU
 
 import torch  # noqa: E402
 
