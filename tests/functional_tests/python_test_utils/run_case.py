@@ -33,7 +33,7 @@ import shutil
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
@@ -334,6 +334,9 @@ def run_case(
     patched_tree=None,
     out_root: Path = OUT_ROOT,
     reuse_upstream: Optional[Path] = None,
+    golden_path: Optional[Path] = None,
+    model_args: Optional[Dict[str, object]] = None,
+    extra_env: Optional[Dict[str, str]] = None,
 ) -> dict:
     """Run one case end to end; returns the comparison dict (also comparison.json).
 
@@ -344,10 +347,14 @@ def run_case(
         patched_tree: None for the patched tree, or a Path of a mutant tree (tests).
         reuse_upstream: a folder holding an upstream metrics_exact.json of this case to
             reuse instead of training upstream again (mutant tests only).
+        golden_path, model_args, extra_env: for the GPU check (harness/gpu_check): another
+            golden file, MODEL_ARGS entries added or replaced, environment for the ranks.
     """
     from harness import data
 
     case = load_case(find_case(name))
+    if model_args:
+        case = replace(case, model_args={**case.model_args, **model_args})
     out = out_root / case.name
     out.mkdir(parents=True, exist_ok=True)
     artifacts = data.prepare(log=lambda m: None)
@@ -359,10 +366,10 @@ def run_case(
             results[variant] = VariantResult(metrics=tbr.load_run_metrics(reuse_upstream))
             continue
         tree = variant if variant == "upstream" or patched_tree is None else Path(patched_tree)
-        results[variant] = run_variant(case, tree, out / variant, data_path, device, timeout_s)
+        results[variant] = run_variant(case, tree, out / variant, data_path, device, timeout_s, extra_env)
     failures = [f for r in results.values() for f in r.failures]
     rules = compare.rules_for(case.metrics)
-    golden_path = case.golden_path(device)
+    golden_path = golden_path or case.golden_path(device)
     have_metrics = all(r.metrics is not None for r in results.values())
     if update_golden:
         # Before the comparison, so that it is built once, against the new golden file.
