@@ -1,0 +1,227 @@
+"""Summary JSON and text report of a GPU check results folder.
+
+The folder, as ``python -m harness.gpu_check`` writes it::
+
+    OUT/plan.json          the plan (plan.Plan.as_dict)
+    OUT/environment.json   GPU, driver, torch, Python, megatron-core, date
+    OUT/runs.json          per run: status ("ok", "failed", "timeout", "not_run"), returncode, seconds
+    OUT/<functional run>/<case>/comparison.json   (run_case; with metrics and loss_curves.png)
+    OUT/<memory run>/{upstream,patched}.json      (memory_worker)
+    OUT/summary.json, OUT/report.txt              (this module)
+
+``summarize(out)`` reads it into one dict; ``render(summary)`` is the text report. Bytes are
+bytes; the report prints them in MiB/GiB. A memory run passes when both trees finished,
+their lm loss is bit for bit equal at every step and the params agree after training, and,
+on NCCL, the patched param sync allocated 0 bytes on every rank. On gloo the patched sync's
+CUDA bytes are reported, not required (gloo stages through host memory).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+TREES = ("upstream", "patched")
+
+
+class ResultsError(ValueError):
+    """The folder is not a GPU check results folder (plan.json missing or unreadable)."""
+
+
+def _load(path: Path) -> Optional[Any]:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def fmt_bytes(n: Optional[float]) -> str:
+    """1536 -> "1.50 KiB"; None -> "n/a"; negative values keep their sign."""
+    if n is None:
+        return "n/a"
+    sign, n = ("-" if n < 0 else ""), abs(n)
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{sign}{n / size:.2f} {unit}"
+    return f"{sign}{int(n)} B"
+
+
+def _max(values: List[Optional[float]]) -> Optional[float]:
+    vals = [v for v in values if v is not None]
+    return max(vals) if vals else None
+
+
+def memory_tree(doc: Optional[dict]) -> Optional[dict]:
+    """One tree's figures from a memory_worker result: the last step (steady state) and the
+    sync alone, each the maximum over ranks; None when the file is missing or holds an error."""
+    if not doc or any(r is None or "error" in r for r in doc.get("ranks", [None])):
+        return None
+    ranks = doc["ranks"]
+    last = [r["steps"][-1] for r in ranks]
+    r0 = ranks[0]
+    return {
+        "param_count": r0["param_count"],
+        "param_bytes": r0["param_bytes"],
+        "buckets": len(r0["buckets"]),
+        "buckets_with_equal_shares": sum(b["shares_equal"] for b in r0["buckets"]),
+        "forward_peak_extra_bytes": _max([s["forward"]["peak_extra_bytes"] for s in last]),
+        "forward_reserved_bytes": _max([s["forward"]["reserved_bytes"] for s in last]),
+        "step_peak_extra_bytes": _max([s["step_peak_extra_bytes"] for s in last]),
+        "sync_peak_extra_bytes": _max([r["sync"]["peak_extra_bytes"] for r in ranks]),
+        "sync_peak_extra_bytes_per_rank": [r["sync"]["peak_extra_bytes"] for r in ranks],
+        "sync_gather_calls": r0["sync"]["gather_calls"],
+        "losses_hex": [s["loss_hex"] for s in r0["steps"]],
+        "params_checksums": sorted({r["params_checksum"] for r in ranks}),
+        "devices": [r["device"] for r in ranks],
+    }
+
+
+def summarize_memory(run: dict, run_dir: Path) -> dict:
+    trees = {t: memory_tree(_load(run_dir / f"{t}.json")) for t in TREES}
+    out: Dict[str, Any] = {"trees": trees, "problems": []}
+    up, pa = trees["upstream"], trees["patched"]
+    for t in TREES:
+        if trees[t] is None:
+            out["problems"].append(f"{t}: no result ({run_dir / (t + '.json')} missing or holds an error)")
+    if up and pa:
+        diverged = next((i + 1 for i, (a, b) in enumerate(zip(up["losses_hex"], pa["losses_hex"])) if a != b), None)
+        if len(up["losses_hex"]) != len(pa["losses_hex"]):
+            out["problems"].append(f"step counts differ: upstream {len(up['losses_hex'])}, patched {len(pa['losses_hex'])}")
+        if diverged is not None:
+            out["problems"].append(f"lm loss differs at step {diverged}: upstream {up['losses_hex'][diverged - 1]}, "
+                                   f"patched {pa['losses_hex'][diverged - 1]}")
+        if up["params_checksums"] != pa["params_checksums"] or len(pa["params_checksums"]) != 1:
+            out["problems"].append(f"params after training differ: upstream {up['params_checksums']}, "
+                                   f"patched {pa['params_checksums']}")
+        out["losses_bitwise_equal"] = diverged is None and len(up["losses_hex"]) == len(pa["losses_hex"])
+        for key in ("forward_peak_extra_bytes", "step_peak_extra_bytes", "sync_peak_extra_bytes"):
+            if up[key] is not None and pa[key] is not None:
+                out[key.replace("_bytes", "_saved_bytes")] = up[key] - pa[key]
+        sync = pa["sync_peak_extra_bytes_per_rank"]
+        if run["backend"] == "nccl" and any(b != 0 for b in sync):
+            out["problems"].append(f"patched param sync allocated on NCCL: {[fmt_bytes(b) for b in sync]} per rank")
+    out["ok"] = not out["problems"]
+    return out
+
+
+def summarize_functional(run: dict, run_dir: Path, case: str) -> dict:
+    comparison = _load(run_dir / case / "comparison.json")
+    if comparison is None:
+        return {"ok": False, "verdict": "no result", "problems": [f"{run_dir / case / 'comparison.json'} missing"]}
+    return {
+        "ok": comparison.get("verdict") == "identical",
+        "verdict": comparison.get("verdict"),
+        "verdict_line": comparison.get("verdict_line"),
+        "first_divergence": comparison.get("first_divergence"),
+        "golden_file": comparison.get("golden_file"),
+        "wall_s": comparison.get("wall_s"),
+        "problems": list(comparison.get("failures", []))[:5],
+    }
+
+
+def summarize(out: Path) -> dict:
+    """Everything the report says, from the results folder ``out`` (see module docstring).
+
+    Raises:
+        ResultsError: ``out/plan.json`` is missing or not JSON.
+    """
+    out = Path(out)
+    plan = _load(out / "plan.json")
+    if plan is None:
+        raise ResultsError(f"{out} holds no readable plan.json: not a GPU check results folder")
+    statuses = {s["name"]: s for s in (_load(out / "runs.json") or [])}
+    from harness.gpu_check.plan import CASE
+
+    runs = []
+    for run in plan["runs"]:
+        status = statuses.get(run["name"], {"status": "not_run", "returncode": None, "seconds": None})
+        entry = {"name": run["name"], "kind": run["kind"], "backend": run["backend"], "nproc": run["nproc"],
+                 "devices": run["devices"], "status": status["status"], "returncode": status.get("returncode"),
+                 "seconds": status.get("seconds"), "timeout_s": run["timeout_s"]}
+        if run["kind"] == "memory":
+            entry["config"] = run["config"]
+            entry.update(summarize_memory(run, out / run["name"]))
+        else:
+            entry.update(summarize_functional(run, out / run["name"], CASE))
+        if status["status"] != "ok":
+            entry["ok"] = False
+            entry["problems"] = [f"run {status['status']}" + (f" (exit {status['returncode']})"
+                                                              if status.get("returncode") not in (None, 0) else ""),
+                                 *entry.get("problems", [])]
+        runs.append(entry)
+    return {
+        "environment": _load(out / "environment.json") or {},
+        "gpus": plan["gpus"], "gpu_name": plan["gpu_name"],
+        "total_seconds": sum(r["seconds"] or 0 for r in runs),
+        "budget_s": plan["budget_s"],
+        "runs": runs,
+        "ok": bool(runs) and all(r["ok"] for r in runs),
+    }
+
+
+def _memory_lines(r: dict) -> List[str]:
+    up, pa = r["trees"]["upstream"], r["trees"]["patched"]
+    any_tree = up or pa
+    lines = []
+    if any_tree:
+        lines.append(f"  model: {any_tree['param_count'] / 1e6:.1f} M params, {fmt_bytes(any_tree['param_bytes'])} "
+                     f"of bf16 params, {any_tree['buckets']} buckets ({any_tree['buckets_with_equal_shares']} "
+                     f"with equal shares)")
+    rows = [("forward peak over allocated", "forward_peak_extra_bytes"),
+            ("memory reserved after forward", "forward_reserved_bytes"),
+            ("step peak over allocated", "step_peak_extra_bytes"),
+            ("param sync alone", "sync_peak_extra_bytes")]
+    lines.append(f"  {'':32s}{'upstream':>12s}{'patched':>12s}{'saved':>12s}")
+    for label, key in rows:
+        u = up[key] if up else None
+        p = pa[key] if pa else None
+        saved = None if u is None or p is None else u - p
+        lines.append(f"  {label:32s}{fmt_bytes(u):>12s}{fmt_bytes(p):>12s}"
+                     f"{(fmt_bytes(saved) if key != 'forward_reserved_bytes' else ''):>12s}")
+    for t, tree in (("upstream", up), ("patched", pa)):
+        if tree:
+            c = tree["sync_gather_calls"]
+            lines.append(f"  {t} all-gathers per sync: {c['list_equal']} list (equal shares), {c['list_unequal']} "
+                         f"list (unequal), {c['into_tensor']} into_tensor; NCCL would allocate "
+                         f"{fmt_bytes(c['nccl_temporary_bytes'])}")
+    if "losses_bitwise_equal" in r:
+        n = len(up["losses_hex"])
+        lines.append(f"  lm loss over {n} steps: {'bitwise equal' if r['losses_bitwise_equal'] else 'DIFFERS'}")
+    return lines
+
+
+def render(summary: dict) -> str:
+    """The text report: header, one block per run, and the problems that failed a run."""
+    env = summary.get("environment", {})
+    verdict = "PASS" if summary["ok"] else "FAIL"
+    n_ok = sum(r["ok"] for r in summary["runs"])
+    lines = [
+        f"GPU check: {summary['gpus']} x {summary['gpu_name']}; torch {env.get('torch', '?')}, "
+        f"megatron-core {env.get('megatron_core', '?')}, driver {env.get('driver', '?')}; {env.get('date_utc', '')}",
+        f"{verdict}: {n_ok}/{len(summary['runs'])} runs ok in {summary['total_seconds']:.0f} s "
+        f"(budget {summary['budget_s']} s)",
+    ]
+    for r in summary["runs"]:
+        devices = ",".join(r["devices"])
+        seconds = "-" if r["seconds"] is None else f"{r['seconds']:.0f} s"
+        lines.append("")
+        lines.append(f"{r['name']}: {'ok' if r['ok'] else 'FAILED'} ({r['backend']}, {r['nproc']} ranks on "
+                     f"{devices}; {r['status']}, {seconds})")
+        if r["kind"] == "functional":
+            lines.append(f"  verdict: {r.get('verdict_line') or r.get('verdict')}")
+            if r.get("golden_file"):
+                lines.append(f"  golden values: {Path(r['golden_file']).name}")
+        else:
+            lines.extend(_memory_lines(r))
+        for p in r.get("problems", []):
+            lines.append(f"  problem: {p}")
+    return "\n".join(lines) + "\n"
+
+
+def write(out: Path) -> dict:
+    """``summarize(out)``, written to ``out/summary.json`` and ``out/report.txt``."""
+    summary = summarize(out)
+    Path(out, "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+    Path(out, "report.txt").write_text(render(summary))
+    return summary

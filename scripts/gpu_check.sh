@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# scripts/gpu_check.sh: the patch series on CUDA, upstream vs patched, results in a folder.
+#
+#   scripts/gpu_check.sh OUT              # about 8 minutes on one H200; more runs with >= 2 GPUs
+#   scripts/gpu_check.sh --dry-run OUT    # print the runs and commands; works without a GPU
+#   scripts/gpu_check.sh --help
+#
+# In the image: docker run --gpus all --ipc=host --rm -v "$PWD/out:/out" IMAGE scripts/gpu_check.sh /out/gpu
+# The logic is harness/gpu_check (python -m harness.gpu_check); this wrapper picks the Python:
+# $PYTHON, else the repo's .venv (scripts/setup.sh), else python3 (the Docker image).
+# Exit: 0 all runs passed; 1 a run failed or timed out; 2 bad usage or no usable GPU.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+if [[ -n "${PYTHON:-}" ]]; then py="$PYTHON"
+elif [[ -x .venv/bin/python ]]; then py=.venv/bin/python
+else py=python3; fi
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+exec "$py" -m harness.gpu_check "$@"

@@ -1,0 +1,360 @@
+"""scripts/gpu_check.sh (harness/gpu_check): what it would launch, how it refuses bad input,
+and the summary and report it makes from a results folder. No GPU needed:
+
+- ``--dry-run`` prints the plan; ``--assume-gpus`` plans for a machine with that many GPUs.
+  The launched command lines are parsed (shlex) and their megatron flags go through
+  megatron's own argument parser, so "the last --distributed-backend wins" is megatron's
+  behaviour, not ours.
+- Bad arguments and an unusable machine exit with 2 before anything is written.
+- ``report`` turns tests/unit_tests/fixtures/gpu_check_results (a results folder as a
+  2-GPU run writes it, with made-up numbers) into summary.json and report.txt; damaged copies
+  of it must fail the right run for the right reason.
+- ``shared_gpu``'s model of what ProcessGroupNCCL allocates per call form, and the memory
+  worker end to end on 2 CPU gloo ranks of both trees (slow).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from harness.gpu_check import plan as plan_mod
+from harness.gpu_check import report, shared_gpu
+from megatron_argcheck import validate_megatron_args
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "scripts" / "gpu_check.sh"
+FIXTURE = Path(__file__).resolve().parent / "fixtures" / "gpu_check_results"
+
+
+def gpu_check(*args, timeout=120):
+    env = {k: v for k, v in os.environ.items() if k not in ("CUDA_VISIBLE_DEVICES",)}
+    return subprocess.run(["bash", str(SCRIPT), *map(str, args)], capture_output=True, text=True,
+                          timeout=timeout, env=env)
+
+
+def dry_plan(tmp_path, *args):
+    """(plan dict from --json, text lines of the plain dry run) for the same arguments."""
+    out = tmp_path / "out"
+    js = gpu_check("--dry-run", "--json", *args, out)
+    assert js.returncode == 0, js.stderr
+    text = gpu_check("--dry-run", *args, out)
+    assert text.returncode == 0, text.stderr
+    assert not out.exists(), "a dry run writes nothing"
+    return json.loads(js.stdout), text.stdout.splitlines()
+
+
+def parse_launch(command: str):
+    """``env VAR=value ... argv`` -> (env dict, argv list)."""
+    words = shlex.split(command)
+    assert words[0] == "env"
+    env, i = {}, 1
+    while "=" in words[i] and not words[i].startswith("-"):
+        k, v = words[i].split("=", 1)
+        env[k] = v
+        i += 1
+    return env, words[i:]
+
+
+def torchrun_parts(argv):
+    """(nproc, script, script args) of a torch.distributed.run command line."""
+    assert argv[1:3] == ["-m", "torch.distributed.run"], argv[:3]
+    nproc = int(argv[argv.index("--nproc-per-node") + 1])
+    script_at = next(i for i, a in enumerate(argv) if a.endswith(".py"))
+    return nproc, Path(argv[script_at]), argv[script_at + 1:]
+
+
+H200 = ("--assume-gpu-name", "NVIDIA H200")
+
+
+@pytest.fixture(scope="module")
+def one_gpu(tmp_path_factory):
+    return dry_plan(tmp_path_factory.mktemp("one"), "--assume-gpus", "1", *H200)
+
+
+@pytest.fixture(scope="module")
+def two_gpus(tmp_path_factory):
+    return dry_plan(tmp_path_factory.mktemp("two"), "--assume-gpus", "2", *H200)
+
+
+def test_without_a_gpu_the_dry_run_plans_for_one(tmp_path, one_gpu):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    out = tmp_path / "out"
+    proc = gpu_check("--dry-run", "--json", out)
+    assert proc.returncode == 0, proc.stderr
+    assert "no GPU here; planning for 1 (NVIDIA H200)" in proc.stderr
+    plan = json.loads(proc.stdout)
+    assert plan["gpus"] == 1 and [r["name"] for r in plan["runs"]] == [r["name"] for r in one_gpu[0]["runs"]]
+    assert not out.exists()
+
+
+def test_one_gpu_runs_dp2_on_cuda0_with_gloo_on_both_trees(one_gpu):
+    plan, _ = one_gpu
+    assert plan["gpus"] == 1 and plan["total_timeout_s"] <= plan["budget_s"] == 480
+    assert [r["name"] for r in plan["runs"]] == ["functional_gloo_shared_gpu", "memory_gloo_shared_gpu"]
+    for run in plan["runs"]:
+        assert (run["backend"], run["nproc"], run["devices"]) == ("gloo", 2, ["cuda:0", "cuda:0"])
+        assert [x["tree"] for x in run["launches"]] == ["upstream", "patched"]
+        for x in run["launches"]:
+            env, argv = parse_launch(x["command"])
+            nproc, script, args = torchrun_parts(argv)
+            assert nproc == 2
+            assert env["MEGATRON_SHARED_GPU"] == "1", "ranks share cuda:0"
+            assert "MEGATRON_CPU_RUNTIME" not in env, "CUDA runs, not the CPU runtime layer"
+            tree_dir = ROOT / "build" / "upstream" if x["tree"] == "upstream" else ROOT
+            assert env["PYTHONPATH"].split(os.pathsep)[0] == str(tree_dir)
+            assert Path(env["MEGATRON_EXPECT_TREE"]) == tree_dir / "megatron"
+            if run["kind"] == "memory":
+                assert script.name == "memory_worker.py"
+                assert args[args.index("--backend") + 1] == "gloo"
+                assert Path(args[args.index("--out") + 1]).name == f"{x['tree']}.json"
+            else:
+                assert script.name == "pretrain_gpt.py"
+
+
+def test_functional_launch_is_the_default_case_on_gloo_for_megatron(one_gpu, two_gpus):
+    cases = []
+    for plan, backend in ((one_gpu[0], "gloo"), (two_gpus[0], "nccl")):
+        run = next(r for r in plan["runs"] if r["kind"] == "functional" and r["backend"] == backend)
+        assert run["golden_file"] == f"golden_values_h200_{backend}.json"
+        for x in run["launches"]:
+            _, argv = parse_launch(x["command"])
+            _, _, args = torchrun_parts(argv)
+            cases.append({"argv": args, "world_size": 2,
+                          "attrs": ["distributed_backend", "optimizer", "overlap_param_gather", "data_parallel_size"]})
+    results = validate_megatron_args(cases)
+    assert all(r["ok"] for r in results), results
+    assert [r["attrs"]["distributed_backend"] for r in results] == ["gloo", "gloo", "nccl", "nccl"]
+    assert all(r["attrs"]["optimizer"] == "dist_muon" and r["attrs"]["overlap_param_gather"]
+               and r["attrs"]["data_parallel_size"] == 2 for r in results)
+
+
+def test_nccl_runs_only_with_two_or_more_gpus(one_gpu, two_gpus, tmp_path):
+    assert not any(r["backend"] == "nccl" for r in one_gpu[0]["runs"])
+    plan, _ = two_gpus
+    nccl = {r["name"]: r for r in plan["runs"] if r["backend"] == "nccl"}
+    assert set(nccl) == {"functional_nccl", "memory_nccl", "memory_nccl_equal_shares"}
+    for run in nccl.values():
+        assert run["devices"] == [f"cuda:{i}" for i in range(run["nproc"])], "one rank per GPU"
+        for x in run["launches"]:
+            env, argv = parse_launch(x["command"])
+            assert "MEGATRON_SHARED_GPU" not in env and "MEGATRON_CPU_RUNTIME" not in env
+            assert torchrun_parts(argv)[0] == run["nproc"]
+    assert nccl["memory_nccl_equal_shares"]["config"] == "equal_shares"
+    assert plan["total_timeout_s"] <= plan["budget_s"]
+    big, _ = dry_plan(tmp_path, "--assume-gpus", "16", "--assume-gpu-name", "NVIDIA A100-SXM4-80GB")
+    mem = next(r for r in big["runs"] if r["name"] == "memory_nccl")
+    assert mem["nproc"] == 8 and big["gpu_slug"] == "a100"
+
+
+def test_text_dry_run_lists_the_same_runs_and_commands(two_gpus):
+    plan, lines = two_gpus
+    run_lines = [l.split() for l in lines if l.startswith("run ")]
+    assert [w[1] for w in run_lines] == [r["name"] for r in plan["runs"]]
+    for words, run in zip(run_lines, plan["runs"]):
+        fields = dict(w.split("=", 1) for w in words[2:])
+        assert fields["backend"] == run["backend"] and int(fields["ranks"]) == run["nproc"]
+        assert fields["devices"].split(",") == run["devices"] and int(fields["timeout_s"]) == run["timeout_s"]
+    launches = [l.split(": ", 1)[1] for l in lines if l.startswith("  launch ")]
+    assert launches == [x["command"] for r in plan["runs"] for x in r["launches"]]
+
+
+@pytest.mark.parametrize("args, message", [
+    ([], "the following arguments are required: out"),
+    (["--assume-gpus", "2", "OUT"], "--assume-gpus is only for --dry-run"),
+    (["--json", "OUT"], "--json is only for --dry-run"),
+    (["--dry-run", "--assume-gpus", "0", "OUT"], "--assume-gpus must be >= 1"),
+    (["--dry-run", "--assume-gpus", "two", "OUT"], "invalid int value"),
+    (["--dry-run", "--assume-gpus", "1", "--assume-gpu-name", "NVIDIA", "OUT"], "cannot make a GPU type"),
+    (["--bogus", "OUT"], "unrecognized arguments: --bogus"),
+    (["FILE"], "exists and is not a folder"),
+    (["FULL"], "is not empty"),
+])
+def test_bad_input_exits_2_with_a_message_and_writes_nothing(tmp_path, args, message):
+    (tmp_path / "FILE").write_text("x")
+    (tmp_path / "FULL").mkdir()
+    (tmp_path / "FULL" / "old.json").write_text("{}")
+    before = sorted(p.name for p in tmp_path.rglob("*"))
+    proc = gpu_check(*[str(tmp_path / a) if a in ("OUT", "FILE", "FULL") else a for a in args])
+    assert proc.returncode == 2, proc
+    assert message in proc.stderr
+    assert sorted(p.name for p in tmp_path.rglob("*")) == before
+
+
+def test_real_run_without_a_gpu_refuses(tmp_path):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    proc = gpu_check(tmp_path / "out")
+    assert proc.returncode == 2 and "no CUDA GPU found" in proc.stderr
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("name, slug", [("NVIDIA H200", "h200"), ("NVIDIA H100 80GB HBM3", "h100"),
+                                        ("NVIDIA A100-SXM4-80GB", "a100"), ("Tesla V100-SXM2-32GB", "v100"),
+                                        ("NVIDIA GeForce RTX 4090", "rtx")])
+def test_golden_file_is_per_gpu_type_and_backend(name, slug):
+    assert plan_mod.gpu_slug(name) == slug
+    assert plan_mod.golden_file(name, "gloo") == f"golden_values_{slug}_gloo.json"
+
+
+# ----------------------------------------------------------------------------- report
+@pytest.fixture
+def results(tmp_path):
+    dst = tmp_path / "results"
+    shutil.copytree(FIXTURE, dst)
+    return dst
+
+
+def edit_json(path: Path, fn):
+    doc = json.loads(path.read_text())
+    fn(doc)
+    path.write_text(json.dumps(doc))
+
+
+def test_report_of_a_recorded_run(results):
+    summary = report.write(results)
+    assert summary["ok"] and summary["gpus"] == 2 and summary["total_seconds"] == pytest.approx(395.75)
+    runs = {r["name"]: r for r in summary["runs"]}
+    mem = runs["memory_gloo_shared_gpu"]
+    MiB = 2**20
+    # Last step, maximum over ranks: upstream 800 + 10 (rank 1) + 1 (step 2) MiB, patched 111 MiB.
+    assert mem["trees"]["upstream"]["forward_peak_extra_bytes"] == 811 * MiB
+    assert mem["trees"]["patched"]["forward_peak_extra_bytes"] == 111 * MiB
+    assert mem["forward_peak_extra_saved_bytes"] == 700 * MiB
+    assert mem["sync_peak_extra_saved_bytes"] == 700 * MiB and mem["losses_bitwise_equal"]
+    assert mem["trees"]["upstream"]["sync_gather_calls"]["nccl_temporary_bytes"] == 80_000_000
+    assert mem["trees"]["upstream"]["buckets_with_equal_shares"] == 1
+    assert runs["functional_nccl"]["verdict"] == "identical"
+    assert json.loads((results / "summary.json").read_text()) == summary
+    text = (results / "report.txt").read_text()
+    lines = text.splitlines()
+    assert lines[1] == "PASS: 4/4 runs ok in 396 s (budget 900 s)"
+    assert "memory_gloo_shared_gpu: ok (gloo, 2 ranks on cuda:0,cuda:0; ok, 120 s)" in lines
+    row = next(l for l in lines if l.strip().startswith("forward peak over allocated")).split()
+    assert row[-6:] == ["811.00", "MiB", "111.00", "MiB", "700.00", "MiB"]
+    assert any("NCCL would allocate 76.29 MiB" in l for l in lines if l.strip().startswith("upstream all-gathers"))
+    assert "  lm loss over 2 steps: bitwise equal" in lines
+
+
+def test_report_fails_a_run_whose_loss_differs(results):
+    def flip(doc):
+        doc["ranks"][0]["steps"][1]["loss_hex"] = "0x1.3800000000001p+3"
+    edit_json(results / "memory_gloo_shared_gpu" / "patched.json", flip)
+    summary = report.summarize(results)
+    mem = next(r for r in summary["runs"] if r["name"] == "memory_gloo_shared_gpu")
+    assert not summary["ok"] and not mem["ok"] and not mem["losses_bitwise_equal"]
+    assert mem["problems"] == ["lm loss differs at step 2: upstream 0x1.3800000000000p+3, patched 0x1.3800000000001p+3"]
+    assert "FAIL: 3/4 runs ok" in report.render(summary)
+
+
+def test_report_fails_nccl_when_the_patched_sync_allocates(results):
+    def alloc(doc):
+        doc["ranks"][1]["sync"]["peak_extra_bytes"] = 4096
+    for run in ("memory_nccl", "memory_gloo_shared_gpu"):
+        edit_json(results / run / "patched.json", alloc)
+    runs = {r["name"]: r for r in report.summarize(results)["runs"]}
+    assert runs["memory_nccl"]["problems"] == ["patched param sync allocated on NCCL: ['0 B', '4.00 KiB'] per rank"]
+    assert runs["memory_gloo_shared_gpu"]["ok"], "on gloo the CUDA bytes are reported, not required"
+
+
+def test_report_of_runs_that_timed_out_or_left_nothing(results):
+    def timeout(doc):
+        doc[3].update(status="timeout", returncode=None)
+    edit_json(results / "runs.json", timeout)
+    (results / "memory_gloo_shared_gpu" / "patched.json").unlink()
+    shutil.rmtree(results / "functional_nccl")
+    runs = {r["name"]: r for r in report.summarize(results)["runs"]}
+    assert runs["memory_nccl"]["problems"][0] == "run timeout" and not runs["memory_nccl"]["ok"]
+    assert runs["memory_gloo_shared_gpu"]["problems"][0].startswith("patched: no result")
+    assert runs["functional_nccl"]["verdict"] == "no result" and not runs["functional_nccl"]["ok"]
+    assert runs["functional_gloo_shared_gpu"]["ok"]
+
+
+def test_summarize_refuses_a_folder_that_is_not_results(tmp_path):
+    with pytest.raises(report.ResultsError, match="plan.json"):
+        report.summarize(tmp_path)
+
+
+@pytest.mark.parametrize("n, text", [(None, "n/a"), (0, "0 B"), (1023, "1023 B"), (1536, "1.50 KiB"),
+                                     (3 * 2**30, "3.00 GiB"), (-2**20, "-1.00 MiB")])
+def test_fmt_bytes(n, text):
+    assert report.fmt_bytes(n) == text
+
+
+# ----------------------------------------------------------------------------- rank side
+def test_nccl_temporary_model_per_call_form():
+    equal = shared_gpu.GatherCall("list", "nccl", 4, [10, 10, 10, 10], 2, "cuda")
+    uneven = shared_gpu.GatherCall("list", "nccl", 4, [10, 12, 10, 0], 2, "cuda")
+    into = shared_gpu.GatherCall("into_tensor", "nccl", 4, [10] * 4, 2, "cuda")
+    assert equal.nccl_temporary_bytes == 4 * 10 * 2, "one flat world_size x numel output"
+    assert uneven.nccl_temporary_bytes == 0 and into.nccl_temporary_bytes == 0
+    s = shared_gpu.summarize_calls([equal, uneven, into])
+    assert s == {"calls": 3, "list_equal": 1, "list_unequal": 1, "into_tensor": 1,
+                 "received_bytes": (40 + 32 + 40) * 2, "nccl_temporary_bytes": 80}
+
+
+@pytest.mark.parametrize("local, count, want", [(0, 1, 0), (1, 1, 0), (3, 2, 1), (5, 8, 5)])
+def test_shared_local_rank(local, count, want):
+    assert shared_gpu.shared_local_rank(local, count) == want
+
+
+def test_shared_gpu_needs_a_gpu():
+    with pytest.raises(RuntimeError, match="needs a CUDA GPU"):
+        shared_gpu.shared_local_rank(1, 0)
+
+
+def test_recorded_gathers_on_a_one_rank_gloo_group(monkeypatch):
+    import torch
+    import torch.distributed as dist
+
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(29000 + os.getpid() % 1000))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        shared_gpu.record_gathers()
+        shared_gpu.CALLS.clear()
+        out = [torch.zeros(3)]
+        dist.all_gather(out, torch.arange(3.0))
+        flat = torch.zeros(3)
+        dist.all_gather_into_tensor(flat, torch.arange(3.0))
+        assert out[0].tolist() == flat.tolist() == [0.0, 1.0, 2.0]
+        assert [(c.form, c.backend, c.world, c.slot_numels, c.itemsize) for c in shared_gpu.CALLS] == [
+            ("list", "gloo", 1, [3], 4), ("into_tensor", "gloo", 1, [3], 4)]
+    finally:
+        shared_gpu.uninstall()
+        dist.destroy_process_group()
+    assert dist.all_gather is dist.distributed_c10d.all_gather and not shared_gpu.CALLS
+
+
+@pytest.mark.slow
+@pytest.mark.gloo
+def test_memory_worker_on_cpu_ranks_gives_equal_losses_on_both_trees(tmp_path):
+    """The memory worker end to end on 2 CPU gloo ranks (CPU runtime layer; no CUDA figures),
+    upstream and patched: the report finds the same lm loss bit for bit and the same params."""
+    from harness import launch
+
+    run_dir = tmp_path / "memory"
+    for tree in ("upstream", "patched"):
+        argv, env = launch.torchrun_command(
+            plan_mod.MEMORY_WORKER, ["--backend", "gloo", "--config", "tiny", "--steps", "2",
+                                     "--out", str(run_dir / f"{tree}.json")], 2, tree=tree, cpu=True)
+        launch.run_command(argv, env, run_dir=tmp_path / f"log_{tree}", timeout_s=400, what=f"memory worker {tree}")
+    doc = json.loads((run_dir / "patched.json").read_text())
+    assert [r["rank"] for r in doc["ranks"]] == [0, 1] and doc["gpu"] is None
+    assert doc["ranks"][0]["sync"]["peak_extra_bytes"] is None, "no CUDA allocator figures on CPU"
+    summary = report.summarize_memory({"backend": "gloo"}, run_dir)
+    assert summary["ok"], summary["problems"]
+    assert summary["losses_bitwise_equal"] and len(summary["trees"]["upstream"]["losses_hex"]) == 2
+    calls = summary["trees"]["patched"]["sync_gather_calls"]
+    assert calls["calls"] >= 1 and calls["received_bytes"] == summary["trees"]["patched"]["param_bytes"]
