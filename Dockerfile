@@ -6,6 +6,8 @@
 #   docker build -t megatron-layerwise-ag:core_v0.17.1 .
 #   docker run --gpus all --ipc=host --ulimit memlock=-1 --ulimit stack=67108864 --rm -it \
 #       megatron-layerwise-ag:core_v0.17.1 scripts/launch_pretrain_gpt.sh --fp32-grad-accum
+#   docker run --gpus all --ipc=host --rm -v "$PWD/gpu-results:/results" \
+#       megatron-layerwise-ag:core_v0.17.1 scripts/gpu_check.sh /results/run1
 #
 # Base image: nvcr.io/nvidia/pytorch:25.12-py3, pinned by tag. Why this one:
 #   - Python 3.12: NVIDIA's 25.12 release notes install torch under
@@ -13,7 +15,7 @@
 #     Python >= 3.12 (its wheel is cp312, Requires-Python >= 3.12); the 24.xx images have 3.10.
 #   - PyTorch 2.10.0a0 (per the same notes); megatron-core 0.17.1 needs torch >= 2.6. CUDA 13.1,
 #     the same major version as our CPU-side lock (torch 2.11.0+cu130); it needs an R580+
-#     driver (the H200s we test on run 580.x).
+#     driver.
 #   - Transformer Engine is preinstalled in NGC PyTorch images since 22.09 (TE's install guide),
 #     and apex ships in them as well; the first RUN below fails the build if either is missing.
 #   - Megatron's install guide recommends a previous NGC release over the latest one. 25.12 is
@@ -30,13 +32,14 @@ LABEL org.opencontainers.image.title="megatron-layerwise-ag" \
 ARG MEGATRON_LM_REPO=https://github.com/NVIDIA/Megatron-LM.git
 ARG MEGATRON_LM_REF=core_v0.17.1
 # Which unit tests run as a build step (markers from pytest.ini). gloo tests spawn CPU ranks and
-# slow ones train; both stay for scripts/test.sh and the device check.
+# slow ones train; both stay for scripts/test.sh and scripts/gpu_check.sh.
 ARG UNIT_TEST_MARKERS="not slow and not gloo"
 
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 ENV PYTHONUNBUFFERED=1 \
     CUDA_DEVICE_MAX_CONNECTIONS=1 \
-    MEGATRON_LM=/workspace/Megatron-LM
+    MEGATRON_LM=/workspace/Megatron-LM \
+    HARNESS=/workspace/megatron-layerwise-ag
 
 # 1. What we rely on from the base: Python >= 3.12, torch, Transformer Engine, apex. Checked by
 #    presence (find_spec): importing TE needs a GPU driver, which a build does not have.
@@ -48,26 +51,30 @@ COPY requirements/docker.txt /tmp/requirements-docker.txt
 RUN python3 -m pip install --no-cache-dir -r /tmp/requirements-docker.txt
 
 # 3. Megatron-LM at the pinned ref, with the C++ dataset helpers built now (not at first run).
-RUN git clone --depth 1 --branch "${MEGATRON_LM_REF}" "${MEGATRON_LM_REPO}" /workspace/Megatron-LM \
- && make -C /workspace/Megatron-LM/megatron/core/datasets
+RUN git clone --depth 1 --branch "${MEGATRON_LM_REF}" "${MEGATRON_LM_REPO}" "${MEGATRON_LM}" \
+ && make -C "${MEGATRON_LM}/megatron/core/datasets"
 
 # 4. This repo. The harness finds the pristine tree in build/upstream/megatron: copy it from the
 #    clone before the series goes in.
-COPY . /workspace/megatron-layerwise-ag
-WORKDIR /workspace/megatron-layerwise-ag
+COPY . ${HARNESS}
+WORKDIR ${HARNESS}
 RUN mkdir -p build/upstream \
- && cp -a /workspace/Megatron-LM/megatron build/upstream/megatron
+ && cp -a "${MEGATRON_LM}/megatron" build/upstream/megatron
 
 # 5. Apply the series (git am: one commit per patch). apply_patches.sh exits non-zero, and so
 #    fails the build, unless every patch applies with no fuzz and no offset; --check confirms.
 #    The repo's megatron/ then points at the patched checkout, as scripts/setup.sh's would.
 RUN export GIT_COMMITTER_NAME="megatron-layerwise-ag image" GIT_COMMITTER_EMAIL="image@invalid" \
- && bash scripts/apply_patches.sh /workspace/Megatron-LM \
- && bash scripts/apply_patches.sh /workspace/Megatron-LM --check \
- && ln -sfn /workspace/Megatron-LM/megatron megatron
+ && bash scripts/apply_patches.sh "${MEGATRON_LM}" \
+ && bash scripts/apply_patches.sh "${MEGATRON_LM}" --check \
+ && ln -sfn "${MEGATRON_LM}/megatron" megatron
 
-# 6. The fast unit tests, as a build step.
-RUN PYTHONPATH=/workspace/megatron-layerwise-ag python3 -m pytest tests/unit_tests -q \
+# 6. The functional tests' training data (build/data), so that scripts/gpu_check.sh and
+#    scripts/run_functional_test.sh train at once.
+RUN PYTHONPATH="${HARNESS}" python3 -m harness.data
+
+# 7. The fast unit tests, as a build step.
+RUN PYTHONPATH="${HARNESS}" python3 -m pytest tests/unit_tests -q \
         -p no:cacheprovider -m "${UNIT_TEST_MARKERS}"
 
 CMD ["bash"]
