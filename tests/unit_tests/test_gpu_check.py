@@ -314,13 +314,14 @@ def test_shared_gpu_needs_a_gpu():
         shared_gpu.shared_local_rank(1, 0)
 
 
-def test_recorded_gathers_on_a_one_rank_gloo_group(monkeypatch):
+def test_recorded_gathers_on_a_one_rank_gloo_group(tmp_path):
     import torch
     import torch.distributed as dist
 
-    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", str(29000 + os.getpid() % 1000))
-    dist.init_process_group("gloo", rank=0, world_size=1)
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialized in this process")
+    # A FileStore: no TCP port to collide with other runs on the machine.
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
     try:
         shared_gpu.record_gathers()
         shared_gpu.CALLS.clear()
