@@ -274,7 +274,7 @@ class Setup:
 @contextlib.contextmanager
 def device_mode_suspended():
     """Suspend the CPU runtime layer's device-mapping TorchFunctionMode (item 1 of
-    harness/cpu_runtime.py) while measuring.
+    harness/cpu_runtime/device.py) while measuring.
 
     The mode intercepts every torch call (a few microseconds each) to rewrite CUDA device
     arguments; it is needed to BUILD megatron objects on CPU, not to run the sync (which
@@ -283,15 +283,8 @@ def device_mode_suspended():
     GPU run has. The uneven gloo all_gather (item 9) replaces a function, not a mode, and
     stays active. A no-op when the layer is not installed.
     """
-    mode = cpu_runtime._mode
-    if mode is None:
+    with cpu_runtime.device_mapping_suspended():
         yield
-        return
-    mode.__exit__(None, None, None)
-    try:
-        yield
-    finally:
-        mode.__enter__()
 
 
 def _sync_device(device: str) -> None:

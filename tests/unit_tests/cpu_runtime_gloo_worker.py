@@ -1,57 +1,30 @@
 """One gloo rank for tests/unit_tests/test_cpu_runtime.py (not collected by pytest).
 
-Run by the test as ``python cpu_runtime_gloo_worker.py OUT_DIR`` with RANK, WORLD_SIZE,
-MASTER_ADDR and MASTER_PORT set; installs harness.cpu_runtime, runs every check and writes
-``OUT_DIR/rank<R>.json`` with the measured facts. The test asserts on them, so a wrong result
-fails there with the rank and case named; an exception here exits non-zero (the test shows
-the stderr tail).
+Run by the test under torchrun (``harness.launch.torchrun_command``) as
+``cpu_runtime_gloo_worker.py OUT_DIR``; installs harness.cpu_runtime, runs every check and
+writes ``OUT_DIR/rank<R>.json`` with the measured facts. The test asserts on them, so a
+wrong result fails there with the rank and case named; an exception here exits non-zero
+(the test shows the stderr tail).
 """
 
 from __future__ import annotations
 
 import json
 import os
-import resource
 import sys
 from typing import Dict, List, Optional
 
 import torch
 import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 import harness.cpu_runtime as cpu_runtime
+from harness.alloc_counter import AllocationCounter
+from harness.cpu_runtime import collectives
 
 # Slot sizes per rank (elements); index 1 is empty, so every world >= 2 has an empty slot.
 SIZES = [5, 0, 3, 7]
-
-
-class CountAllocations(TorchDispatchMode):
-    """Counts ops whose output tensor has storage that none of the op's inputs had.
-
-    ``bytes`` is the sum of those new storages' ``nbytes``; ``ops`` names the ops.
-    """
-
-    def __init__(self):
-        super().__init__()
-        self.bytes = 0
-        self.ops: List[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        inputs = {
-            t.untyped_storage().data_ptr()
-            for t in tree_flatten((args, kwargs))[0]
-            if isinstance(t, torch.Tensor)
-        }
-        out = func(*args, **kwargs)
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor) and t.untyped_storage().nbytes() > 0:
-                if t.untyped_storage().data_ptr() not in inputs:
-                    self.bytes += t.untyped_storage().nbytes()
-                    self.ops.append(str(func))
-        return out
+EQUAL_NUMEL = 6
 
 
 def profiled_alloc_bytes(fn) -> int:
@@ -64,10 +37,12 @@ def profiled_alloc_bytes(fn) -> int:
     return sum(max(0, e.self_cpu_memory_usage) for e in prof.events())
 
 
-def dispatch_alloc(fn) -> Dict[str, object]:
-    with CountAllocations() as counter:
+def counted(fn) -> Dict[str, object]:
+    """Dispatch-level allocations and model records of ``fn()``."""
+    with AllocationCounter() as counter, cpu_runtime.record_collectives() as calls:
         fn()
-    return {"bytes": counter.bytes, "ops": counter.ops}
+    return {"bytes": counter.temporary_bytes, "ops": [op for op, _ in counter.events],
+            "records": [c.as_dict() for c in calls]}
 
 
 def _status_kb(field: str) -> int:
@@ -95,26 +70,27 @@ def peak_rss_growth(fn) -> Optional[int]:
 
 
 def gloo_native_all_gather(outs: List[torch.Tensor], inp: torch.Tensor) -> None:
-    """torch's own all_gather on gloo. Torch-function handling is disabled: with the runtime's
-    mode active, torch.distributed.all_gather re-dispatches to the patched module attribute."""
+    """torch's own all_gather on gloo, bypassing the model."""
     with torch._C.DisableTorchFunction():
-        cpu_runtime._real_all_gather(outs, inp)
+        collectives._real_all_gather(outs, inp)
 
 
 def rss_growth(world: int, slot_numel: int) -> Dict[str, Optional[int]]:
     """Peak-RSS growth (bytes) of gathers of ``world`` fp32 slots of ``slot_numel`` each.
 
     Buffers are touched before measuring and one warm-up gather runs first (gloo sets up
-    its transport lazily). Control: gloo's own allgather flattens into a new
-    ``world * slot`` buffer, which must show up; it runs last and only once, because
-    afterwards malloc reuses that freed, already resident region.
+    its transport lazily). ``into_tensor``: the model's all_gather_into_tensor must not
+    grow. Control: gloo's own allgather flattens into a new ``world * slot`` buffer, which
+    must show up; it runs last and only once, because afterwards malloc reuses that freed,
+    already resident region.
     """
-    outs = [torch.zeros(slot_numel) for _ in range(world)]
+    out = torch.zeros(world * slot_numel)
+    outs = list(out.split(slot_numel))
     inp = torch.ones(slot_numel)
-    cpu_runtime.all_gather_by_broadcast(outs, inp)  # warm-up (gloo transport)
+    dist.all_gather_into_tensor(out, inp)  # warm-up (gloo transport)
     return {
-        "sync": peak_rss_growth(lambda: dist.all_gather(outs, inp)),
-        "async": peak_rss_growth(lambda: dist.all_gather(outs, inp, async_op=True).wait()),
+        "into_tensor": peak_rss_growth(lambda: dist.all_gather_into_tensor(out, inp)),
+        "into_tensor_async": peak_rss_growth(lambda: dist.all_gather_into_tensor(out, inp, async_op=True).wait()),
         "control_gloo_allgather": peak_rss_growth(lambda: gloo_native_all_gather(outs, inp)),
         "slot_bytes": slot_numel * 4,
     }
@@ -127,70 +103,124 @@ def rank_values(rank: int, n: int, dtype: torch.dtype) -> torch.Tensor:
 
 def main(out_dir: str) -> None:
     cpu_runtime.install(force=True)  # the layer is under test, also on a GPU machine
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
     sizes = SIZES[:world]
     facts: Dict[str, object] = {"rank": rank, "world": world, "sizes": sizes}
     facts["rss"] = rss_growth(world, 1 << 20)
 
-    def outputs(dtype, alias_own: bool, inp: torch.Tensor) -> List[torch.Tensor]:
-        """Carve slots out of one flat buffer (like grad_data); own slot = inp if alias_own."""
-        flat = torch.full((sum(sizes),), -1.0, dtype=dtype)
-        slots = list(torch.split(flat, sizes))
+    def slots_of(sizes_, dtype, alias_own: bool, inp: torch.Tensor) -> List[torch.Tensor]:
+        """Slots carved out of one flat buffer (like grad_data); own slot = inp if alias_own."""
+        flat = torch.full((sum(sizes_),), -1.0, dtype=dtype)
+        slots = list(torch.split(flat, sizes_))
         if alias_own:
             slots[rank] = inp
         return slots
 
-    # 1. uneven, sync, bf16 and fp32, own slot aliased (upstream) or separate (patched layout)
-    for dtype in (torch.bfloat16, torch.float32):
-        for alias_own in (True, False):
-            inp = rank_values(rank, sizes[rank], dtype)
-            outs = outputs(dtype, alias_own, inp)
-            work = dist.all_gather(outs, inp)
-            ok = all(torch.equal(o, rank_values(r, sizes[r], dtype)) for r, o in enumerate(outs))
-            facts[f"sync_{dtype}_{'alias' if alias_own else 'sep'}"] = {"equal": ok, "work_is_none": work is None}
+    def gathered_right(slots, sizes_, dtype, sign=1) -> bool:
+        return all(torch.equal(o, sign * rank_values(r, sizes_[r], dtype)) for r, o in enumerate(slots))
 
-    # 2. async: two gathers in flight, wait both, then compare
-    inp_a = rank_values(rank, sizes[rank], torch.float32)
-    inp_b = rank_values(rank, sizes[rank], torch.float32) * -1
-    outs_a = outputs(torch.float32, False, inp_a)
-    outs_b = outputs(torch.float32, False, inp_b)
-    work_a = dist.all_gather(outs_a, inp_a, async_op=True)
-    work_b = dist.all_gather(outs_b, inp_b, async_op=True)
-    waited = [work_b.wait(), work_a.wait()]
-    facts["async"] = {
-        "has_wait": hasattr(work_a, "wait"),
-        "wait_returned": waited,
-        "completed": work_a.is_completed() and work_b.is_completed(),
-        "equal_a": all(torch.equal(o, rank_values(r, sizes[r], torch.float32)) for r, o in enumerate(outs_a)),
-        "equal_b": all(torch.equal(o, -rank_values(r, sizes[r], torch.float32)) for r, o in enumerate(outs_b)),
+    # 1. list form, unequal and equal sizes, sync; own slot aliased (upstream) or separate.
+    for label, sizes_ in (("unequal", sizes), ("equal", [EQUAL_NUMEL] * world)):
+        for dtype in (torch.bfloat16, torch.float32):
+            for alias_own in (True, False):
+                inp = rank_values(rank, sizes_[rank], dtype)
+                outs = slots_of(sizes_, dtype, alias_own, inp)
+                res = {}
+                c = counted(lambda: res.setdefault("work", dist.all_gather(outs, inp)))
+                facts[f"list_{label}_{dtype}_{'alias' if alias_own else 'sep'}"] = {
+                    "equal": gathered_right(outs, sizes_, dtype), "work_is_none": res["work"] is None,
+                    "alloc_bytes": c["bytes"], "records": c["records"],
+                }
+
+    # 2. all_gather_into_tensor, sync, input separate or its own chunk of the output.
+    for in_place in (False, True):
+        dtype = torch.bfloat16
+        out = torch.full((world * EQUAL_NUMEL,), -1.0, dtype=dtype)
+        inp = rank_values(rank, EQUAL_NUMEL, dtype)
+        if in_place:
+            out[rank * EQUAL_NUMEL:(rank + 1) * EQUAL_NUMEL] = inp
+            inp = out[rank * EQUAL_NUMEL:(rank + 1) * EQUAL_NUMEL]
+        c = counted(lambda: dist.all_gather_into_tensor(out, inp))
+        facts[f"into_tensor_{'inplace' if in_place else 'sep'}"] = {
+            "equal": gathered_right(list(out.split(EQUAL_NUMEL)), [EQUAL_NUMEL] * world, dtype),
+            "alloc_bytes": c["bytes"], "records": c["records"],
+        }
+
+    # 3. async: two gathers in flight per form, wait both (reverse order), then compare.
+    def async_case(make):
+        a_out, a_work, a_check = make(1)
+        b_out, b_work, b_check = make(-1)
+        waited = [b_work.wait(), a_work.wait()]
+        return {"wait_returned": waited, "completed": a_work.is_completed() and b_work.is_completed(),
+                "equal_a": a_check(), "equal_b": b_check()}
+
+    def make_list(sizes_):
+        def make(sign):
+            inp = sign * rank_values(rank, sizes_[rank], torch.float32)
+            outs = slots_of(sizes_, torch.float32, False, inp)
+            work = dist.all_gather(outs, inp, async_op=True)
+            return outs, work, lambda: gathered_right(outs, sizes_, torch.float32, sign)
+        return make
+
+    def make_into(sign):
+        out = torch.zeros(world * EQUAL_NUMEL)
+        work = dist.all_gather_into_tensor(out, sign * rank_values(rank, EQUAL_NUMEL, torch.float32),
+                                           async_op=True)
+        return out, work, lambda: gathered_right(list(out.split(EQUAL_NUMEL)), [EQUAL_NUMEL] * world,
+                                                 torch.float32, sign)
+
+    facts["async_unequal"] = async_case(make_list(sizes))
+    facts["async_equal"] = async_case(make_list([EQUAL_NUMEL] * world))
+    facts["async_into_tensor"] = async_case(make_into)
+    # The flat temporary of an async equal-size gather lives until wait(), as on NCCL.
+    inp = rank_values(rank, EQUAL_NUMEL, torch.float32)
+    outs = slots_of([EQUAL_NUMEL] * world, torch.float32, False, inp)
+    with AllocationCounter() as counter:
+        work = dist.all_gather(outs, inp, async_op=True)
+        live_before_wait = counter.live_bytes
+        work.wait()
+        import gc
+
+        gc.collect()
+        live_after_wait = counter.live_bytes
+    facts["async_equal_temporary"] = {"live_before_wait": live_before_wait, "live_after_wait": live_after_wait}
+
+    # 4. inside _coalescing_manager (megatron's distributed-optimizer path): one
+    #    all_gather_into_tensor per bucket, waited through the manager.
+    outs_c = [torch.zeros(world * n) for n in (EQUAL_NUMEL, 2)]
+    with cpu_runtime.record_collectives() as calls:
+        with dist._coalescing_manager(async_ops=True) as cm:
+            for out in outs_c:
+                n = out.numel() // world
+                dist.all_gather_into_tensor(out, rank_values(rank, n, torch.float32), async_op=True)
+        cm.wait()
+    facts["coalesced"] = {
+        "equal": all(gathered_right(list(o.split(o.numel() // world)), [o.numel() // world] * world,
+                                    torch.float32) for o in outs_c),
+        "records": [c.as_dict() for c in calls],
     }
 
-    # 3. allocations inside the gather (buffers are made before measuring)
+    # 5. allocations inside the unequal gather, at the allocator level (torch profiler).
     inp = rank_values(rank, sizes[rank], torch.bfloat16)
-    outs = outputs(torch.bfloat16, False, inp)
+    outs = slots_of(sizes, torch.bfloat16, False, inp)
+    facts["profiler_unequal_sync"] = profiled_alloc_bytes(lambda: dist.all_gather(outs, inp))
+    facts["profiler_unequal_async"] = profiled_alloc_bytes(lambda: dist.all_gather(outs, inp, async_op=True).wait())
+    inp_e = rank_values(rank, 1000, torch.float32)
+    outs_e = slots_of([1000] * world, torch.float32, False, inp_e)
+    facts["profiler_equal_sync"] = profiled_alloc_bytes(lambda: dist.all_gather(outs_e, inp_e))
 
-    def gather_sync():
-        dist.all_gather(outs, inp)
-
-    def gather_async():
-        dist.all_gather(outs, inp, async_op=True).wait()
-
-    facts["alloc_profiler_sync"] = profiled_alloc_bytes(gather_sync)
-    facts["alloc_profiler_async"] = profiled_alloc_bytes(gather_async)
-    facts["alloc_dispatch_sync"] = dispatch_alloc(gather_sync)
-    facts["alloc_dispatch_async"] = dispatch_alloc(gather_async)
-    # Positive controls: the same instruments must see an allocation made next to a gather.
-    # (They only see this thread's torch allocations; rss_growth covers gloo's threads.)
-    facts["control_profiler_empty"] = profiled_alloc_bytes(lambda: (gather_sync(), torch.empty(1000)))
-    facts["control_dispatch_clone"] = dispatch_alloc(lambda: (gather_sync(), torch.ones(1000).clone()))
-
-    # 4. errors carry context
+    # 6. errors carry context
     try:
         dist.all_gather(outs[:-1], inp)
         facts["bad_count_error"] = None
     except ValueError as exc:
         facts["bad_count_error"] = str(exc)
+    try:
+        dist.all_gather_into_tensor(torch.zeros(world * 3 + 1), torch.zeros(3))
+        facts["bad_size_error"] = None
+    except ValueError as exc:
+        facts["bad_size_error"] = str(exc)
 
     dist.barrier()
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:

@@ -220,24 +220,6 @@ def grads_all_zero(s):
     return all_ranks(all(int(torch.count_nonzero(g)) == 0 for g in s.grad_datas()))
 
 
-class GatherCounter:
-    """Counts torch.distributed.all_gather calls (to see whether a pre-hook re-gathers)."""
-
-    def __enter__(self):
-        self.calls = 0
-        self._orig = dist.all_gather
-
-        def counting(*a, **k):
-            self.calls += 1
-            return self._orig(*a, **k)
-
-        dist.all_gather = counting
-        return self
-
-    def __exit__(self, *exc):
-        dist.all_gather = self._orig
-
-
 # ---------------------------------------------------------------------------- scenarios
 def sc_gather(dtype, fp32_grad, bucket_size):
     """Forward pre-hooks gather owners' values; grad_data zero before backward; main_grad
@@ -360,9 +342,9 @@ def sc_forced_sync(dtype, fp32_grad, bucket_size):
     res["idle_grad_data_zero"] = grads_all_zero(s)
     s.ddp.enable_forward_pre_hook()
     s.ddp.zero_grad_buffer()
-    with GatherCounter() as c:
+    with cpu_runtime.record_collectives() as gathers:
         out = s.ddp(s.batch(3, 0))
-    res["no_regather_after_forced_sync"] = all_ranks(c.calls == 0)
+    res["no_regather_after_forced_sync"] = all_ranks(len(gathers) == 0)
     res["params_still_synced_after_forward"] = all_ranks(s.params_equal_targets(3))
     out.float().pow(2).mean().backward()
     s.ddp.finish_grad_sync()
@@ -382,9 +364,9 @@ def sc_forced_sync(dtype, fp32_grad, bucket_size):
         g.start_param_sync(force_sync=True)
     res["pending_params_synced"] = all_ranks(s.params_equal_targets(5))
     res["pending_grad_data_zero"] = grads_all_zero(s)
-    with GatherCounter() as c:
+    with cpu_runtime.record_collectives() as gathers:
         out = s.ddp(s.batch(5, 0))
-    res["pending_no_regather_in_forward"] = all_ranks(c.calls == 0)
+    res["pending_no_regather_in_forward"] = all_ranks(len(gathers) == 0)
     res["pending_params_synced_after_forward"] = all_ranks(s.params_equal_targets(5))
     return res
 
@@ -400,9 +382,9 @@ def sc_free_overlap_buffers(dtype, fp32_grad, bucket_size):
         "params_synced": all_ranks(s.params_equal_targets(6)),
         "grad_data_zero": grads_all_zero(s),
     }
-    with GatherCounter() as c:
+    with cpu_runtime.record_collectives() as gathers:
         s.ddp(s.batch(6, 0))
-    res["no_regather_in_forward"] = all_ranks(c.calls == 0)
+    res["no_regather_in_forward"] = all_ranks(len(gathers) == 0)
     res["params_synced_after_forward"] = all_ranks(s.params_equal_targets(6))
     return res
 
@@ -465,6 +447,15 @@ def _theory_bytes(s, buckets):
     )
 
 
+def _collective_summary(path, calls):
+    """The collective model's numbers for one path (harness.cpu_runtime.collectives)."""
+    return {
+        f"{path}_nccl_model_temporary_bytes": sum(c.nccl_temporary_bytes for c in calls),
+        f"{path}_collective_launches": sum(c.launches for c in calls),
+        f"{path}_collective_forms": sorted({c.form for c in calls}),
+    }
+
+
 def sc_alloc(dtype, fp32_grad, bucket_size):
     """Bytes allocated by the layer-wise param sync (TorchDispatchMode counter)."""
     res = {}
@@ -482,7 +473,7 @@ def sc_alloc(dtype, fp32_grad, bucket_size):
     for path in ("async", "forced"):
         s.ddp.zero_grad_buffer()
         s.simulate_step(step=8)
-        with AllocationCounter() as c:
+        with AllocationCounter() as c, cpu_runtime.record_collectives() as calls:
             for g in s.ddp.bucket_groups:
                 if path == "async":
                     g.start_param_sync()
@@ -491,15 +482,17 @@ def sc_alloc(dtype, fp32_grad, bucket_size):
                     g.start_param_sync(force_sync=True)
         res[f"{path}_bytes"] = c.temporary_bytes
         res[f"{path}_alloc_calls"] = c.alloc_calls
+        res.update(_collective_summary(path, calls))
         res[f"{path}_params_synced"] = all_ranks(s.params_equal_targets(8))
         for g in s.ddp.bucket_groups:
             g.param_gather_dispatched = False
     # The optimizer's synchronous path (no overlap).
     o = Setup(dtype, fp32_grad, overlap=False, bucket_size=bucket_size)
     o.simulate_step(step=9)
-    with AllocationCounter() as c:
+    with AllocationCounter() as c, cpu_runtime.record_collectives() as calls:
         o.opt.allgather_params()
     res["optimizer_bytes"] = c.temporary_bytes
+    res.update(_collective_summary("optimizer", calls))
     res["optimizer_alloc_calls"] = c.alloc_calls
     res["optimizer_params_synced"] = all_ranks(o.params_equal_targets(9))
     owners = o.opt.dp_cp_params_list

@@ -1,4 +1,4 @@
-"""Tests of harness/cpu_runtime.py, the CPU runtime layer.
+"""Tests of harness/cpu_runtime/, the CPU runtime layer and its all-gather collective model.
 
 Single-process tests install the layer in this process and uninstall it afterwards (unless
 it was installed before). Multi-rank tests start real gloo ranks as subprocesses
@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -20,9 +19,12 @@ import pytest
 import torch
 
 import harness.cpu_runtime as cpu_runtime
+from harness.cpu_runtime import installer
+from harness.launch import torchrun_command
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("cpu_runtime_gloo_worker.py")
+EQUAL_NUMEL = 6  # the worker's equal slot size
 
 
 @pytest.fixture
@@ -172,7 +174,7 @@ def test_dataloader_iter_consumes_rng_without_layer(clean_runtime):
 
 
 def test_refuses_on_real_gpu_before_patching(clean_runtime, monkeypatch):
-    monkeypatch.setattr(cpu_runtime, "_real_gpu_present", lambda: True)
+    monkeypatch.setattr(installer, "real_gpu_present", lambda: True)
     real_is_available, real_type = torch.cuda.is_available, torch.Tensor.type
     with pytest.raises(RuntimeError, match="real CUDA GPU is present"):
         cpu_runtime.install()
@@ -187,7 +189,7 @@ def test_refuses_on_real_gpu_before_patching(clean_runtime, monkeypatch):
 
 
 def test_install_if_requested_env(clean_runtime, monkeypatch):
-    monkeypatch.setattr(cpu_runtime, "_real_gpu_present", lambda: True)
+    monkeypatch.setattr(installer, "real_gpu_present", lambda: True)
     monkeypatch.delenv(cpu_runtime.ENV_VAR, raising=False)
     assert cpu_runtime.install_if_requested() is False and not cpu_runtime.is_installed()
     monkeypatch.setenv(cpu_runtime.ENV_VAR, "force")
@@ -197,33 +199,15 @@ def test_install_if_requested_env(clean_runtime, monkeypatch):
 
 
 # ----------------------------------------------------------------------------- gloo ranks
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run_gloo_workers(world: int, out_dir: Path, timeout_s: int = 240) -> List[Dict]:
     """Start ``world`` gloo ranks of the worker script; return each rank's facts."""
-    port = _free_port()
-    procs = []
-    for rank in range(world):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=str(port), PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-                   PYTHONWARNINGS="ignore")
-        procs.append(subprocess.Popen([sys.executable, str(WORKER), str(out_dir)], env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    failures = []
-    for rank, proc in enumerate(procs):
-        try:
-            _, err = proc.communicate(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            for p in procs:
-                p.kill()
-            raise AssertionError(f"gloo worker rank {rank} of {world} timed out after {timeout_s} s")
-        if proc.returncode != 0:
-            failures.append(f"rank {rank} exit {proc.returncode}:\n" + "\n".join(err.splitlines()[-15:]))
-    assert not failures, "\n".join(failures)
+    argv, env = torchrun_command(WORKER, [str(out_dir)], world, tree="patched")
+    env["PYTHONWARNINGS"] = "ignore"
+    try:
+        proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=timeout_s, cwd=ROOT)
+    except subprocess.TimeoutExpired as exc:
+        raise AssertionError(f"gloo worker x{world} timed out after {timeout_s} s:\n{exc.stderr}") from None
+    assert proc.returncode == 0, f"gloo worker x{world} exit {proc.returncode}:\n" + proc.stderr[-4000:]
     return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(world)]
 
 
@@ -232,49 +216,119 @@ def gloo_facts(request, tmp_path_factory) -> List[Dict]:
     return _run_gloo_workers(request.param, tmp_path_factory.mktemp(f"gloo{request.param}"))
 
 
+def _only_record(case: Dict) -> Dict:
+    assert len(case["records"]) == 1, case["records"]
+    return case["records"][0]
+
+
 @pytest.mark.gloo
-def test_uneven_all_gather_equals_reference(gloo_facts):
+def test_list_gather_equals_reference(gloo_facts):
     for facts in gloo_facts:
         assert 0 in facts["sizes"], "the case must include an empty slot"
-        for key, value in facts.items():
-            if key.startswith("sync_"):
-                assert value == {"equal": True, "work_is_none": True}, f"rank {facts['rank']} {key}: {value}"
+        cases = {k: v for k, v in facts.items() if k.startswith("list_")}
+        assert len(cases) == 8
+        for key, case in cases.items():
+            assert case["equal"] and case["work_is_none"], f"rank {facts['rank']} {key}: {case}"
+
+
+@pytest.mark.gloo
+def test_equal_list_gather_allocates_the_nccl_flat_temporary(gloo_facts):
+    """ProcessGroupNCCL::allgather with equal shapes: world x numel bytes, through torch."""
+    for facts in gloo_facts:
+        world = facts["world"]
+        for dtype, itemsize in (("torch.bfloat16", 2), ("torch.float32", 4)):
+            for own in ("alias", "sep"):
+                case = facts[f"list_equal_{dtype}_{own}"]
+                rec = _only_record(case)
+                expected = world * EQUAL_NUMEL * itemsize
+                assert rec["form"] == cpu_runtime.FORM_LIST_EQUAL and rec["launches"] == 1, rec
+                assert rec["nccl_temporary_bytes"] == expected, rec
+                assert case["alloc_bytes"] == expected, f"the allocation counter must see it: {case}"
+                assert rec["wire_bytes"] == (world - 1) * EQUAL_NUMEL * itemsize, rec
+
+
+@pytest.mark.gloo
+def test_unequal_list_gather_is_one_broadcast_per_rank(gloo_facts):
+    for facts in gloo_facts:
+        world, rank, sizes = facts["world"], facts["rank"], facts["sizes"]
+        case = facts["list_unequal_torch.bfloat16_sep"]
+        rec = _only_record(case)
+        assert rec["form"] == cpu_runtime.FORM_LIST_UNEQUAL and rec["launches"] == world, rec
+        assert rec["nccl_temporary_bytes"] == 0 and case["alloc_bytes"] == 0, case
+        assert rec["slot_numels"] == sizes
+        assert rec["wire_bytes"] == 2 * (sum(sizes) - sizes[rank]), rec
+        # Allocator level (every C++ allocation of this thread): nothing either.
+        assert facts["profiler_unequal_sync"] == 0 and facts["profiler_unequal_async"] == 0, facts
+        # The same instrument sees the flat temporary of the equal-size form (1000 fp32 per rank).
+        assert facts["profiler_equal_sync"] >= world * 1000 * 4, facts
+
+
+@pytest.mark.gloo
+def test_all_gather_into_tensor_allocates_nothing(gloo_facts):
+    for facts in gloo_facts:
+        world = facts["world"]
+        for key in ("into_tensor_sep", "into_tensor_inplace"):
+            case = facts[key]
+            rec = _only_record(case)
+            assert case["equal"], f"rank {facts['rank']} {key}"
+            assert rec["form"] == cpu_runtime.FORM_INTO_TENSOR and rec["launches"] == 1, rec
+            assert rec["nccl_temporary_bytes"] == 0 and case["alloc_bytes"] == 0, case
+            assert rec["wire_bytes"] == (world - 1) * EQUAL_NUMEL * 2, rec
 
 
 @pytest.mark.gloo
 def test_async_work_handles(gloo_facts):
     for facts in gloo_facts:
-        assert facts["async"] == {"has_wait": True, "wait_returned": [True, True], "completed": True,
-                                  "equal_a": True, "equal_b": True}, f"rank {facts['rank']}: {facts['async']}"
+        for key in ("async_unequal", "async_equal", "async_into_tensor"):
+            assert facts[key] == {"wait_returned": [True, True], "completed": True, "equal_a": True,
+                                  "equal_b": True}, f"rank {facts['rank']} {key}: {facts[key]}"
+        temp = facts["async_equal_temporary"]
+        assert temp["live_before_wait"] == facts["world"] * EQUAL_NUMEL * 4, temp
+        assert temp["live_after_wait"] == 0, temp
 
 
 @pytest.mark.gloo
-def test_uneven_all_gather_allocates_nothing(gloo_facts):
+def test_coalescing_manager(gloo_facts):
     for facts in gloo_facts:
-        rank = facts["rank"]
-        # This thread's torch allocations: profiler and dispatch mode see none...
-        assert facts["alloc_profiler_sync"] == 0 and facts["alloc_profiler_async"] == 0, f"{rank=}"
-        assert facts["alloc_dispatch_sync"]["bytes"] == 0, f"{rank=} {facts['alloc_dispatch_sync']}"
-        assert facts["alloc_dispatch_async"]["bytes"] == 0, f"{rank=} {facts['alloc_dispatch_async']}"
-        # ...while the same instruments do see an allocation next to a gather.
-        assert facts["control_profiler_empty"] >= 4000, f"{rank=} profiler control"
-        assert facts["control_dispatch_clone"]["bytes"] >= 4000, f"{rank=} dispatch control"
+        case = facts["coalesced"]
+        assert case["equal"], facts["rank"]
+        assert [(r["form"], r["coalesced"], r["nccl_temporary_bytes"]) for r in case["records"]] == [
+            (cpu_runtime.FORM_INTO_TENSOR, True, 0)] * 2, case
 
 
 @pytest.mark.gloo
-def test_uneven_all_gather_no_rss_growth(gloo_facts):
-    """Process-wide (gloo threads included): no buffer of slot size appears, while gloo's own
-    allgather shows its ``world * slot`` flat buffer."""
+def test_model_execution_no_rss_growth(gloo_facts):
+    """Process-wide (gloo threads included): all_gather_into_tensor grows nothing of slot
+    size, while gloo's own allgather shows its ``world * slot`` flat buffer."""
     for facts in gloo_facts:
         rss = facts["rss"]
-        if rss["sync"] is None:
+        if rss["into_tensor"] is None:
             pytest.skip("/proc/self/clear_refs not available")
         rank, slot, world = facts["rank"], rss["slot_bytes"], facts["world"]
-        assert rss["sync"] < 64 * 1024 and rss["async"] < 64 * 1024, f"{rank=} {rss=}"
+        assert rss["into_tensor"] < 64 * 1024 and rss["into_tensor_async"] < 64 * 1024, f"{rank=} {rss=}"
         assert rss["control_gloo_allgather"] >= 0.9 * world * slot, f"{rank=} control {rss=}"
 
 
 @pytest.mark.gloo
-def test_all_gather_error_names_rank(gloo_facts):
+def test_errors_name_the_rank(gloo_facts):
     for facts in gloo_facts:
         assert f"rank={facts['rank']}" in facts["bad_count_error"]
+        assert f"rank={facts['rank']}" in facts["bad_size_error"]
+
+
+# ----------------------------------------------------------------------------- the model alone
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_model_counts_world_times_numel_for_equal_list_and_nothing_for_into_tensor(world):
+    """The model's numbers per form, from shapes: a model that counted 0 everywhere fails."""
+    n = 1000
+    equal = cpu_runtime.model_call(cpu_runtime.FORM_LIST_EQUAL, [n] * world, 0, torch.bfloat16)
+    into = cpu_runtime.model_call(cpu_runtime.FORM_INTO_TENSOR, [n] * world, 0, torch.bfloat16)
+    unequal = cpu_runtime.model_call(cpu_runtime.FORM_LIST_UNEQUAL, [n, 0] + [n + 1] * (world - 2), 1,
+                                     torch.float32)
+    assert equal.nccl_temporary_bytes == world * n * 2 and equal.launches == 1
+    assert into.nccl_temporary_bytes == 0 and into.launches == 1
+    assert equal.wire_bytes == into.wire_bytes == (world - 1) * n * 2
+    assert unequal.nccl_temporary_bytes == 0 and unequal.launches == world
+    assert unequal.wire_bytes == (n + (world - 2) * (n + 1)) * 4
+    with pytest.raises(ValueError, match="rank=4 outside a group of 4"):
+        cpu_runtime.model_call(cpu_runtime.FORM_INTO_TENSOR, [1] * 4, 4, torch.float32)

@@ -1,0 +1,407 @@
+"""The all-gather collective model: what ProcessGroupNCCL allocates and launches, run on gloo.
+
+One model serves the unit tests, the functional runs and the bench. It replaces
+``torch.distributed.all_gather``, ``all_gather_into_tensor`` and ``_all_gather_base`` (both
+the ``torch.distributed`` and the ``distributed_c10d`` names). For each call it
+
+1. allocates, through torch, every temporary that ProcessGroupNCCL would allocate, so that
+   ``harness.alloc_counter`` and the torch profiler see it on CPU as the CUDA caching
+   allocator would on a GPU;
+2. moves the data with gloo broadcasts, one per non-empty rank slot, straight into the
+   destination: the CPU execution itself allocates nothing (gloo's own allgather flattens
+   into a fresh ``world x numel`` buffer in C++, which would hide or fake the difference);
+3. appends a ``CollectiveRecord`` (form, modelled NCCL temporary bytes, NCCL calls, bytes
+   received) to every active ``record_collectives()`` list.
+
+Per call form (torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp, torch 2.x):
+
+=========================  ===================================  ==================  ========
+call                       ProcessGroupNCCL                     NCCL temporary      NCCL
+                                                                                    calls
+=========================  ===================================  ==================  ========
+all_gather, equal shapes   ``allgather``: ``newLikeFlat`` flat  world x numel x     1
+                           output, one ``ncclAllGather`` into   itemsize bytes
+                           it, then ``copy_`` of each slice
+                           into the list (on the NCCL stream)
+all_gather, unequal        ``allgather``: ``startCoalescing``,  0                   world
+                           one ``_broadcast_oop`` per rank
+                           (root i into every ``list[i]``),
+                           ``endCoalescing``
+all_gather_into_tensor /   ``_allgather_base``: one             0                   1
+_all_gather_base           ``ncclAllGather`` straight into the
+                           output (inside ``_coalescing_manager``:
+                           ``allgather_into_tensor_coalesced``)
+=========================  ===================================  ==================  ========
+
+Units: bytes and element counts are per rank. ``wire_bytes`` is what this rank receives from
+the other ranks (every slot but its own; padding included, since padded slots travel).
+
+Invariants:
+- The destination tensors are written only after the gather completed: for the flat form
+  by the slice copies, which run in ``wait()`` of an async handle (the temporary stays
+  alive until then, as NCCL stashes it on the work object).
+- Zero-element slots are not broadcast: gloo aborts the process on empty tensors
+  (pytorch #85234). NCCL still gets a (zero-byte) call for them; the record counts it.
+- Inside ``torch.distributed._coalescing_manager`` a call runs to completion at once and
+  returns a completed handle; the manager's own ``wait()`` then has nothing left to do.
+- Calls on non-gloo groups or non-CPU tensors are recorded and passed to torch unchanged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+from torch.distributed import distributed_c10d as c10d
+
+FORM_LIST_EQUAL = "all_gather/equal"
+FORM_LIST_UNEQUAL = "all_gather/unequal"
+FORM_INTO_TENSOR = "all_gather_into_tensor"
+
+
+@dataclass(frozen=True)
+class CollectiveRecord:
+    """One modelled all-gather call on one rank (see the module docstring's table).
+
+    Attributes:
+        form: ``FORM_LIST_EQUAL``, ``FORM_LIST_UNEQUAL`` or ``FORM_INTO_TENSOR``.
+        nccl_function: the ProcessGroupNCCL path it mirrors.
+        rank, world: this rank within the call's group, and the group size.
+        dtype: e.g. ``"torch.bfloat16"``.
+        slot_numels: elements per rank slot (the list entries, or ``world`` equal chunks).
+        nccl_temporary_bytes: bytes ProcessGroupNCCL allocates for the call.
+        launches: NCCL collective calls issued (``ncclAllGather`` or ``ncclBroadcast``).
+        wire_bytes: bytes this rank receives from the other ranks.
+        async_op: the caller asked for a work handle.
+        coalesced: issued inside ``_coalescing_manager``.
+    """
+
+    form: str
+    nccl_function: str
+    rank: int
+    world: int
+    dtype: str
+    slot_numels: Tuple[int, ...]
+    nccl_temporary_bytes: int
+    launches: int
+    wire_bytes: int
+    async_op: bool
+    coalesced: bool
+
+    def as_dict(self) -> Dict[str, Any]:
+        """JSON-ready fields (``slot_numels`` as a list)."""
+        d = asdict(self)
+        d["slot_numels"] = list(self.slot_numels)
+        return d
+
+
+def model_call(form: str, slot_numels: Sequence[int], rank: int, dtype: torch.dtype,
+               *, async_op: bool = False, coalesced: bool = False) -> CollectiveRecord:
+    """The record of one call, from shapes alone (no tensor is touched).
+
+    Args:
+        form: one of the three ``FORM_*`` names.
+        slot_numels: elements per rank slot, in rank order (``len`` = world size).
+        rank: this rank in the group.
+        dtype: element type of the slots.
+
+    Raises:
+        ValueError: unknown form, or ``rank`` outside the group.
+    """
+    world = len(slot_numels)
+    if not 0 <= rank < world:
+        raise ValueError(f"collective model: {rank=} outside a group of {world}")
+    itemsize = dtype.itemsize
+    received = sum(n for r, n in enumerate(slot_numels) if r != rank) * itemsize
+    if form == FORM_LIST_EQUAL:
+        fn, temp, launches = "ProcessGroupNCCL::allgather (newLikeFlat + ncclAllGather + copy_)", \
+            world * slot_numels[0] * itemsize, 1
+    elif form == FORM_LIST_UNEQUAL:
+        fn, temp, launches = "ProcessGroupNCCL::allgather (coalesced _broadcast_oop per rank)", 0, world
+    elif form == FORM_INTO_TENSOR:
+        fn = ("ProcessGroupNCCL::allgather_into_tensor_coalesced" if coalesced
+              else "ProcessGroupNCCL::_allgather_base")
+        temp, launches = 0, 1
+    else:
+        raise ValueError(f"collective model: unknown form {form!r}")
+    return CollectiveRecord(form, fn, rank, world, str(dtype), tuple(int(n) for n in slot_numels),
+                            int(temp), launches, int(received), bool(async_op), bool(coalesced))
+
+
+# ---------------------------------------------------------------- recording
+_recorders: List[List[CollectiveRecord]] = []
+
+
+@contextlib.contextmanager
+def record_collectives() -> Iterator[List[CollectiveRecord]]:
+    """Collect a ``CollectiveRecord`` per all-gather call made inside the block.
+
+    Works with the CPU runtime layer installed (gloo ranks) and without it (e.g. NCCL
+    ranks on GPUs): then the three functions are wrapped for the block only, record, and
+    call torch's own. Blocks nest; each gets every call made inside it.
+
+    Example::
+
+        with record_collectives() as calls:
+            bucket_group.start_param_sync(); bucket_group.finish_param_sync()
+        assert sum(c.nccl_temporary_bytes for c in calls) == 0
+    """
+    records: List[CollectiveRecord] = []
+    _recorders.append(records)
+    patched_here = not model_installed()
+    if patched_here:
+        _set_model_functions(setattr)
+    try:
+        yield records
+    finally:
+        if patched_here:
+            _restore_real_functions()
+        _recorders.remove(records)
+
+
+def _record(record: CollectiveRecord) -> None:
+    for records in _recorders:
+        records.append(record)
+
+
+# ---------------------------------------------------------------- execution on gloo
+_real_all_gather = dist.all_gather
+_real_all_gather_into_tensor = dist.all_gather_into_tensor
+_real_all_gather_base = dist._all_gather_base
+
+
+class ModelWork:
+    """Work handle of a modelled call: waits on every gloo broadcast, then finishes it.
+
+    ``finish`` (the slice copies of the flat form) runs once, after the last broadcast
+    completed; the NCCL temporary is released with it. Mirrors the parts of
+    ``torch.distributed.Work`` that megatron uses.
+    """
+
+    def __init__(self, works: List[Any], finish: Optional[Callable[[], None]] = None):
+        self._works = works  # one gloo Work per non-empty slot
+        self._finish = finish
+
+    def _complete(self) -> None:
+        self._works = []  # done: drop gloo's references to the buffers
+        if self._finish is not None:
+            finish, self._finish = self._finish, None
+            finish()
+
+    def wait(self, timeout: Any = None) -> bool:
+        for work in self._works:
+            work.wait() if timeout is None else work.wait(timeout)
+        self._complete()
+        return True
+
+    def is_completed(self) -> bool:
+        if all(work.is_completed() for work in self._works):
+            self._complete()
+            return True
+        return False
+
+    def is_success(self) -> bool:
+        return all(work.is_success() for work in self._works)
+
+
+def _is_gloo(group: Any) -> bool:
+    try:
+        return "gloo" in str(dist.get_backend(group))
+    except (RuntimeError, ValueError):
+        return False
+
+
+def _coalescing(group: Any) -> bool:
+    """True inside ``_coalescing_manager`` for ``group``."""
+    pg = group if group is not None else c10d._get_default_group()
+    return pg in c10d._world.pg_coalesce_state
+
+
+def _broadcast_slots(slots: Sequence[torch.Tensor], inp: torch.Tensor, rank: int, group: Any,
+                     async_op: bool) -> List[Any]:
+    """Fill ``slots[r]`` with rank r's input, one gloo broadcast per non-empty slot.
+
+    ``inp`` is the broadcast source of this rank's own slot, which then gets a copy of it
+    unless it is ``inp`` itself (same data pointer). Views only: nothing is allocated.
+    """
+    works = []
+    for slot, out in enumerate(slots):
+        if out.numel() == 0:  # gloo aborts on empty tensors (pytorch #85234)
+            continue
+        work = dist.broadcast(inp if slot == rank else out, group_src=slot, group=group, async_op=async_op)
+        if async_op:
+            works.append(work)
+    own = slots[rank]
+    if own.numel() and own.data_ptr() != inp.data_ptr():
+        own.view(-1).copy_(inp.view(-1))
+    return works
+
+
+def _check_list(tensor_list: Sequence[torch.Tensor], tensor: torch.Tensor, rank: int, world: int) -> None:
+    if len(tensor_list) != world:
+        raise ValueError(f"all_gather: {rank=} got {len(tensor_list)} output slots for a group of {world}")
+    for slot, out in enumerate(tensor_list):
+        if out.dtype != tensor.dtype:
+            raise ValueError(f"all_gather: {rank=} {slot=} dtype {out.dtype} != input dtype {tensor.dtype}")
+        if not out.is_contiguous():
+            raise ValueError(f"all_gather: {rank=} {slot=} output is not contiguous")
+    if tensor_list[rank].numel() != tensor.numel():
+        raise ValueError(
+            f"all_gather: {rank=} own slot numel {tensor_list[rank].numel()} != input numel {tensor.numel()}"
+        )
+    if tensor.numel() and not tensor.is_contiguous():
+        raise ValueError(f"all_gather: {rank=} input is not contiguous")
+
+
+def _finish_sync(works: List[Any], finish: Optional[Callable[[], None]], async_op: bool,
+                 coalesced: bool) -> Optional[ModelWork]:
+    handle = ModelWork(works, finish)
+    if not async_op or coalesced:
+        handle.wait()
+    return handle if async_op else None
+
+
+def _passes_through(group: Any, *tensors: torch.Tensor) -> bool:
+    """Calls that torch runs itself: not a group member, not gloo, or not on CPU."""
+    if group is not None and group == dist.GroupMember.NON_GROUP_MEMBER:
+        return True
+    return not _is_gloo(group) or any(t.device.type != "cpu" for t in tensors)
+
+
+def all_gather(tensor_list: List[torch.Tensor], tensor: torch.Tensor, group: Any = None,
+               async_op: bool = False) -> Optional[ModelWork]:
+    """``torch.distributed.all_gather`` as ProcessGroupNCCL::allgather runs it.
+
+    Args:
+        tensor_list: ``world`` contiguous tensors of ``tensor.dtype``; slot ``r`` receives
+            rank ``r``'s input. Equal shapes take the flat path (one NCCL temporary of
+            ``world x numel``), different shapes the broadcast path (none). Every rank
+            passes the same shapes, as NCCL requires.
+        tensor: this rank's input; its numel equals its own slot's. It may be that slot.
+        group: process group (None: the default group).
+        async_op: return a handle to ``wait()`` on.
+
+    Returns:
+        None, or a ``ModelWork`` when ``async_op`` (torch's own handle off gloo/CPU).
+
+    Raises:
+        ValueError: wrong slot count, dtype, own-slot size, or a non-contiguous tensor (a
+            staging copy would allocate). The message names the rank and the slot.
+    """
+    if _passes_through(group, tensor, *tensor_list):
+        if group is None or group != dist.GroupMember.NON_GROUP_MEMBER:
+            equal = all(t.shape == tensor_list[0].shape for t in tensor_list)
+            _record(model_call(FORM_LIST_EQUAL if equal else FORM_LIST_UNEQUAL,
+                               [t.numel() for t in tensor_list], dist.get_rank(group), tensor.dtype,
+                               async_op=async_op))
+        with torch._C.DisableTorchFunction():  # no re-dispatch to this wrapper
+            return _real_all_gather(tensor_list, tensor, group=group, async_op=async_op)
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    _check_list(tensor_list, tensor, rank, world)
+    coalesced = _coalescing(group)
+    equal = all(t.shape == tensor_list[0].shape for t in tensor_list)
+    _record(model_call(FORM_LIST_EQUAL if equal else FORM_LIST_UNEQUAL, [t.numel() for t in tensor_list],
+                       rank, tensor.dtype, async_op=async_op, coalesced=coalesced))
+    if not equal:
+        works = _broadcast_slots(tensor_list, tensor, rank, group, async_op and not coalesced)
+        return _finish_sync(works, None, async_op, coalesced)
+    # newLikeFlat: the temporary NCCL gathers into, allocated through torch.
+    flat = torch.empty((world, *tensor_list[0].shape), dtype=tensor.dtype, device=tensor.device)
+    works = _broadcast_slots(list(flat.unbind(0)), tensor.view(tensor_list[0].shape), rank, group,
+                             async_op and not coalesced)
+
+    def copy_out(flat=flat):
+        for r, out in enumerate(tensor_list):
+            out.copy_(flat[r])
+
+    return _finish_sync(works, copy_out, async_op, coalesced)
+
+
+def all_gather_into_tensor(output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any = None,
+                           async_op: bool = False) -> Optional[ModelWork]:
+    """``torch.distributed.all_gather_into_tensor`` as ProcessGroupNCCL::_allgather_base runs it.
+
+    Args:
+        output_tensor: contiguous, ``world * input.numel()`` elements of the input's dtype;
+            chunk ``r`` (in flat order) receives rank ``r``'s input. No temporary.
+        input_tensor: this rank's input; may be its own chunk of ``output_tensor``.
+        group, async_op: as ``all_gather``.
+
+    Returns:
+        None, or a ``ModelWork`` when ``async_op``.
+
+    Raises:
+        ValueError: size or dtype mismatch, or a non-contiguous tensor, naming the rank.
+    """
+    if _passes_through(group, output_tensor, input_tensor):
+        if group is None or group != dist.GroupMember.NON_GROUP_MEMBER:
+            world = dist.get_world_size(group)
+            _record(model_call(FORM_INTO_TENSOR, [input_tensor.numel()] * world, dist.get_rank(group),
+                               input_tensor.dtype, async_op=async_op,
+                               coalesced=group in c10d._world.pg_coalesce_state))
+        with torch._C.DisableTorchFunction():
+            return _real_all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    n = input_tensor.numel()
+    if output_tensor.numel() != world * n:
+        raise ValueError(f"all_gather_into_tensor: {rank=} output numel {output_tensor.numel()} "
+                         f"!= {world=} x input numel {n}")
+    if output_tensor.dtype != input_tensor.dtype:
+        raise ValueError(f"all_gather_into_tensor: {rank=} output dtype {output_tensor.dtype} "
+                         f"!= input dtype {input_tensor.dtype}")
+    if not output_tensor.is_contiguous() or not input_tensor.is_contiguous():
+        raise ValueError(f"all_gather_into_tensor: {rank=} output and input must be contiguous")
+    coalesced = _coalescing(group)
+    _record(model_call(FORM_INTO_TENSOR, [n] * world, rank, input_tensor.dtype, async_op=async_op,
+                       coalesced=coalesced))
+    chunks = list(output_tensor.view(-1).split(n)) if n else [output_tensor.view(-1)] * world
+    works = _broadcast_slots(chunks, input_tensor.view(-1), rank, group, async_op and not coalesced)
+    return _finish_sync(works, None, async_op, coalesced)
+
+
+@functools.wraps(_real_all_gather_base)
+def _all_gather_base(output_tensor, input_tensor, group=None, async_op=False):
+    """The deprecated name of ``all_gather_into_tensor`` (megatron falls back to it)."""
+    return all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
+
+
+# ---------------------------------------------------------------- install
+_NAMES: Tuple[Tuple[str, Callable], ...] = (
+    ("all_gather", all_gather),
+    ("all_gather_into_tensor", all_gather_into_tensor),
+    ("_all_gather_base", _all_gather_base),
+)
+_REAL = {"all_gather": _real_all_gather, "all_gather_into_tensor": _real_all_gather_into_tensor,
+         "_all_gather_base": _real_all_gather_base}
+
+
+def _set_model_functions(setter: Callable[[Any, str, Any], None]) -> None:
+    """Put the model's functions on ``torch.distributed`` and ``distributed_c10d``.
+
+    Both names matter: megatron binds ``torch.distributed.all_gather_into_tensor`` at
+    import (``dist_all_gather_func``), and torch's own functions re-dispatch through the
+    ``distributed_c10d`` global while a torch-function mode is active.
+    """
+    for name, fn in _NAMES:
+        setter(dist, name, fn)
+        setter(c10d, name, fn)
+
+
+def _restore_real_functions() -> None:
+    for name, _ in _NAMES:
+        setattr(dist, name, _REAL[name])
+        setattr(c10d, name, _REAL[name])
+
+
+def model_installed() -> bool:
+    """True while ``torch.distributed.all_gather`` is this model's."""
+    return dist.all_gather is all_gather
+
+
+def install(replace: Callable[[Any, str, Any], None]) -> None:
+    """Install the model through ``replace`` (``harness.cpu_runtime.patching.replace``)."""
+    _set_model_functions(replace)
