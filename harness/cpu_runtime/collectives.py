@@ -44,7 +44,10 @@ Invariants:
   (pytorch #85234). NCCL still gets a (zero-byte) call for them; the record counts it.
 - Inside ``torch.distributed._coalescing_manager`` a call runs to completion at once and
   returns a completed handle; the manager's own ``wait()`` then has nothing left to do.
-- Calls on non-gloo groups or non-CPU tensors are recorded and passed to torch unchanged.
+- Calls on gloo groups run as described on any device (gloo stages CUDA tensors through
+  host memory; the flat temporary is allocated on the tensors' device, so on a GPU the
+  CUDA caching allocator sees it). Calls on the "fake" test backend run the same way
+  without moving data. Calls on other backends (NCCL) are recorded and passed to torch.
 """
 
 from __future__ import annotations
@@ -208,11 +211,17 @@ class ModelWork:
         return all(work.is_success() for work in self._works)
 
 
-def _is_gloo(group: Any) -> bool:
+#: Backends whose calls the model executes itself; others go to torch unchanged. "fake"
+#: (torch.testing's fake process group) moves no data, so the model's broadcasts are no-ops
+#: there and the records are what a run at that group size would issue.
+MODEL_BACKENDS = ("gloo", "fake")
+
+
+def _backend(group: Any) -> str:
     try:
-        return "gloo" in str(dist.get_backend(group))
+        return str(dist.get_backend(group))
     except (RuntimeError, ValueError):
-        return False
+        return "unknown"
 
 
 def _coalescing(group: Any) -> bool:
@@ -265,11 +274,12 @@ def _finish_sync(works: List[Any], finish: Optional[Callable[[], None]], async_o
     return handle if async_op else None
 
 
-def _passes_through(group: Any, *tensors: torch.Tensor) -> bool:
-    """Calls that torch runs itself: not a group member, not gloo, or not on CPU."""
+def _passes_through(group: Any) -> bool:
+    """Calls that torch runs itself: not a group member, or a backend not in MODEL_BACKENDS."""
     if group is not None and group == dist.GroupMember.NON_GROUP_MEMBER:
         return True
-    return not _is_gloo(group) or any(t.device.type != "cpu" for t in tensors)
+    backend = _backend(group)
+    return not any(name in backend for name in MODEL_BACKENDS)
 
 
 def all_gather(tensor_list: List[torch.Tensor], tensor: torch.Tensor, group: Any = None,
@@ -292,7 +302,7 @@ def all_gather(tensor_list: List[torch.Tensor], tensor: torch.Tensor, group: Any
         ValueError: wrong slot count, dtype, own-slot size, or a non-contiguous tensor (a
             staging copy would allocate). The message names the rank and the slot.
     """
-    if _passes_through(group, tensor, *tensor_list):
+    if _passes_through(group):
         if group is None or group != dist.GroupMember.NON_GROUP_MEMBER:
             equal = all(t.shape == tensor_list[0].shape for t in tensor_list)
             _record(model_call(FORM_LIST_EQUAL if equal else FORM_LIST_UNEQUAL,
@@ -337,7 +347,7 @@ def all_gather_into_tensor(output_tensor: torch.Tensor, input_tensor: torch.Tens
     Raises:
         ValueError: size or dtype mismatch, or a non-contiguous tensor, naming the rank.
     """
-    if _passes_through(group, output_tensor, input_tensor):
+    if _passes_through(group):
         if group is None or group != dist.GroupMember.NON_GROUP_MEMBER:
             world = dist.get_world_size(group)
             _record(model_call(FORM_INTO_TENSOR, [input_tensor.numel()] * world, dist.get_rank(group),

@@ -9,7 +9,7 @@ Two ranks on one GPU need two things megatron does not do by itself:
 * An uneven ``torch.distributed.all_gather`` on gloo. Gloo rejects slots of different sizes
   on CPU and CUDA tensors alike, while ``core/distributed/param_and_grad_buffer.py:
   start_param_sync`` (layer-wise branch) gathers per-rank shares of different sizes. gloo
-  groups go through ``harness.cpu_runtime.all_gather_by_broadcast`` (one broadcast per slot,
+  groups go through ``harness.cpu_runtime.collectives.all_gather`` (one broadcast per slot,
   straight into the caller's output; gloo's CUDA broadcast stages through host memory).
   NCCL groups go to torch unchanged.
 
@@ -101,7 +101,7 @@ def _backend(group: Any) -> str:
 
 
 def _wrap_all_gather(real):
-    from harness.cpu_runtime import all_gather_by_broadcast
+    from harness.cpu_runtime.collectives import all_gather as all_gather_by_broadcast
 
     @functools.wraps(real)
     def all_gather(tensor_list, tensor, group=None, async_op=False):
