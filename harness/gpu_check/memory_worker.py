@@ -23,8 +23,10 @@ Measured on every rank, in bytes (``torch.cuda``; None on CPU ranks):
 * ``sync``: one param sync alone (``start_param_sync`` of the first bucket group in forward
   order, then ``finish_param_sync`` of every group), outside any forward: the temporaries of
   the gather and nothing else. On NCCL this is the proof of zero temporaries.
-* ``gather_calls``: the all-gather call forms of the window and the bytes NCCL would
-  allocate for them (``harness.gpu_check.shared_gpu``).
+* ``gather_calls``: the all-gather call forms of the window, their NCCL launches, the bytes
+  received from other ranks and the bytes NCCL would allocate for them
+  (``harness.cpu_runtime.collectives.record_collectives``). On gloo the model allocates those
+  temporaries on the GPU, so they are inside the measured peaks.
 
 Also per step the lm loss (``float.hex``, so that trees compare bit for bit) and the
 grad norm, and at the end a float64 checksum of the params. Rank 0 writes
@@ -53,10 +55,11 @@ from harness import cpu_runtime  # noqa: E402
 
 cpu_runtime.install_if_requested()
 
+from harness.cpu_runtime import collectives  # noqa: E402
 from harness.gpu_check import shared_gpu  # noqa: E402
 
 if not shared_gpu.install_if_requested():
-    shared_gpu.record_gathers()
+    shared_gpu.install_collectives()
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -86,6 +89,20 @@ def _on_gpu() -> bool:
     return torch.cuda.is_available() and not cpu_runtime.is_installed()
 
 
+def summarize_records(records) -> dict:
+    """Counts and bytes of a window's ``collectives.CollectiveRecord`` list: calls per form,
+    NCCL launches, bytes received from other ranks, and the bytes NCCL would allocate."""
+    return {
+        "calls": len(records),
+        "list_equal": sum(r.form == collectives.FORM_LIST_EQUAL for r in records),
+        "list_unequal": sum(r.form == collectives.FORM_LIST_UNEQUAL for r in records),
+        "into_tensor": sum(r.form == collectives.FORM_INTO_TENSOR for r in records),
+        "launches": sum(r.launches for r in records),
+        "wire_bytes": sum(r.wire_bytes for r in records),
+        "nccl_temporary_bytes": sum(r.nccl_temporary_bytes for r in records),
+    }
+
+
 class _Memory:
     """``torch.cuda`` memory figures, or None on CPU ranks (no allocator statistics)."""
 
@@ -101,12 +118,14 @@ class _Memory:
         self.base = torch.cuda.memory_allocated() if self.gpu else None
         if self.gpu:
             torch.cuda.reset_peak_memory_stats()
-        shared_gpu.CALLS.clear()
+        self._recording = collectives.record_collectives()
+        self.records = self._recording.__enter__()
 
     def window(self) -> dict:
         self.sync()
+        self._recording.__exit__(None, None, None)
         out = {"allocated_before_bytes": self.base, "peak_extra_bytes": None, "reserved_bytes": None,
-               "gather_calls": shared_gpu.summarize_calls(shared_gpu.CALLS)}
+               "gather_calls": summarize_records(self.records)}
         if self.gpu:
             out["peak_extra_bytes"] = torch.cuda.max_memory_allocated() - self.base
             out["reserved_bytes"] = torch.cuda.memory_reserved()
@@ -231,6 +250,11 @@ def main(argv=None) -> int:
         record["megatron_core_dir"] = check_expected_tree()
         parallel_state.initialize_model_parallel()
         s = Setup(CONFIGS[args.config])
+        from megatron.core.distributed import param_and_grad_buffer
+
+        # Whether DDP's grad sync runs through shared_gpu's coalescing manager.
+        record["grad_sync_coalescing_replaced"] = (
+            param_and_grad_buffer._coalescing_manager is not dist.distributed_c10d._coalescing_manager)
         mem = _Memory()
         record["param_count"] = sum(p.numel() for p in s.params)
         record["param_bytes"] = sum(p.numel() * p.element_size() for p in s.params)
@@ -241,7 +265,6 @@ def main(argv=None) -> int:
     except Exception:  # noqa: BLE001 - the traceback goes to the run's log
         print(f"memory_worker rank {rank} failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
         os._exit(1)  # the other ranks may be inside a collective: torchrun stops them
-    shared_gpu.CALLS.clear()
     ranks = [None] * world
     dist.all_gather_object(ranks, record)
     if rank == 0:

@@ -13,7 +13,8 @@ The folder, as ``python -m harness.gpu_check`` writes it::
 bytes; the report prints them in MiB/GiB. A memory run passes when both trees finished,
 their lm loss is bit for bit equal at every step and the params agree after training, and,
 on NCCL, the patched param sync allocated 0 bytes on every rank. On gloo the patched sync's
-CUDA bytes are reported, not required (gloo stages through host memory).
+CUDA bytes (which include the NCCL temporaries the collective model allocates) are reported,
+not required.
 """
 
 from __future__ import annotations
@@ -183,7 +184,8 @@ def _memory_lines(r: dict) -> List[str]:
         if tree:
             c = tree["sync_gather_calls"]
             lines.append(f"  {t} all-gathers per sync: {c['list_equal']} list (equal shares), {c['list_unequal']} "
-                         f"list (unequal), {c['into_tensor']} into_tensor; NCCL would allocate "
+                         f"list (unequal), {c['into_tensor']} into_tensor; {c['launches']} NCCL launches, "
+                         f"{fmt_bytes(c['wire_bytes'])} received; NCCL would allocate "
                          f"{fmt_bytes(c['nccl_temporary_bytes'])}")
     if "losses_bitwise_equal" in r:
         n = len(up["losses_hex"])

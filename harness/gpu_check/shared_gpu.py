@@ -1,132 +1,107 @@
-"""Rank-side set-up for gloo ranks on CUDA, and a record of param all-gather call forms.
+"""Rank-side set-up for gloo ranks on CUDA: two ranks sharing one GPU.
 
-Two ranks on one GPU need two things megatron does not do by itself:
+Two gloo ranks on one GPU need three things megatron does not do by itself:
 
 * ``LOCAL_RANK`` modulo the device count. ``training/initialize.py:_initialize_distributed``
   calls ``torch.cuda.set_device(args.local_rank)``, and ``args.local_rank`` defaults to
   ``$LOCAL_RANK`` (``training/config/common_config.py``): rank 1 of two would ask for
   ``cuda:1``. ``install`` rewrites the variable before megatron parses its arguments.
-* An uneven ``torch.distributed.all_gather`` on gloo. Gloo rejects slots of different sizes
-  on CPU and CUDA tensors alike, while ``core/distributed/param_and_grad_buffer.py:
-  start_param_sync`` (layer-wise branch) gathers per-rank shares of different sizes. gloo
-  groups go through ``harness.cpu_runtime.collectives.all_gather`` (one broadcast per slot,
-  straight into the caller's output; gloo's CUDA broadcast stages through host memory).
-  NCCL groups go to torch unchanged.
+* All-gathers with NCCL's semantics on gloo. Gloo rejects list slots of different sizes
+  (CPU and CUDA tensors alike), while ``core/distributed/param_and_grad_buffer.py:
+  start_param_sync`` (layer-wise branch) gathers per-rank shares of different sizes. The
+  all-gathers go through ``harness.cpu_runtime.collectives``, the one collective model: on
+  gloo it broadcasts each slot straight into the caller's buffers (gloo's CUDA broadcast
+  stages through host memory) and allocates, on the GPU, exactly the temporaries
+  ProcessGroupNCCL would; on NCCL it records the call and lets torch run it. So the CUDA
+  memory a gloo run measures includes what NCCL would add, and
+  ``collectives.record_collectives()`` says which call forms ran.
+* Coalesced all-reduces on gloo. DDP's grad sync (``param_and_grad_buffer.py:
+  start_grad_sync``) issues its per-bucket ``all_reduce`` calls inside
+  ``torch.distributed._coalescing_manager``, which ends in
+  ``ProcessGroupGloo::allreduce_coalesced``: CPU tensors only ("unsupported device type").
+  For gloo groups the manager is replaced: calls are captured as torch captures them
+  (``_world.pg_coalesce_state``), and on exit each captured ``all_reduce`` /
+  ``reduce_scatter_tensor`` runs on its own; the handle waits for all of them. The sums are
+  the same ones. Calls that run at once inside a coalescing block (the model's all-gathers)
+  are done when the block ends. NCCL groups keep torch's manager. megatron binds the name at
+  import; modules imported earlier are rebound.
 
-Both all-gather entry points are also recorded (``CALLS``): per call the form ("list" or
-"into_tensor"), group size, slot sizes, element size and device, and the bytes that
-``ProcessGroupNCCL::allgather`` would allocate for it: with equal slot sizes the list form
-gathers into one flat ``world_size x numel`` output from the CUDA caching allocator and
-copies the slices out; with different sizes it runs one broadcast per rank (no temporary);
-``all_gather_into_tensor`` writes into the caller's output (no temporary).
-
-Enabled in a rank by ``install()``; ``harness/pretrain_gpt.py`` calls
-``install_if_requested()``, which acts when ``MEGATRON_SHARED_GPU=1``.
+``harness/pretrain_gpt.py`` calls ``install_if_requested()``, which acts when
+``MEGATRON_SHARED_GPU=1``; the GPU check's memory worker calls ``install_collectives()``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
-from dataclasses import asdict, dataclass
-from typing import Any, List, Sequence
+import sys
+from typing import Any, List
 
 import torch
 import torch.distributed as dist
+from torch.distributed import distributed_c10d as c10d
+
+from harness.cpu_runtime import collectives
 
 #: "1": ``install_if_requested`` installs (several gloo ranks may share one GPU).
 ENV_VAR = "MEGATRON_SHARED_GPU"
 
-_state = {"installed": False, "real": {}}
+_replaced: List[tuple] = []  # (owner, name, original), for uninstall
+_state = {"installed": False}
 
 
-@dataclass
-class GatherCall:
-    """One all-gather call as a rank issued it.
+class CollectedWork:
+    """Handle of one gloo ``_coalescing_manager`` block: ``wait()`` waits for each of its
+    collectives in issue order (what megatron's ``finish_grad_sync`` calls)."""
 
-    Attributes:
-        form: "list" (``all_gather``) or "into_tensor" (``all_gather_into_tensor``).
-        backend: the group's backend name ("gloo", "nccl", ...).
-        world: group size.
-        slot_numels: elements per rank slot (list form) or the input numel repeated.
-        itemsize: bytes per element.
-        device: "cuda" or "cpu".
-    """
+    def __init__(self):
+        self.works: List[Any] = []
 
-    form: str
-    backend: str
-    world: int
-    slot_numels: List[int]
-    itemsize: int
-    device: str
-
-    @property
-    def shares_equal(self) -> bool:
-        return len(set(self.slot_numels)) <= 1
-
-    @property
-    def nccl_temporary_bytes(self) -> int:
-        """Bytes ProcessGroupNCCL would allocate for this call (see the module docstring)."""
-        if self.form == "list" and self.shares_equal:
-            return self.world * (self.slot_numels[0] if self.slot_numels else 0) * self.itemsize
-        return 0
-
-    def as_dict(self) -> dict:
-        return {**asdict(self), "shares_equal": self.shares_equal,
-                "nccl_temporary_bytes": self.nccl_temporary_bytes}
-
-
-#: Calls recorded since the last ``CALLS.clear()`` (this process only).
-CALLS: List[GatherCall] = []
-
-
-def summarize_calls(calls: Sequence[GatherCall]) -> dict:
-    """Counts and bytes of ``calls``: {calls, list_equal, list_unequal, into_tensor,
-    received_bytes (sum of all slots), nccl_temporary_bytes}."""
-    return {
-        "calls": len(calls),
-        "list_equal": sum(c.form == "list" and c.shares_equal for c in calls),
-        "list_unequal": sum(c.form == "list" and not c.shares_equal for c in calls),
-        "into_tensor": sum(c.form == "into_tensor" for c in calls),
-        "received_bytes": sum(sum(c.slot_numels) * c.itemsize for c in calls),
-        "nccl_temporary_bytes": sum(c.nccl_temporary_bytes for c in calls),
-    }
+    def wait(self, timeout: Any = None) -> bool:
+        for work in self.works:
+            work.wait()
+        return True
 
 
 def _backend(group: Any) -> str:
     try:
         return str(dist.get_backend(group))
-    except Exception:  # noqa: BLE001 - a group this rank is not in
+    except (RuntimeError, ValueError):  # a group this rank is not in
         return "unknown"
 
 
-def _wrap_all_gather(real):
-    from harness.cpu_runtime.collectives import all_gather as all_gather_by_broadcast
+def _replay(op: Any, group: Any) -> Any:
+    """Run one collective that a coalescing block captured, on its own, async."""
+    name = getattr(op.op, "__name__", "")
+    if name == "all_reduce":
+        return dist.all_reduce(op.tensor, op=op.redop, group=group, async_op=True)
+    if name == "reduce_scatter_tensor":
+        return dist.reduce_scatter_tensor(op.dst_tensor, op.tensor, op=op.redop, group=group, async_op=True)
+    raise NotImplementedError(f"gloo coalescing block: cannot replay a captured {name or op.op!r}")
 
+
+def _wrap_coalescing_manager(real):
+    @contextlib.contextmanager
     @functools.wraps(real)
-    def all_gather(tensor_list, tensor, group=None, async_op=False):
-        if group is not None and group == dist.GroupMember.NON_GROUP_MEMBER:
-            return real(tensor_list, tensor, group=group, async_op=async_op)
-        backend = _backend(group)
-        CALLS.append(GatherCall("list", backend, len(tensor_list), [t.numel() for t in tensor_list],
-                                tensor.element_size(), tensor.device.type))
-        if "gloo" in backend:
-            return all_gather_by_broadcast(tensor_list, tensor, group=group, async_op=async_op)
-        return real(tensor_list, tensor, group=group, async_op=async_op)
+    def _coalescing_manager(group=None, device=None, async_ops=False):
+        if "gloo" not in _backend(group):
+            with real(group, device, async_ops) as cm:
+                yield cm
+            return
+        pg = group if group is not None else c10d._get_default_group()
+        if c10d._world.pg_coalesce_state.setdefault(pg, []):
+            raise ValueError("ProcessGroup has non-empty op list at the start of coalescing")
+        block = CollectedWork()
+        try:
+            yield block
+        finally:
+            captured = c10d._world.pg_coalesce_state.pop(pg, [])
+        block.works = [_replay(op, pg) for op in captured]
+        if not async_ops:
+            block.wait()
 
-    return all_gather
-
-
-def _wrap_into_tensor(real):
-    @functools.wraps(real)
-    def all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op=False):
-        if group is None or group != dist.GroupMember.NON_GROUP_MEMBER:
-            world = dist.get_world_size(group)
-            CALLS.append(GatherCall("into_tensor", _backend(group), world, [input_tensor.numel()] * world,
-                                    input_tensor.element_size(), input_tensor.device.type))
-        return real(output_tensor, input_tensor, group=group, async_op=async_op)
-
-    return all_gather_into_tensor
+    return _coalescing_manager
 
 
 def shared_local_rank(local_rank: int, device_count: int) -> int:
@@ -143,44 +118,46 @@ def shared_local_rank(local_rank: int, device_count: int) -> int:
 
 
 def install() -> None:
-    """Rewrite ``LOCAL_RANK`` for a shared GPU and wrap both all-gather entry points.
+    """Rewrite ``LOCAL_RANK`` for a shared GPU, then ``install_collectives()``.
 
-    Idempotent. Call before megatron parses its arguments.
+    Idempotent. Call before megatron is imported and parses its arguments.
 
     Raises:
         RuntimeError: no CUDA GPU.
     """
+    if not _state["installed"]:
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        os.environ["LOCAL_RANK"] = str(shared_local_rank(local, torch.cuda.device_count()))
+    install_collectives()
+
+
+def _replace(owner: Any, name: str, value: Any) -> None:
+    _replaced.append((owner, name, getattr(owner, name)))
+    setattr(owner, name, value)
+
+
+def install_collectives() -> None:
+    """The collective model for all-gathers (unless the CPU runtime layer installed it) and
+    the gloo coalescing manager (see the module docstring). Works without a GPU. Idempotent."""
     if _state["installed"]:
         return
-    local = int(os.environ.get("LOCAL_RANK", "0"))
-    os.environ["LOCAL_RANK"] = str(shared_local_rank(local, torch.cuda.device_count()))
-    record_gathers()
-
-
-def record_gathers() -> None:
-    """Wrap ``all_gather`` / ``all_gather_into_tensor`` (both names torch exposes) so that
-    every call lands in ``CALLS``; gloo list gathers go through the uneven broadcast form.
-    Works without a GPU (the memory worker records on CPU ranks too). Idempotent."""
-    if _state["real"]:
-        _state["installed"] = True
-        return
-    for name, wrap in (("all_gather", _wrap_all_gather), ("all_gather_into_tensor", _wrap_into_tensor)):
-        real = getattr(dist.distributed_c10d, name)
-        _state["real"][name] = real
-        wrapped = wrap(real)
-        setattr(dist, name, wrapped)
-        setattr(dist.distributed_c10d, name, wrapped)
+    if not collectives.model_installed():
+        collectives.install(_replace)
+    real_cm = c10d._coalescing_manager
+    wrapped = _wrap_coalescing_manager(real_cm)
+    _replace(dist, "_coalescing_manager", wrapped)
+    for mod in list(sys.modules.values()):
+        if getattr(mod, "__name__", "").startswith("megatron") and getattr(mod, "_coalescing_manager", None) is real_cm:
+            _replace(mod, "_coalescing_manager", wrapped)
     _state["installed"] = True
 
 
 def uninstall() -> None:
-    """Restore the original all-gather functions (tests). ``LOCAL_RANK`` is left as is."""
-    for name, real in _state["real"].items():
-        setattr(dist, name, real)
-        setattr(dist.distributed_c10d, name, real)
-    _state["real"] = {}
+    """Restore every replaced function (tests). ``LOCAL_RANK`` is left as is."""
+    for owner, name, original in reversed(_replaced):
+        setattr(owner, name, original)
+    _replaced.clear()
     _state["installed"] = False
-    CALLS.clear()
 
 
 def install_if_requested() -> bool:

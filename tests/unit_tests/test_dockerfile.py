@@ -22,6 +22,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -186,11 +187,11 @@ def test_the_image_ships_the_gpu_check_and_what_it_runs(df):
 
 
 def test_gpu_check_in_the_image_plans_without_a_gpu(df, tmp_path):
-    """What a build (no GPU) can run of the shipped check: its dry run, with the image's
-    Python selection (no .venv: $PYTHON stands for the image's python3)."""
+    """What a build (no GPU) can run of the shipped check: its dry run, with this test's
+    interpreter (the image's python3 during a build)."""
     proc = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--dry-run", str(tmp_path / "o")],
                           capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "PYTHON": str(ROOT / ".venv" / "bin" / "python")})
+                          env={**os.environ, "PYTHON": sys.executable})
     assert proc.returncode == 0, proc.stderr
     assert re.search(r"^run functional_gloo_shared_gpu .*backend=gloo", proc.stdout, re.M)
 

@@ -20,6 +20,7 @@ import os
 import shlex
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -34,7 +35,7 @@ FIXTURE = Path(__file__).resolve().parent / "fixtures" / "gpu_check_results"
 
 
 def gpu_check(*args, timeout=120):
-    env = {k: v for k, v in os.environ.items() if k not in ("CUDA_VISIBLE_DEVICES",)}
+    env = {**os.environ, "PYTHON": sys.executable}  # the Docker build has python3, no .venv
     return subprocess.run(["bash", str(SCRIPT), *map(str, args)], capture_output=True, text=True,
                           timeout=timeout, env=env)
 
@@ -243,7 +244,8 @@ def test_report_of_a_recorded_run(results):
     assert "memory_gloo_shared_gpu: ok (gloo, 2 ranks on cuda:0,cuda:0; ok, 120 s)" in lines
     row = next(l for l in lines if l.strip().startswith("forward peak over allocated")).split()
     assert row[-6:] == ["811.00", "MiB", "111.00", "MiB", "700.00", "MiB"]
-    assert any("NCCL would allocate 76.29 MiB" in l for l in lines if l.strip().startswith("upstream all-gathers"))
+    upstream_calls = next(l for l in lines if l.strip().startswith("upstream all-gathers"))
+    assert "25 NCCL launches, 512.71 MiB received; NCCL would allocate 76.29 MiB" in upstream_calls
     assert "  lm loss over 2 steps: bitwise equal" in lines
 
 
@@ -293,15 +295,19 @@ def test_fmt_bytes(n, text):
 
 
 # ----------------------------------------------------------------------------- rank side
-def test_nccl_temporary_model_per_call_form():
-    equal = shared_gpu.GatherCall("list", "nccl", 4, [10, 10, 10, 10], 2, "cuda")
-    uneven = shared_gpu.GatherCall("list", "nccl", 4, [10, 12, 10, 0], 2, "cuda")
-    into = shared_gpu.GatherCall("into_tensor", "nccl", 4, [10] * 4, 2, "cuda")
-    assert equal.nccl_temporary_bytes == 4 * 10 * 2, "one flat world_size x numel output"
-    assert uneven.nccl_temporary_bytes == 0 and into.nccl_temporary_bytes == 0
-    s = shared_gpu.summarize_calls([equal, uneven, into])
-    assert s == {"calls": 3, "list_equal": 1, "list_unequal": 1, "into_tensor": 1,
-                 "received_bytes": (40 + 32 + 40) * 2, "nccl_temporary_bytes": 80}
+def test_window_summary_of_collective_records():
+    import torch
+
+    from harness.cpu_runtime import collectives as col
+    from harness.gpu_check.memory_worker import summarize_records
+
+    records = [col.model_call(col.FORM_LIST_EQUAL, [10] * 4, 0, torch.bfloat16),
+               col.model_call(col.FORM_LIST_UNEQUAL, [10, 12, 10, 0], 0, torch.bfloat16),
+               col.model_call(col.FORM_INTO_TENSOR, [10] * 4, 0, torch.bfloat16)]
+    assert summarize_records(records) == {
+        "calls": 3, "list_equal": 1, "list_unequal": 1, "into_tensor": 1,
+        "launches": 1 + 4 + 1, "wire_bytes": (30 + 22 + 30) * 2,
+        "nccl_temporary_bytes": 4 * 10 * 2}  # only the equal-size list form: one flat output
 
 
 @pytest.mark.parametrize("local, count, want", [(0, 1, 0), (1, 1, 0), (3, 2, 1), (5, 8, 5)])
@@ -323,19 +329,47 @@ def test_recorded_gathers_on_a_one_rank_gloo_group(tmp_path):
     # A FileStore: no TCP port to collide with other runs on the machine.
     dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
     try:
-        shared_gpu.record_gathers()
-        shared_gpu.CALLS.clear()
+        from harness.cpu_runtime import collectives as col
+
+        shared_gpu.install_collectives()
         out = [torch.zeros(3)]
-        dist.all_gather(out, torch.arange(3.0))
         flat = torch.zeros(3)
-        dist.all_gather_into_tensor(flat, torch.arange(3.0))
+        with col.record_collectives() as records:
+            dist.all_gather(out, torch.arange(3.0))
+            dist.all_gather_into_tensor(flat, torch.arange(3.0))
         assert out[0].tolist() == flat.tolist() == [0.0, 1.0, 2.0]
-        assert [(c.form, c.backend, c.world, c.slot_numels, c.itemsize) for c in shared_gpu.CALLS] == [
-            ("list", "gloo", 1, [3], 4), ("into_tensor", "gloo", 1, [3], 4)]
+        assert [r.form for r in records] == [col.FORM_LIST_EQUAL, col.FORM_INTO_TENSOR]
+        # A gloo coalescing block captures its all-reduces and runs each on its own at the end.
+        a, b = torch.ones(4), torch.full((2,), 3.0)
+        with dist._coalescing_manager(async_ops=True) as cm:
+            dist.all_reduce(a, async_op=True)
+            dist.all_reduce(b, async_op=True)
+            assert cm.works == [], "captured, not yet run"
+        assert isinstance(cm, shared_gpu.CollectedWork) and len(cm.works) == 2
+        assert cm.wait() and a.tolist() == [1.0] * 4 and b.tolist() == [3.0, 3.0]
+        assert not dist.distributed_c10d._world.pg_coalesce_state, "no capture left open"
+        with pytest.raises(RuntimeError, match="boom"):
+            with dist._coalescing_manager(async_ops=True):
+                dist.all_reduce(a, async_op=True)
+                raise RuntimeError("boom")
+        assert not dist.distributed_c10d._world.pg_coalesce_state, "an exception closes the capture too"
     finally:
         shared_gpu.uninstall()
         dist.destroy_process_group()
-    assert dist.all_gather is dist.distributed_c10d.all_gather and not shared_gpu.CALLS
+    assert dist._coalescing_manager is dist.distributed_c10d._coalescing_manager
+
+
+@pytest.mark.gloo
+def test_shared_gpu_collectives_on_two_gloo_ranks(tmp_path):
+    """The coalescing replacement and the uneven gather with 2 real ranks (gloo on CPU: the
+    same code paths the CUDA run takes, minus gloo's host staging)."""
+    from harness import launch
+
+    argv, env = launch.torchrun_command(Path(__file__).with_name("shared_gpu_worker.py"),
+                                        ["--out", str(tmp_path / "r.json")], 2, tree=None, cpu=False)
+    launch.run_command(argv, env, run_dir=tmp_path / "log", timeout_s=300, what="shared_gpu worker")
+    assert json.loads((tmp_path / "r.json").read_text()) == {
+        "coalesced_sum": True, "sync_block": True, "uneven_gather": True, "gather_in_block": True}
 
 
 @pytest.mark.slow
@@ -354,8 +388,11 @@ def test_memory_worker_on_cpu_ranks_gives_equal_losses_on_both_trees(tmp_path):
     doc = json.loads((run_dir / "patched.json").read_text())
     assert [r["rank"] for r in doc["ranks"]] == [0, 1] and doc["gpu"] is None
     assert doc["ranks"][0]["sync"]["peak_extra_bytes"] is None, "no CUDA allocator figures on CPU"
+    assert all(r["grad_sync_coalescing_replaced"] for r in doc["ranks"]), \
+        "DDP's grad sync goes through shared_gpu's coalescing manager"
     summary = report.summarize_memory({"backend": "gloo"}, run_dir)
     assert summary["ok"], summary["problems"]
     assert summary["losses_bitwise_equal"] and len(summary["trees"]["upstream"]["losses_hex"]) == 2
     calls = summary["trees"]["patched"]["sync_gather_calls"]
-    assert calls["calls"] >= 1 and calls["received_bytes"] == summary["trees"]["patched"]["param_bytes"]
+    own = sum(b["shares"][0] for b in doc["ranks"][0]["buckets"]) * 2  # rank 0's bf16 share
+    assert calls["calls"] >= 1 and calls["wire_bytes"] == summary["trees"]["patched"]["param_bytes"] - own
