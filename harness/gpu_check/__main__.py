@@ -47,7 +47,7 @@ def detect_gpus() -> tuple:
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="scripts/gpu_check.sh",
                                  description="The series on CUDA: upstream vs patched, functional and memory.",
-                                 epilog=__doc__.split("Exit codes:")[1].strip() if "Exit codes:" in __doc__ else None)
+                                 epilog="Exit codes: " + " ".join(__doc__.split("Exit codes:")[1].split()))
     ap.add_argument("out", type=Path, help="results folder (created; must be absent or empty)")
     ap.add_argument("--dry-run", action="store_true", help="print the runs and their commands; run nothing")
     ap.add_argument("--json", action="store_true", help="with --dry-run: print the plan as JSON")

@@ -201,6 +201,51 @@ def test_real_run_without_a_gpu_refuses(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+def test_runner_records_ok_failed_and_timed_out_runs(tmp_path):
+    """execute() on a plan whose launches are small stand-in commands: each run's status,
+    exit code and time land in runs.json, a run past its timeout is killed (with its child
+    processes), and the report then names what failed."""
+    import sys
+    import time
+
+    from harness.gpu_check.__main__ import execute
+
+    def stand_in(code):
+        return plan_mod.Launch("upstream", [sys.executable, "-c", code], dict(os.environ))
+
+    runs = [plan_mod.Run("memory_ok", "memory", "gloo", 2, ["cuda:0", "cuda:0"], 30, [stand_in("pass")], config="tiny"),
+            plan_mod.Run("memory_fails", "memory", "gloo", 2, ["cuda:0", "cuda:0"], 30,
+                         [stand_in("import sys; sys.exit(3)"), stand_in("open('second_ran', 'w')")], config="tiny"),
+            plan_mod.Run("memory_hangs", "memory", "gloo", 2, ["cuda:0", "cuda:0"], 2,
+                         [stand_in("import subprocess, sys, time; c = subprocess.Popen([sys.executable, '-c', "
+                                   "'import time; time.sleep(60)']); "
+                                   f"open({str(tmp_path / 'child.pid')!r}, 'w').write(str(c.pid)); time.sleep(60)")],
+                         config="tiny")]
+    plan = plan_mod.Plan(1, "NVIDIA H200", tmp_path, runs)
+    (tmp_path / "plan.json").write_text(json.dumps(plan.as_dict()))
+    t0 = time.monotonic()
+    execute(plan)
+    assert time.monotonic() - t0 < 25, "the hanging run is killed at its timeout"
+    status = {s["name"]: (s["status"], s["returncode"]) for s in json.loads((tmp_path / "runs.json").read_text())}
+    assert status == {"memory_ok": ("ok", 0), "memory_fails": ("failed", 3), "memory_hangs": ("timeout", None)}
+    assert not (ROOT / "second_ran").exists(), "a failed launch stops its run"
+    child = int((tmp_path / "child.pid").read_text())
+    for _ in range(50):  # killed with the run's process group; reaped by init shortly after
+        try:
+            os.kill(child, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    else:
+        os.kill(child, 9)
+        pytest.fail("the timed-out run's child process survived")
+    summary = report.summarize(tmp_path)
+    problems = {r["name"]: r["problems"][0] for r in summary["runs"]}
+    assert problems == {"memory_ok": "upstream: no result ({}/memory_ok/upstream.json missing or holds an error)"
+                        .format(tmp_path), "memory_fails": "run failed (exit 3)", "memory_hangs": "run timeout"}
+    assert not summary["ok"]
+
+
 @pytest.mark.parametrize("name, slug", [("NVIDIA H200", "h200"), ("NVIDIA H100 80GB HBM3", "h100"),
                                         ("NVIDIA A100-SXM4-80GB", "a100"), ("Tesla V100-SXM2-32GB", "v100"),
                                         ("NVIDIA GeForce RTX 4090", "rtx")])
