@@ -240,9 +240,12 @@ def run_command(
     env: Dict[str, str],
     *,
     run_dir: Union[str, Path],
-    timeout_s: float = 600,
+    timeout_s: Optional[float] = 600,
     what: str = "run",
     tail_lines: int = 40,
+    progress_marker: Optional[str] = None,
+    stall_factor: float = 5.0,
+    stall_floor_s: float = 180.0,
 ) -> float:
     """Run one command built by ``torchrun_command`` and wait for it, logs in ``run_dir``.
 
@@ -250,40 +253,69 @@ def run_command(
         argv, env: from ``torchrun_command`` / ``pretrain_command``.
         run_dir: created if needed; gets ``command.txt`` (``format_command``), ``stdout.log``
             and ``stderr.log``.
-        timeout_s: wall-clock limit in seconds; the whole process group is killed after it.
+        timeout_s: wall-clock limit in seconds (None: none); the whole process group is
+            killed after it.
         what: names the run in error messages.
         tail_lines: how many stderr lines a failure message quotes.
+        progress_marker: a stdout line containing it marks one finished unit of work. The
+            run is then killed when no unit finishes for ``max(stall_floor_s, stall_factor x
+            the longest unit so far)`` seconds (the first unit includes start-up): the limit
+            follows the measured pace instead of a guess for the whole run.
 
     Returns:
         Wall time of the job in seconds (start-up included).
 
     Raises:
-        LaunchError: non-zero exit (any rank failed) or timeout; the message holds the
-            command, the log paths and the last ``tail_lines`` lines of stderr.
+        LaunchError: non-zero exit (any rank failed), timeout or stall; the message holds
+            the command, the log paths and the last ``tail_lines`` lines of stderr.
     """
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "command.txt").write_text(format_command(argv, env) + "\n")
     stdout_path, stderr_path = run_dir / "stdout.log", run_dir / "stderr.log"
     start = time.monotonic()
+    last_unit, longest_unit, offset = start, 0.0, 0
+
+    def fail(why: str) -> LaunchError:
+        return LaunchError(
+            f"{what} {why}: {shlex.join(argv)}\n"
+            f"logs: {stdout_path} {stderr_path}\n--- stderr tail ---\n{_tail(stderr_path, tail_lines)}"
+        )
+
     with open(stdout_path, "w") as out, open(stderr_path, "w") as err:
         proc = subprocess.Popen(list(argv), env=env, cwd=REPO_ROOT, stdout=out, stderr=err,
                                 start_new_session=True)
-        try:
-            returncode = proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            raise LaunchError(
-                f"{what} timed out after {timeout_s:.0f} s: {shlex.join(argv)}\n"
-                f"logs: {stdout_path} {stderr_path}\n--- stderr tail ---\n{_tail(stderr_path, tail_lines)}"
-            ) from None
+        while True:
+            try:
+                returncode = proc.wait(timeout=0.5)
+                break
+            except subprocess.TimeoutExpired:
+                pass
+            now = time.monotonic()
+            why = None
+            if timeout_s is not None and now - start > timeout_s:
+                why = f"timed out after {timeout_s:.0f} s"
+            elif progress_marker is not None:
+                with open(stdout_path, "rb") as f:
+                    f.seek(offset)
+                    new = f.read()
+                complete = new[: new.rfind(b"\n") + 1]
+                offset += len(complete)
+                units = complete.decode(errors="replace").count(progress_marker)
+                if units:
+                    longest_unit = max(longest_unit, (now - last_unit) / units)
+                    last_unit = now
+                limit = max(stall_floor_s, stall_factor * longest_unit)
+                if now - last_unit > limit:
+                    why = (f"made no progress for {now - last_unit:.0f} s (limit {limit:.0f} s = "
+                           f"max({stall_floor_s:g}, {stall_factor:g} x longest unit {longest_unit:.1f} s))")
+            if why:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+                raise fail(why) from None
     wall_s = time.monotonic() - start
     if returncode != 0:
-        raise LaunchError(
-            f"{what} failed (torchrun exit {returncode}) after {wall_s:.1f} s: {shlex.join(argv)}\n"
-            f"logs: {stdout_path} {stderr_path}\n--- stderr tail ---\n{_tail(stderr_path, tail_lines)}"
-        )
+        raise fail(f"failed (exit {returncode}) after {wall_s:.1f} s")
     return wall_s
 
 

@@ -54,6 +54,7 @@ from harness import cpu_runtime
 cpu_runtime.install_if_requested()
 
 from harness.gpu_check import shared_gpu  # noqa: E402
+from harness.ranks import end_training_rank  # noqa: E402
 
 shared_gpu.install_if_requested()  # MEGATRON_SHARED_GPU=1: gloo ranks sharing one GPU
 
@@ -326,13 +327,14 @@ train_valid_test_datasets_provider.is_distributed = True
 
 
 def main() -> None:
-    """Train with ``sys.argv`` Megatron flags (see module docstring), then shut down cleanly.
+    """Train with ``sys.argv`` Megatron flags (see module docstring), then end the rank.
 
-    megatron.training.pretrain() returns without destroying the default process group.
-    With gloo, tearing the group down at interpreter exit can abort a rank after training
-    has finished ("terminate called without an active exception", SIGABRT; seen in about
-    1 of 15 CPU runs, pytorch/pytorch#190489), which torchrun reports as a failed job. All
-    ranks meet at a barrier and destroy the group explicitly instead.
+    ``megatron.training.pretrain()`` returns without destroying the default process group,
+    and with gloo the interpreter's own teardown can abort a rank after training finished
+    ("terminate called without an active exception", SIGABRT), which torchrun reports as a
+    failed job. ``harness.ranks.end_training_rank`` closes the metric writers, meets the
+    other ranks at a barrier, destroys the group and ends the process with ``os._exit(0)``.
+    So ``main()`` never returns: call it only as the entry point of a rank process.
     """
     pretrain(
         train_valid_test_datasets_provider,
@@ -340,9 +342,7 @@ def main() -> None:
         ModelType.encoder_or_decoder,
         forward_step,
     )
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
+    end_training_rank()
 
 
 if __name__ == "__main__":

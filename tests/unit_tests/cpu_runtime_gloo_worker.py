@@ -21,6 +21,7 @@ from torch.profiler import ProfilerActivity, profile
 import harness.cpu_runtime as cpu_runtime
 from harness.alloc_counter import AllocationCounter
 from harness.cpu_runtime import collectives
+from harness.ranks import exit_rank
 
 # Slot sizes per rank (elements); index 1 is empty, so every world >= 2 has an empty slot.
 SIZES = [5, 0, 3, 7]
@@ -222,10 +223,10 @@ def main(out_dir: str) -> None:
     except ValueError as exc:
         facts["bad_size_error"] = str(exc)
 
-    dist.barrier()
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(facts, f)
-    dist.destroy_process_group()
+    dist.barrier()
+    exit_rank(0)
 
 
 if __name__ == "__main__":

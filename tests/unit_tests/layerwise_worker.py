@@ -13,19 +13,22 @@ get_megatron_muon_optimizer(..., layer_wise_distributed_optimizer=True).
 
 Each scenario returns a dict of checks. A check is a boolean computed on every rank and
 reduced with MIN (all ranks must agree), plus numbers for the report. Rank 0 writes
-{scenario: {check: value}} to --out; a scenario that raises records
-{"error": "<type>: <message>"} instead, so that the pristine tree's crashes are data.
+{scenario: {check: value}} to --out; a scenario that raises on every rank records
+{"error": "<type>: <message>"} instead, so that the pristine tree's crashes are data. One
+that raises on some ranks only ends the job (exit 1) with the first failing rank's
+traceback on stderr (harness.ranks.Outcomes). Rank 0 prints a progress line per scenario.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
 import json
 import logging
 import os
 import sys
-import traceback
+import time
 
 from harness import cpu_runtime
 
@@ -36,6 +39,7 @@ import torch.distributed as dist  # noqa: E402
 
 from harness.alloc_counter import AllocationCounter  # noqa: E402
 from harness.param_sync_theory import theory_upstream_bytes  # noqa: E402
+from harness.ranks import Outcomes, exit_rank  # noqa: E402
 from harness.trees import check_expected_tree  # noqa: E402
 
 GARBAGE = -777.0  # what non-owned params hold before a gather ("stale")
@@ -327,7 +331,18 @@ def sc_training(dtype, fp32_grad, bucket_size, steps=4):
         "grad_norms_sync": nb,
         "params_equal_across_ranks": all_ranks(same),
         "grad_data_zero_after_sync_step": grads_all_zero(b),
+        # Bitwise fingerprints, compared by the test with the pristine tree's run.
+        "params_sha256_overlap": params_sha256(a.params),
+        "params_sha256_sync": params_sha256(b.params),
     }
+
+
+def params_sha256(params):
+    """sha256 of every param's bytes in order (this rank; ranks hold equal params)."""
+    h = hashlib.sha256()
+    for p in params:
+        h.update(p.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
 
 
 def sc_forced_sync(dtype, fp32_grad, bucket_size):
@@ -530,6 +545,20 @@ SCENARIOS = {
 }
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+#: "<scenario>:<rank>" makes that rank raise at the start of that scenario (tests of the
+#: failure handling: the other ranks are then inside the scenario's collectives).
+FAIL_ENV = "LAYERWISE_WORKER_FAIL"
+#: Rank 0 prints "<PROGRESS> <config>/<scenario> <monotonic s>" after each scenario.
+PROGRESS = "[layerwise_worker] done"
+
+
+def _forced_failure():
+    """(scenario, rank) from $LAYERWISE_WORKER_FAIL, or None."""
+    value = os.environ.get(FAIL_ENV)
+    if not value:
+        return None
+    name, _, rank = value.partition(":")
+    return name, int(rank)
 
 
 def main(argv=None):
@@ -549,6 +578,11 @@ def main(argv=None):
     tree = check_expected_tree()
     parallel_state.initialize_model_parallel(expert_model_parallel_size=args.expert_parallel)
     results = {"_meta": {"tree": tree, "world_size": dist.get_world_size()}}
+    # A scenario that raises on every rank is data (the pristine tree crashes where the
+    # series fixes it); one that raises on some ranks only ends the job with that rank's
+    # traceback (harness.ranks.Outcomes) instead of hanging in a collective.
+    outcomes = Outcomes(prefix="layerwise_worker")
+    forced = _forced_failure()
     for cfg in args.configs.split(","):
         dname, gname, bname = cfg.split("-")
         dtype = DTYPES[dname]
@@ -557,18 +591,18 @@ def main(argv=None):
         bucket_size = 1 if bname == "many" else None
         for name in args.scenarios.split(","):
             key = f"{cfg}/{name}"
-            try:
-                results[key] = SCENARIOS[name](dtype, fp32_grad, bucket_size)
-            except Exception as exc:  # recorded: the pristine tree is expected to crash
-                if os.environ.get("LAYERWISE_WORKER_DEBUG"):
-                    traceback.print_exc()
-                results[key] = {"error": f"{type(exc).__name__}: {exc}"}
-                dist.barrier()
+            with outcomes.step(key) as step:
+                if forced == (name, dist.get_rank()):
+                    raise RuntimeError(f"forced failure of {key} on rank {dist.get_rank()} ({FAIL_ENV})")
+                step.result = SCENARIOS[name](dtype, fp32_grad, bucket_size)
+            results[key] = step.result
+            if dist.get_rank() == 0:
+                print(f"{PROGRESS} {key} {time.monotonic():.3f}", flush=True)
     if dist.get_rank() == 0:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1, sort_keys=True)
     dist.barrier()
-    dist.destroy_process_group()
+    exit_rank(0)
 
 
 if __name__ == "__main__":

@@ -15,12 +15,13 @@ holds deliberate bugs; test_mutants_are_caught shows that these tests catch them
 from __future__ import annotations
 
 import json
-import subprocess
+import time
 from pathlib import Path
 
 import pytest
 
-from harness.launch import torchrun_command
+from harness.launch import LaunchError, run_command, torchrun_command
+from harness.ranks import FIRST_FAILURE
 from harness.trees import (
     REPO_ROOT,
     make_mutant_tree,
@@ -29,19 +30,22 @@ from harness.trees import (
 )
 
 WORKER = Path(__file__).with_name("layerwise_worker.py")
+PROGRESS = "[layerwise_worker] done"  # the worker's per-scenario progress line
 MUTANTS = REPO_ROOT / "tests" / "functional_tests" / "mutants"
 CONFIGS = ("bf16-fp32grad-many", "fp32-fp32grad-one")
 MAIN_SCENARIOS = "gather,microbatches,training,forced_sync,free_overlap_buffers,offload,alloc"
-TIMEOUT_S = 900
 
 pytestmark = [pytest.mark.gloo]
 
 
-def run_worker(tree, nproc, out: Path, scenarios, configs=CONFIGS, expert_parallel=1):
-    """Run the worker on `nproc` gloo ranks importing `tree`; return its JSON results.
+def launch_worker(tree, nproc, out: Path, scenarios, configs=CONFIGS, expert_parallel=1, extra_env=None):
+    """Run the worker on `nproc` gloo ranks importing `tree`, logs next to `out`.
+
+    The run is killed when no scenario finishes for 5 x the slowest one so far (at
+    least 180 s, start-up included in the first): a limit from the measured pace.
 
     Raises:
-        AssertionError: a rank failed or the worker wrote no results (with its output).
+        LaunchError: a rank failed (with the first failing rank's traceback), or a stall.
     """
     cmd, env = torchrun_command(
         WORKER,
@@ -57,14 +61,38 @@ def run_worker(tree, nproc, out: Path, scenarios, configs=CONFIGS, expert_parall
         ],
         nproc,
         tree=tree,
+        extra_env=extra_env,
     )
-    proc = subprocess.run(
-        cmd, env=env, capture_output=True, text=True, timeout=TIMEOUT_S, cwd=REPO_ROOT
+    return run_command(
+        cmd,
+        env,
+        run_dir=out.with_suffix(".logs"),
+        timeout_s=None,
+        what=f"layerwise worker on {tree} x{nproc}",
+        tail_lines=80,
+        progress_marker=PROGRESS,
     )
-    assert proc.returncode == 0 and out.exists(), (
-        f"worker failed (rc={proc.returncode}) on {tree} x{nproc}:\n"
-        + (proc.stdout + proc.stderr)[-4000:]
-    )
+
+
+def first_failure(error: LaunchError) -> str:
+    """The worker's first-failing-rank block from a LaunchError's log, or the message."""
+    stderr = Path(str(error).split("logs: ", 1)[1].split()[1]).read_text(errors="replace")
+    start = stderr.find(FIRST_FAILURE)
+    return stderr[start : stderr.find("=== end ===", start)] if start >= 0 else str(error)
+
+
+def run_worker(tree, nproc, out: Path, scenarios, configs=CONFIGS, expert_parallel=1):
+    """``launch_worker`` and its JSON results.
+
+    Raises:
+        AssertionError: a rank failed or the worker wrote no results (with the first
+            failing rank's traceback and the log tail).
+    """
+    try:
+        launch_worker(tree, nproc, out, scenarios, configs, expert_parallel)
+    except LaunchError as exc:
+        raise AssertionError(f"{first_failure(exc)}\n{exc}") from None
+    assert out.exists(), f"worker wrote no results on {tree} x{nproc}"
     return json.loads(out.read_text())
 
 
@@ -122,11 +150,16 @@ def test_microbatch_accumulation(runs, world, config, n):
 
 
 @pytest.mark.parametrize("world,config", CASES)
-def test_training_steps_overlap_equal_sync(runs, world, config):
-    """4 real optimizer steps: overlapped gather == optimizer's synchronous gather."""
+def test_training_steps_equal_the_pristine_tree(runs, world, config):
+    """4 real optimizer steps, overlapped gather and the optimizer's synchronous gather:
+    params (sha256 of their bytes) and grad norms equal the pristine tree's, which
+    receives into fresh temporaries and never touches grad_data; and equal each other."""
     r = result(runs("patched", world), config, "training")
+    u = result(runs("upstream", world), config, "training")
+    for path in ("overlap", "sync"):
+        assert r[f"params_sha256_{path}"] == u[f"params_sha256_{path}"], f"{path} params differ from pristine"
+        assert r[f"grad_norms_{path}"] == u[f"grad_norms_{path}"], (path, r[f"grad_norms_{path}"], u)
     assert r["params_overlap_equal_sync"], r["params_max_abs_diff"]
-    assert r["grad_norms_equal"], (r["grad_norms_overlap"], r["grad_norms_sync"])
     assert r["params_equal_across_ranks"]
     assert r["grad_data_zero_after_sync_step"]
 
@@ -179,6 +212,21 @@ def test_offload_sync_restore(runs, world, config):
     bad = [k for k, v in r.items() if v is not True and k != "fallback_warnings"]
     assert not bad, f"failed checks: {bad}"
     assert r["fallback_warnings"] >= 1
+
+
+def test_one_rank_failure_ends_the_run_fast_with_its_traceback(tmp_path):
+    """Rank 1 raises at the start of a scenario while rank 0 is inside its collectives:
+    the run fails within 60 s of the failure (not at the process-group timeout), and the
+    report names rank 1 and holds its traceback."""
+    with pytest.raises(LaunchError) as info:
+        launch_worker("patched", 2, tmp_path / "r.json", "gather", CONFIGS[:1],
+                      extra_env={"LAYERWISE_WORKER_FAIL": "gather:1"})
+    ended = time.time()
+    report = first_failure(info.value)
+    assert report.startswith(f"{FIRST_FAILURE}: 1 "), report
+    assert "Traceback" in report and "forced failure of bf16-fp32grad-many/gather on rank 1" in report
+    failed_at = float(report.split("at t=", 1)[1].split(":", 1)[0])
+    assert ended - failed_at < 60, f"the run ended {ended - failed_at:.0f} s after rank 1 failed"
 
 
 def test_dp_size_1(runs):
