@@ -145,7 +145,10 @@ def record_collectives() -> Iterator[List[CollectiveRecord]]:
 
     Works with the CPU runtime layer installed (gloo ranks) and without it (e.g. NCCL
     ranks on GPUs): then the three functions are wrapped for the block only, record, and
-    call torch's own. Blocks nest; each gets every call made inside it.
+    call torch's own. Without the layer, names bound before the block are not seen (e.g.
+    megatron's ``dist_all_gather_func``, bound at import); with it they are, as the layer
+    is installed before megatron is imported. Blocks nest; each gets every call made
+    inside it.
 
     Example::
 
