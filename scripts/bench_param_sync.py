@@ -1,47 +1,38 @@
-"""Benchmark the layer-wise param sync, pristine megatron-core 0.17.1 vs the patch series.
+"""Benchmark the layer-wise param sync: upstream 0.17.1, the exact-list-slot design, the series.
 
 Usage (from the repo root, after scripts/setup.sh):
 
-    .venv/bin/python scripts/bench_param_sync.py            # default: 1-2 min on 2 CPU cores
-    .venv/bin/python scripts/bench_param_sync.py --quick    # smoke run for tests (< 60 s)
+    .venv/bin/python scripts/bench_param_sync.py            # about 10 min on 2 shared CPU cores
+    .venv/bin/python scripts/bench_param_sync.py --quick    # smoke run for tests (about a minute)
     .venv/bin/python scripts/bench_param_sync.py --publish  # also copy PNG + MD to docs/bench/
-    .venv/bin/python scripts/bench_param_sync.py --device cuda   # on a GPU machine
+    .venv/bin/python scripts/bench_param_sync.py --device cuda   # on a GPU machine (NCCL)
 
-Both trees are measured in the same run: for each tree this script starts worker
-subprocesses (harness/param_sync_bench.py) with that tree first on PYTHONPATH
-(harness.trees.env_for_tree), then merges their records:
+All trees (harness/bench/trees.py: upstream, exact_list_slots, patched) are measured in the
+same run:
 
-* real ranks: DP 2 and 4 under `python -m torch.distributed.run --standalone`, gloo on CPU
-  (env MEGATRON_CPU_RUNTIME=1, OMP_NUM_THREADS=1), or NCCL with --device cuda (one GPU
-  per rank; DP sizes above the GPU count are skipped and listed in meta.skipped);
-* scale: DP 8, 64 and 512 in one process each with PyTorch's fake process group,
-  simulating rank 0 and rank DP/2, for several DDP bucket sizes.
+* real ranks, DP 2 and 4 (torchrun; gloo on CPU, NCCL with --device cuda): one worker
+  group per tree (harness/bench/sync_worker.py), all alive at once. Each counts one sync of
+  every case, then serves timing blocks; this script asks the groups for blocks in ABBA
+  order (trees in order in even rounds, reversed in odd ones) and forms the
+  patched/upstream ratio per round (harness/bench/stats.py). The "control" path
+  (DDP.zero_grad_buffer, code no tree changes) is the negative control.
+* fake process group, DP 8, 64 and 512 (one process per tree, rank 0 and DP/2): counts
+  only; nothing moves, so no time is measured there.
+* step memory (--step-memory DP, "" to skip): peak memory per phase of a real training
+  step (harness/bench/step_memory.py), every tree, overlap on and off.
 
-Outputs (in --out-dir, default build/bench; harness/param_sync_report.py writes the MD
-and the PNG):
+Outputs in --out-dir (default build/bench): param_sync.json ({"meta", "records",
+"timing", "step_memory"}), param_sync.md and param_sync.png (harness/bench/report.py).
+Per record (tree, model, path, dp_size, rank, pg, bucket_size): temporary_bytes,
+alloc_calls, peak_extra_bytes (dispatch level), nccl_model_temporary_bytes,
+collective_launches, wire_bytes (received by this rank, padding included), shares_equal,
+bucket_shares, profiler_alloc_bytes / _calls / _peak_bytes / _caller_thread_bytes
+(torch.profiler, all threads), theory_* and their matches, params_synced. "timing" holds,
+per (dp_size, model, bucket_size, path), the per-round block medians of every tree and
+the ratios vs upstream with their bootstrap CIs.
 
-* param_sync.json: {"meta": {...}, "records": [...]}, one record per
-  (tree, path, dp_size, device, bucket_size, rank, pg). Fields: tree ("upstream" or
-  "patched"), path ("async", "forced", "optimizer"), dp_size, rank, device, pg ("real" or
-  "fake"), backend, bucket_size (elements; null = DDP default, one bucket here),
-  num_buckets; per sync: temporary_bytes, alloc_calls, peak_extra_bytes (bytes),
-  cuda_peak_extra_bytes (torch.cuda.max_memory_allocated delta, bytes; --device cuda
-  only); wall seconds per sync median_s, min_s, max_s, q1_s, q3_s (raw: times_s) and
-  process CPU seconds cpu_median_s (raw: cpu_times_s); theory_upstream_bytes,
-  theory_3751_bytes, theory_series_bytes, theory_upstream_peak_bytes (bytes),
-  theory_match / peak_theory_match (measured == the tree's theory); and, on both records
-  of a pair, the patched/upstream ratios temporary_bytes_ratio, alloc_calls_ratio,
-  peak_extra_bytes_ratio, cuda_peak_extra_bytes_ratio, time_ratio (of the medians),
-  time_ratio_lo / time_ratio_hi (q1/q3 and q3/q1: the spread), time_ratio_min (of the
-  minima) and cpu_time_ratio. Real-rank records add all_ranks_* lists and params_synced;
-  profiled ones add profile (torch.profiler) or cprofile (cProfile) tables.
-* param_sync.png: (a) temporary bytes vs DP size, (b) allocator calls vs DP size,
-  (c) upstream temporaries and peak vs DDP bucket size; symlog, so that 0 shows.
-* param_sync.md: summary, tables, profiles and notes, with the exact command at the top.
-
-Exit status: 0 when every patched record has 0 temporary bytes, every upstream record
-equals the theory exactly and every real-rank sync left all params synced; 1 otherwise
-(outputs are written either way); 2 when a worker fails.
+Exit status: 0 when the structural checks hold (see checks()); 1 otherwise (outputs are
+written either way); 2 when a worker fails. Timing never decides the exit status.
 """
 
 from __future__ import annotations
@@ -52,6 +43,7 @@ import os
 import platform
 import shlex
 import shutil
+import socket
 import statistics
 import subprocess
 import sys
@@ -62,192 +54,273 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
-from harness.param_sync_report import write_markdown, write_plot  # noqa: E402
-from harness.trees import TREES, env_for_tree  # noqa: E402
+from harness.bench import stats  # noqa: E402
+from harness.bench.report import write_markdown, write_plot  # noqa: E402
+from harness.bench.theory import nccl_list_all_gather  # noqa: E402
+from harness.bench.trees import BENCH_TREES, all_trees  # noqa: E402
+from harness.launch import torchrun_command  # noqa: E402
+from harness.trees import env_for_tree  # noqa: E402
 
-WORKER = REPO_ROOT / "harness" / "param_sync_bench.py"
+WORKER = REPO_ROOT / "harness" / "bench" / "sync_worker.py"
+STEP_WORKER = REPO_ROOT / "harness" / "bench" / "step_memory.py"
 PATHS = ("async", "forced", "optimizer")
-KEY = ("path", "dp_size", "rank", "device", "bucket_size", "pg")
-WORKER_TIMEOUT_S = 600
+KEY = ("model", "path", "dp_size", "rank", "device", "bucket_size", "pg")
+WORKER_TIMEOUT_S = 900
 
 DEFAULTS = dict(
     real_dp="2,4",
     fake_dp="8,64,512",
     fake_ranks="0,mid",
+    models="gpt_equal,gpt_unequal",
     real_bucket_sizes="default",
     fake_bucket_sizes="default,1000000,250000",
-    reps=30,
-    fake_reps=10,
-    warmup=2,
-    profile_reps=5,
-    cprofile="8:0:default:async,512:0:250000:optimizer,512:0:250000:async",
+    rounds=30,
+    block=5,
+    step_memory="2",
 )
 QUICK = dict(
     real_dp="2",
-    fake_dp="8,64",
+    fake_dp="8",
     fake_ranks="0",
+    models="gpt_equal,gpt_unequal",
     real_bucket_sizes="default",
     fake_bucket_sizes="default,250000",
-    reps=3,
-    fake_reps=2,
-    warmup=1,
-    profile_reps=0,
-    cprofile="",
+    rounds=3,
+    block=2,
+    step_memory="",
 )
 
 
 class WorkerError(RuntimeError):
-    """A worker subprocess failed; the message holds its command and output tail."""
+    """A worker failed; the message holds its command and output tail."""
 
 
-def _run_worker(cmd, env, what: str) -> None:
-    """Run one worker command; raise WorkerError with its output tail on failure."""
-    proc = subprocess.run(
-        cmd, env=env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=WORKER_TIMEOUT_S
-    )
-    if proc.returncode != 0:
-        raise WorkerError(
-            f"{what} failed (rc={proc.returncode}): {shlex.join(cmd)}\n"
-            + (proc.stdout + proc.stderr)[-4000:]
-        )
-
-
-def _worker_env(tree: str, device: str) -> dict:
-    env = env_for_tree(tree)
-    env["OMP_NUM_THREADS"] = "1"
-    if device == "cpu":
-        env["MEGATRON_CPU_RUNTIME"] = "1"
-    else:
-        env.pop("MEGATRON_CPU_RUNTIME", None)
+def _env(env: dict) -> dict:
+    env = dict(env)
     env["PYTHONWARNINGS"] = "ignore"
     return env
 
 
-def run_real(tree: str, dp: int, cfg: dict, device: str, raw: Path, profile: bool) -> list:
-    """torchrun `dp` ranks of the worker on `tree`; returns rank 0's records."""
-    out = raw / f"{tree}-real-dp{dp}.json"
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone",
-        f"--nproc-per-node={dp}", str(WORKER),
-        "--mode", "real", "--tree", tree, "--out", str(out), "--device", device,
-        "--bucket-sizes", cfg["real_bucket_sizes"], "--reps", str(cfg["reps"]),
-        "--warmup", str(cfg["warmup"]),
-        "--profile-path", "async" if profile else "", "--profile-reps", str(cfg["profile_reps"]),
-    ]  # fmt: skip
-    _run_worker(cmd, _worker_env(tree, device), f"{tree} real DP={dp}")
-    return json.loads(out.read_text())
+def _tail(proc_out: Path) -> str:
+    try:
+        return proc_out.read_text(errors="replace")[-4000:]
+    except OSError:
+        return ""
 
 
-def run_fake(tree: str, cfg: dict, device: str, raw: Path) -> list:
-    """One process on `tree` simulating every fake DP size and rank."""
-    out = raw / f"{tree}-fake.json"
-    cmd = [
-        sys.executable, str(WORKER),
-        "--mode", "fake", "--tree", tree, "--out", str(out), "--device", device,
-        "--dp-sizes", cfg["fake_dp"], "--ranks", cfg["fake_ranks"],
-        "--bucket-sizes", cfg["fake_bucket_sizes"], "--reps", str(cfg["fake_reps"]),
-        "--warmup", str(cfg["warmup"]), "--cprofile", cfg["cprofile"],
-    ]  # fmt: skip
-    _run_worker(cmd, _worker_env(tree, device), f"{tree} fake DP={cfg['fake_dp']}")
+# ---------------------------------------------------------------- real ranks: counts + ABBA timing
+def run_real(trees: dict, dp: int, cfg: dict, device: str, raw: Path, fake: bool):
+    """One worker group per tree, all at once; counts, then ABBA timing rounds; with
+    `fake`, each group's rank 0 then counts the fake DP sizes too.
+
+    Returns:
+        (records, timing): rank 0's count records of every tree (real, then fake), and
+        {case_key: {tree: [block median seconds per round]}}.
+    """
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.settimeout(WORKER_TIMEOUT_S)
+    address = f"127.0.0.1:{listener.getsockname()[1]}"
+    procs, logs = {}, {}
+    try:
+        for label, tree in trees.items():
+            argv, env = torchrun_command(
+                WORKER,
+                ["--mode", "real", "--tree", label, "--serve", address, "--device", device,
+                 "--models", cfg["models"], "--bucket-sizes", cfg["real_bucket_sizes"],
+                 "--dp-sizes", cfg["fake_dp"] if fake else "", "--ranks", cfg["fake_ranks"],
+                 "--fake-bucket-sizes", cfg["fake_bucket_sizes"]],
+                nproc=dp, tree=tree, cpu=device == "cpu",
+            )  # fmt: skip
+            logs[label] = raw / f"{label}-real-dp{dp}.log"
+            procs[label] = subprocess.Popen(
+                argv, env=_env(env), cwd=REPO_ROOT, stdout=logs[label].open("w"),
+                stderr=subprocess.STDOUT, start_new_session=True,
+            )  # fmt: skip
+        conns, records = {}, []
+        deadline = time.monotonic() + WORKER_TIMEOUT_S
+        while len(conns) < len(trees):
+            for label, p in procs.items():
+                if p.poll() is not None and label not in conns:
+                    raise WorkerError(f"{label} real DP={dp} exited rc={p.returncode}\n{_tail(logs[label])}")
+            listener.settimeout(max(1.0, min(10.0, deadline - time.monotonic())))
+            try:
+                sock, _ = listener.accept()
+            except socket.timeout:
+                if time.monotonic() > deadline:
+                    raise WorkerError(f"real DP={dp}: workers did not connect in {WORKER_TIMEOUT_S} s")
+                continue
+            sock.settimeout(WORKER_TIMEOUT_S)
+            f = sock.makefile("rw")
+            hello = json.loads(f.readline())
+            label = hello["records"][0]["tree"]
+            conns[label] = (sock, f)
+            records += hello["records"]
+        cases = [(r["model"], r["bucket_size"], r["path"]) for r in records if r["tree"] == next(iter(trees))]
+        timing = {c: {label: [] for label in trees} for c in cases}
+        for rnd in range(cfg["rounds"]):
+            for i, case in enumerate(cases):
+                for label in stats.abba_order(list(trees), rnd + i):
+                    sock, f = conns[label]
+                    f.write(json.dumps({"op": "time", "case": i, "n": cfg["block"]}) + "\n")
+                    f.flush()
+                    line = f.readline()
+                    if not line:
+                        raise WorkerError(f"{label} real DP={dp} closed the connection\n{_tail(logs[label])}")
+                    timing[case][label].append(statistics.median(json.loads(line)["times_s"]))
+            print(f"[bench] real DP={dp}: round {rnd + 1}/{cfg['rounds']}", flush=True)
+        for sock, f in conns.values():
+            f.write(json.dumps({"op": "quit"}) + "\n")
+            f.flush()
+        for label, (sock, f) in conns.items():
+            line = f.readline()
+            if not line:
+                raise WorkerError(f"{label} real DP={dp} closed the connection\n{_tail(logs[label])}")
+            records += json.loads(line)["records"]
+        for label, p in procs.items():
+            if p.wait(timeout=120) != 0:
+                raise WorkerError(f"{label} real DP={dp} exited rc={p.returncode}\n{_tail(logs[label])}")
+        return records, {(dp,) + c: v for c, v in timing.items()}
+    finally:
+        listener.close()
+        for p in procs.values():
+            if p.poll() is None:
+                os.killpg(p.pid, 9)
+                p.wait()
+
+
+def run_fake(label: str, tree, cfg: dict, device: str, raw: Path) -> list:
+    """One process on `tree` simulating every fake DP size and rank (counts only)."""
+    out = raw / f"{label}-fake.json"
+    env = env_for_tree(tree)
+    env.update(OMP_NUM_THREADS="1")
+    if device == "cpu":
+        env["MEGATRON_CPU_RUNTIME"] = "1"
+    cmd = [sys.executable, str(WORKER), "--mode", "fake", "--tree", label, "--out", str(out),
+           "--device", device, "--dp-sizes", cfg["fake_dp"], "--ranks", cfg["fake_ranks"],
+           "--models", cfg["models"], "--bucket-sizes", cfg["fake_bucket_sizes"]]  # fmt: skip
+    proc = subprocess.run(cmd, env=_env(env), cwd=REPO_ROOT, capture_output=True, text=True,
+                          timeout=WORKER_TIMEOUT_S)  # fmt: skip
+    if proc.returncode != 0:
+        raise WorkerError(f"{label} fake failed (rc={proc.returncode}): {shlex.join(cmd)}\n"
+                          + (proc.stdout + proc.stderr)[-4000:])  # fmt: skip
     return json.loads(out.read_text())
 
 
 # ---------------------------------------------------------------- merging
-def _quantile(xs, q: float) -> float:
-    xs = sorted(xs)
-    pos = q * (len(xs) - 1)
-    lo = int(pos)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+def gathers(rec: dict) -> list:
+    """Per-rank shares of each all-gather one sync of this record issues: one per bucket
+    with anything to gather, except upstream's optimizer path (LayerWiseDistributedOptimizer
+    .allgather_params), which gathers the whole model at once."""
+    if rec["path"] == "control":
+        return []
+    if rec["path"] == "optimizer" and rec["tree"] == "upstream":
+        return [rec["model_shares"]] if rec["model_shares"] and max(rec["model_shares"]) else []
+    return [s for s in rec["bucket_shares"] if max(s) > 0]
 
 
-def _ratio(num, den):
-    if num is None or den is None:
-        return None
-    if den == 0:
-        return None if num else 1.0
-    return num / den
+def expected_nccl(rec: dict) -> tuple:
+    """(launches, NCCL temporary bytes) of one sync if every gather is a list all_gather on
+    ProcessGroupNCCL, as upstream and exact_list_slots issue them (theory.py)."""
+    total = [nccl_list_all_gather(s, rec["param_itemsize"]) for s in gathers(rec)]
+    return sum(t[0] for t in total), sum(t[1] for t in total)
 
 
-def merge(records: list) -> list:
-    """Add time statistics, theory_match and patched/upstream ratios; sort the records."""
+def merge(records: list, timing: dict, labels) -> list:
+    """Add theory matches and timing summaries to the records; sort them."""
     for r in records:
-        ts, cs = r["times_s"], r["cpu_times_s"]
-        r.update(
-            median_s=statistics.median(ts),
-            min_s=min(ts),
-            max_s=max(ts),
-            q1_s=_quantile(ts, 0.25),
-            q3_s=_quantile(ts, 0.75),
-            cpu_median_s=statistics.median(cs),
+        r["theory_match"] = r["temporary_bytes"] == (
+            r["theory_upstream_bytes"] if r["tree"] == "upstream" else r["theory_series_bytes"]
         )
         r["peak_theory_match"] = r["peak_extra_bytes"] == (
             r["theory_upstream_peak_bytes"] if r["tree"] == "upstream" else 0
         )
-        r["theory_match"] = (
-            r["temporary_bytes"] == r["theory_upstream_bytes"]
-            if r["tree"] == "upstream"
-            else r["temporary_bytes"] == r["theory_series_bytes"]
-        )
-    by_key = {}
-    for r in records:
-        by_key.setdefault(tuple(r[k] for k in KEY), {})[r["tree"]] = r
-    for pair in by_key.values():
-        u, p = pair.get("upstream"), pair.get("patched")
-        if u is None or p is None:
-            continue
-        ratios = {
-            f"{f}_ratio": _ratio(p[f], u[f])
-            for f in ("temporary_bytes", "alloc_calls", "peak_extra_bytes", "cuda_peak_extra_bytes")
-        }
-        ratios["time_ratio"] = _ratio(p["median_s"], u["median_s"])
-        ratios["time_ratio_lo"] = _ratio(p["q1_s"], u["q3_s"])
-        ratios["time_ratio_hi"] = _ratio(p["q3_s"], u["q1_s"])
-        ratios["time_ratio_min"] = _ratio(p["min_s"], u["min_s"])
-        ratios["cpu_time_ratio"] = _ratio(p["cpu_median_s"], u["cpu_median_s"])
-        u.update(ratios)
-        p.update(ratios)
-    order = {t: i for i, t in enumerate(TREES)}
-    paths = {p: i for i, p in enumerate(PATHS)}
-    return sorted(
-        records,
-        key=lambda r: (
-            r["pg"] != "real", r["dp_size"], r["rank"], -1 if r["bucket_size"] is None
-            else r["bucket_size"], paths[r["path"]], order[r["tree"]],
-        ),
-    )  # fmt: skip
+        launches, temp = expected_nccl(r)
+        r["list_gather_launches"], r["list_gather_nccl_temporary_bytes"] = launches, temp
+        g = gathers(r)
+        r["num_gathers"] = len(g)
+        r["shares_equal"] = bool(g) and all(len(set(x)) == 1 for x in g)
+        r["launches_per_gather"] = r["collective_launches"] / max(1, len(g))
+        if r["pg"] == "real":
+            blocks = timing.get((r["dp_size"], r["model"], r["bucket_size"], r["path"]), {})
+            mine = blocks.get(r["tree"], [])
+            r["block_median_s"] = mine
+            r["median_s"] = statistics.median(mine) if mine else None
+            r["time_ratio_vs_upstream"] = (
+                stats.ratio_summary(blocks, r["tree"], "upstream") if r["tree"] != "upstream" else None
+            )
+    order = {t: i for i, t in enumerate(labels)}
+    paths = {p: i for i, p in enumerate(PATHS + ("control",))}
+    return sorted(records, key=lambda r: (
+        r["pg"] != "real", r["model"], r["dp_size"], r["rank"],
+        -1 if r["bucket_size"] is None else r["bucket_size"], paths[r["path"]], order[r["tree"]],
+    ))  # fmt: skip
 
 
 def checks(records: list) -> dict:
-    """The claims of issue 5, each a list of failing record keys (empty = holds)."""
+    """Structural claims, each a list of failing record keys (empty = holds). No timing."""
 
     def key(r):
         return {k: r[k] for k in ("tree",) + KEY}
 
+    sync = [r for r in records if r["path"] != "control"]
+    shas = {r["control_code_sha"] for r in records}
     return {
         "patched_zero_temporary_bytes": [
-            key(r) for r in records if r["tree"] == "patched" and r["temporary_bytes"] != 0
+            key(r) for r in sync if r["tree"] == "patched" and r["temporary_bytes"] != 0
         ],
+        "patched_zero_nccl_model_temporary_bytes": [
+            key(r) for r in sync if r["tree"] == "patched" and r["nccl_model_temporary_bytes"] != 0
+        ],
+        "patched_one_launch_per_gather_where_shares_equal": [
+            key(r) for r in sync
+            if r["tree"] == "patched" and r["shares_equal"] and r["launches_per_gather"] != 1
+        ],  # fmt: skip
         "upstream_equals_theory": [
-            key(r) for r in records if r["tree"] == "upstream" and not r["theory_match"]
+            key(r) for r in sync if r["tree"] == "upstream" and not (r["theory_match"] and r["peak_theory_match"])
         ],
-        "peak_equals_theory": [key(r) for r in records if not r["peak_theory_match"]],
-        "upstream_equals_theory_on_every_real_rank": [
-            key(r)
-            for r in records
-            if r["tree"] == "upstream"
-            and r["pg"] == "real"
-            and r["all_ranks_temporary_bytes"] != r["all_ranks_theory_upstream_bytes"]
-        ],
-        "patched_zero_on_every_real_rank": [
-            key(r)
-            for r in records
-            if r["tree"] == "patched" and r["pg"] == "real" and any(r["all_ranks_temporary_bytes"])
-        ],
-        "real_params_synced": [
-            key(r) for r in records if r["pg"] == "real" and r["params_synced"] is not True
-        ],
+        "list_designs_nccl_equals_theory": [
+            key(r) for r in sync
+            if r["tree"] in ("upstream", "exact_list_slots")
+            and (r["collective_launches"], r["nccl_model_temporary_bytes"])
+            != (r["list_gather_launches"], r["list_gather_nccl_temporary_bytes"])
+        ],  # fmt: skip
+        "real_params_synced": [key(r) for r in sync if r["pg"] == "real" and r["params_synced"] is not True],
+        "control_code_identical_in_every_tree": [] if len(shas) <= 1 else sorted(shas),
     }
+
+
+def timing_table(timing: dict, labels) -> list:
+    """Rows {dp_size, model, bucket_size, path, median_s per tree, ratio summaries}."""
+    rows = []
+    for (dp, model, bucket, path), blocks in timing.items():
+        row = dict(dp_size=dp, model=model, bucket_size=bucket, path=path,
+                   median_s={t: statistics.median(v) for t, v in blocks.items() if v})  # fmt: skip
+        for t in labels:
+            if t != "upstream":
+                row[f"{t}_vs_upstream"] = stats.ratio_summary(blocks, t, "upstream")
+        if "exact_list_slots" in blocks and "patched" in blocks:
+            row["patched_vs_exact_list_slots"] = stats.ratio_summary(blocks, "patched", "exact_list_slots")
+        rows.append(row)
+    return rows
+
+
+def run_step_memory(trees: dict, cfg: dict, device: str, raw: Path) -> list:
+    """harness/bench/step_memory.py under torchrun, DP = cfg["step_memory"], once per tree
+    (memory does not drift with load, so one after the other); their records."""
+    dp = int(cfg["step_memory"])
+    records = []
+    for label, tree in trees.items():
+        out = raw / f"{label}-step-memory.json"
+        argv, env = torchrun_command(STEP_WORKER, ["--out", str(out), "--tree", label],
+                                     nproc=dp, tree=tree, cpu=device == "cpu")  # fmt: skip
+        print(f"[bench] {label}: step memory, DP={dp}", flush=True)
+        proc = subprocess.run(argv, env=_env(env), cwd=REPO_ROOT, capture_output=True, text=True,
+                              timeout=WORKER_TIMEOUT_S)  # fmt: skip
+        if proc.returncode != 0:
+            raise WorkerError(f"{label} step memory failed (rc={proc.returncode}): {shlex.join(argv)}\n"
+                              + (proc.stdout + proc.stderr)[-4000:])  # fmt: skip
+        records += json.loads(out.read_text())
+    return records
 
 
 # ---------------------------------------------------------------- main
@@ -258,6 +331,7 @@ def parse_args(argv):
     ap.add_argument("--quick", action="store_true", help="smoke-test sizes (for tests)")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     ap.add_argument("--out-dir", type=Path, default=REPO_ROOT / "build" / "bench")
+    ap.add_argument("--trees", default=",".join(BENCH_TREES), help="comma list of tree labels")
     ap.add_argument("--publish", action="store_true",
                     help="copy param_sync.png and param_sync.md to docs/bench/")  # fmt: skip
     for name, value in DEFAULTS.items():
@@ -276,6 +350,11 @@ def main(argv=None) -> int:
     out_dir: Path = args.out_dir
     raw = out_dir / "raw"
     raw.mkdir(parents=True, exist_ok=True)
+    labels = [t for t in args.trees.split(",") if t]
+    if "upstream" not in labels:
+        print("[bench] --trees must include upstream (ratios are vs upstream)", file=sys.stderr)
+        return 2
+    trees = all_trees(labels)
     skipped = []
     real_dps = [int(x) for x in cfg["real_dp"].split(",") if x]
     if args.device == "cuda":
@@ -284,57 +363,54 @@ def main(argv=None) -> int:
         n_gpus = torch.cuda.device_count()
         skipped += [f"real DP={d}: needs {d} GPUs, found {n_gpus}" for d in real_dps if d > n_gpus]
         real_dps = [d for d in real_dps if d <= n_gpus]
-    records = []
+    records, timing, step = [], {}, []
     try:
         for i, dp in enumerate(real_dps):
-            # Alternate the order of the trees so that drifting background load on a
-            # shared machine does not always favour the same tree.
-            for tree in TREES if i % 2 == 0 else TREES[::-1]:
-                print(f"[bench] {tree}: real DP={dp}", flush=True)
-                profile = cfg["profile_reps"] > 0 and dp == real_dps[0]
-                records += run_real(tree, dp, cfg, args.device, raw, profile)
-        if cfg["fake_dp"]:
-            for tree in TREES:
-                print(f"[bench] {tree}: fake DP={cfg['fake_dp']}", flush=True)
-                records += run_fake(tree, cfg, args.device, raw)
+            fake = bool(cfg["fake_dp"]) and i == 0
+            print(f"[bench] real DP={dp}{' then fake DP=' + cfg['fake_dp'] if fake else ''}: "
+                  f"{', '.join(trees)}", flush=True)  # fmt: skip
+            recs, tim = run_real(trees, dp, cfg, args.device, raw, fake)
+            records += recs
+            timing.update(tim)
+        if cfg["fake_dp"] and not real_dps:
+            for label, tree in trees.items():
+                print(f"[bench] {label}: fake DP={cfg['fake_dp']}", flush=True)
+                records += run_fake(label, tree, cfg, args.device, raw)
+        if cfg["step_memory"] and args.device == "cpu":
+            step = run_step_memory(trees, cfg, args.device, raw)
+        elif cfg["step_memory"]:
+            skipped.append("step memory: CPU only (torch.profiler CPU allocator events)")
     except (WorkerError, subprocess.TimeoutExpired) as exc:
         print(f"[bench] {exc}", file=sys.stderr)
         return 2
-    records = merge(records)
+    records = merge(records, timing, labels)
     runtime = time.perf_counter() - t0
-    cmd_args = [a for a in argv]
     meta = dict(
-        command=shlex.join([".venv/bin/python", "scripts/bench_param_sync.py", *cmd_args]),
+        command=shlex.join([".venv/bin/python", "scripts/bench_param_sync.py", *argv]),
         date=datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         torch=_torch_version(),
         cpus=os.cpu_count(),
         host=platform.machine(),
         device=args.device,
+        trees=labels,
         config=cfg,
         runtime_s=runtime,
-        model="4 layers, hidden 256, 4 heads, FFN 1024, vocab 1024, 128 positions, untied "
-        "output layer; bf16 params, fp32 grad buffers; Muon layer-wise optimizer",
-        param_bytes=records[0]["param_bytes"] if records else 0,
         skipped=skipped,
         checks=checks(records),
     )
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "param_sync.json").write_text(
-        json.dumps({"meta": meta, "records": records}, indent=1) + "\n"
-    )
-    write_plot(out_dir / "param_sync.png", records, meta)
-    write_markdown(out_dir / "param_sync.md", meta, records)
+    result = {"meta": meta, "records": records, "timing": timing_table(timing, labels),
+              "step_memory": step}  # fmt: skip
+    (out_dir / "param_sync.json").write_text(json.dumps(result, indent=1) + "\n")
+    write_plot(out_dir / "param_sync.png", result)
+    write_markdown(out_dir / "param_sync.md", result)
     if args.publish:
         docs = REPO_ROOT / "docs" / "bench"
         docs.mkdir(parents=True, exist_ok=True)
         for name in ("param_sync.png", "param_sync.md"):
             shutil.copy2(out_dir / name, docs / name)
     ok = not any(meta["checks"].values())
-    print(
-        f"[bench] {len(records)} records in {runtime:.0f} s -> {out_dir}; checks "
-        + ("hold" if ok else f"FAIL: {json.dumps(meta['checks'])[:2000]}"),
-        flush=True,
-    )
+    print(f"[bench] {len(records)} records in {runtime:.0f} s -> {out_dir}; checks "
+          + ("hold" if ok else f"FAIL: {json.dumps(meta['checks'])[:2000]}"), flush=True)  # fmt: skip
     return 0 if ok else 1
 
 

@@ -38,7 +38,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from harness.alloc_counter import AllocationCounter  # noqa: E402
-from harness.param_sync_theory import theory_upstream_bytes  # noqa: E402
+from harness.bench.theory import theory_upstream_bytes  # noqa: E402
 from harness.ranks import Outcomes, exit_rank  # noqa: E402
 from harness.trees import check_expected_tree  # noqa: E402
 

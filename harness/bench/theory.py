@@ -20,7 +20,7 @@ fresh `torch.cat` of them.
 
 The functions take plain per-rank param lists (anything with `.numel()`), or duck-typed
 megatron buckets/bucket groups, so they need no megatron import. Used by
-tests/unit_tests/layerwise_worker.py and harness/param_sync_bench.py.
+tests/unit_tests/layerwise_worker.py and the bench (harness/bench/sync_worker.py).
 """
 
 from __future__ import annotations
@@ -116,3 +116,44 @@ def async_chain_peak_bytes(group_bytes_in_forward_order: Sequence[int]) -> int:
     """
     t = list(group_bytes_in_forward_order) + [0]
     return max((a + b for a, b in zip(t, t[1:])), default=0)
+
+
+# ---------------------------------------------------------------- collectives on NCCL
+def nccl_list_all_gather(slot_numels: Sequence[int], itemsize: int) -> tuple:
+    """(launches, temporary bytes) of ``torch.distributed.all_gather(list, input)`` on
+    ProcessGroupNCCL (torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp, ``allgather``).
+
+    Equal slot sizes: one flat output of ``len(slots) * numel`` is allocated through the
+    caching allocator, one ``ncclAllGather`` writes it, then each slot is copied out:
+    (1, that flat size in bytes). Different sizes: one ``_broadcast_oop`` per rank inside
+    a coalescing group, no temporary: (len(slots), 0). One slot or none: (0, 0) for
+    none, the single-rank case is a local copy.
+
+    Args:
+        slot_numels: elements of each output slot, in rank order.
+        itemsize: bytes per element.
+    """
+    n = len(slot_numels)
+    if n == 0:
+        return 0, 0
+    if len(set(slot_numels)) == 1:
+        return 1, n * slot_numels[0] * itemsize
+    return n, 0
+
+
+def shares(params_by_rank: Sequence[Sequence]) -> List[int]:
+    """Elements each DP rank owns (its share) in one bucket: [sum of numel per rank]."""
+    return _flat_sizes(params_by_rank)
+
+
+def shares_equal(params_by_rank: Sequence[Sequence]) -> bool:
+    """True when every rank's share is the same non-zero size (all_gather_into_tensor
+    then needs no padding)."""
+    s = _flat_sizes(params_by_rank)
+    return len(set(s)) == 1 and s[0] > 0
+
+
+def list_gather_bytes_on_wire(params_by_rank: Sequence[Sequence], rank: int, itemsize: int) -> int:
+    """Bytes rank `rank` receives in an exact-size gather: every other rank's share."""
+    s = _flat_sizes(params_by_rank)
+    return (sum(s) - s[rank]) * itemsize

@@ -1,0 +1,13 @@
+"""Benchmark of the layer-wise param sync: upstream 0.17.1, the exact-list-slot design and
+the series, measured in one run (``scripts/bench_param_sync.py``).
+
+| module | job |
+|---|---|
+| ``trees`` | the megatron trees a run compares (comparison trees built from ``trees/*.diff``) |
+| ``theory`` | bytes, launches and wire bytes each design should show, from the shares alone |
+| ``counters`` | per-sync counters: collectives at the dispatch level, allocator events |
+| ``stats`` | interleaved (ABBA) schedule, median ratio and its bootstrap CI |
+| ``sync_worker`` | one tree's DDP + layer-wise optimizer on real or fake ranks; counts, timing server |
+| ``step_memory`` | peak memory per phase of one real training step |
+| ``report`` | param_sync.md and param_sync.png from the records |
+"""

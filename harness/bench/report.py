@@ -1,0 +1,388 @@
+"""Report of scripts/bench_param_sync.py: param_sync.md (tables, notes) and param_sync.png.
+
+Input: the dict the script writes to build/bench/param_sync.json ({"meta", "records",
+"timing", "step_memory"}; fields in the script's docstring). Nothing here measures; every
+number comes from the records. The plot uses matplotlib's Agg canvas directly (no pyplot
+global state), so it works headless. Units in the tables: MiB (2**20 bytes), ms.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import List, Optional
+
+PATHS = ("async", "forced", "optimizer", "control")
+SHORT = {"upstream": "up", "exact_list_slots": "exact", "patched": "series", "mcore_0.19": "0.19"}
+
+
+def _mib(b) -> str:
+    return "n/a" if b is None else ("0" if b == 0 else f"{b / 2**20:.2f}")
+
+
+def _ratio(s: Optional[dict]) -> str:
+    if not s:
+        return "n/a"
+    return f"{s['ratio']:.2f} [{s['ci_lo']:.2f}, {s['ci_hi']:.2f}]"
+
+
+def _bucket(b) -> str:
+    return "default" if b is None else f"{b:,}"
+
+
+def _find(records, **want) -> Optional[dict]:
+    for r in records:
+        if all(r.get(k) == v for k, v in want.items()):
+            return r
+    return None
+
+
+def _trees(result) -> List[str]:
+    return list(result["meta"]["trees"])
+
+
+# ---------------------------------------------------------------- markdown
+def write_markdown(path: Path, result: dict) -> None:
+    """Write param_sync.md: command, headline, tables, step memory, method, checks."""
+    meta, records = result["meta"], result["records"]
+    lines = _header(meta)
+    lines += _headline(result)
+    lines += _step_memory_section(result.get("step_memory") or [])
+    lines += _real_table(result)
+    lines += _timing_table(result)
+    lines += _fake_table(result)
+    lines += _allocator_table(result)
+    lines += ["![bytes, launches and time ratios](param_sync.png)", ""]
+    lines += _method(meta)
+    lines += ["## Checks", ""]
+    for name, bad in meta["checks"].items():
+        lines.append(f"- `{name}`: {'holds' if not bad else f'FAILS for {len(bad)} records'}")
+    if meta.get("skipped"):
+        lines += ["", "Skipped: " + "; ".join(meta["skipped"])]
+    path.write_text("\n".join(lines).rstrip() + "\n")
+
+
+def _header(meta) -> List[str]:
+    return [
+        "# Layer-wise param sync: memory, launches and time, upstream vs exact list slots vs series",
+        "",
+        "Produced by (repo root):",
+        "",
+        "```bash",
+        meta["command"],
+        "```",
+        "",
+        f"{meta['date']}; torch {meta['torch']}; {meta['cpus']} CPU cores shared with other "
+        f"jobs; device `{meta['device']}`; whole run {meta['runtime_s']:.0f} s; trees: "
+        + ", ".join(f"`{t}`" for t in meta["trees"])
+        + ". Raw data: `build/bench/param_sync.json` (not committed).",
+        "",
+        "Trees: `upstream` = megatron-core 0.17.1; `exact_list_slots` = receive into "
+        "`grad_data` through a list `all_gather` with one exact-size slot per DP rank (the "
+        "NVIDIA/Megatron-LM#3751 design with zeroing; `harness/bench/trees/exact_list_slots.diff`); "
+        "`patched` = this series. Models: `gpt_equal` = a middle pipeline stage of a GPT, 16 "
+        "identical layers, hidden 128 (every bucket's per-rank shares equal at DP 2/4/8); "
+        "`gpt_unequal` = a whole GPT, 4 layers, hidden 256, embedding and untied output layer "
+        "(shares differ). bf16 params, fp32 `grad_data`, Muon layer-wise optimizer.",
+        "",
+    ]
+
+
+def _headline(result) -> List[str]:
+    records, timing = result["records"], result["timing"]
+    lines = ["## Headline", ""]
+    step = result.get("step_memory") or []
+    for s in step:
+        if s["tree"] != "patched":
+            continue
+        up = _find(step, tree="upstream", overlap=s["overlap"])
+        if not up:
+            continue
+        d = up["step_peak_bytes"] - s["step_peak_bytes"]
+        where = "forward" if s["overlap"] else "optimizer gather"
+        moved = (up["phase_peak_bytes"][where] or 0) - (s["phase_peak_bytes"][where] or 0)
+        lines.append(
+            f"- **Step peak memory, {'--overlap-param-gather' if s['overlap'] else 'no overlap'}**: "
+            f"upstream {_mib(up['step_peak_bytes'])} MiB (in *{up['peak_phase']}*), series "
+            f"{_mib(s['step_peak_bytes'])} MiB (in *{s['peak_phase']}*): "
+            f"{'lower by ' + _mib(d) if d > 0 else ('unchanged' if d == 0 else 'higher by ' + _mib(-d))} MiB. "
+            f"The gather's transient ({where}) drops by {_mib(moved)} MiB; it moves the step peak only "
+            f"where it is the peak."
+        )
+    for tree in _trees(result):
+        rs = [r for r in records if r["tree"] == tree and r["path"] != "control"]
+        if not rs:
+            continue
+        nccl = max(r["nccl_model_temporary_bytes"] for r in rs)
+        disp = max(r["temporary_bytes"] for r in rs)
+        eq = [r for r in rs if r["shares_equal"]]
+        lpb = sorted({r["launches_per_gather"] for r in eq})
+        lines.append(
+            f"- **{tree}**: per sync up to {_mib(disp)} MiB of tensors plus up to {_mib(nccl)} MiB "
+            f"inside ProcessGroupNCCL ({len(rs)} records); launches per gather where shares are "
+            f"equal: {', '.join(f'{x:g}' for x in lpb) or 'n/a'}."
+        )
+    big = [r for r in records if r["pg"] == "fake" and r["path"] == "optimizer" and r["rank"] == 0]
+    if big:
+        dp = max(r["dp_size"] for r in big)
+        cells = []
+        for tree in _trees(result):
+            rs = [r for r in big if r["tree"] == tree and r["dp_size"] == dp and r["model"] == "gpt_unequal"]
+            if rs:
+                worst = max(rs, key=lambda r: r["collective_launches"])
+                cells.append(f"{tree} {worst['collective_launches']} ({worst['num_buckets']} buckets)")
+        lines.append(f"- **Host cost at DP {dp}, optimizer path, gpt_unequal**: NCCL launches per step: " + ", ".join(cells) + ".")
+    for row in timing:
+        if row["bucket_size"] is None:
+            r = row.get("patched_vs_upstream")
+            lines.append(
+                f"- {row['model']}, DP {row['dp_size']}, {row['path']}: series/upstream wall time {_ratio(r)}"
+                + (" (negative control)" if row["path"] == "control" else "")
+            )
+    return lines + [""]
+
+
+def _step_memory_section(step) -> List[str]:
+    if not step:
+        return []
+    phases = step[0]["phases"]
+    lines = [
+        "## Peak memory per phase of a training step",
+        "",
+        "Bytes alive above the step's start, peak within each phase (torch.profiler memory "
+        "events: every allocation made during the step, every thread of rank 0); *step peak* "
+        "is the largest, and *to peak* says how far each phase's peak stays below it. "
+        f"Model: {step[0]['model_desc']}; DP {step[0]['dp_size']}; "
+        f"{_mib(step[0]['param_bytes'])} MiB of bf16 params, {_mib(step[0]['grad_data_bytes'])} MiB of fp32 grad_data.",
+        "",
+        "| overlap | tree | " + " | ".join(phases) + " | step peak | peak phase |",
+        "|---|---|" + "--:|" * len(phases) + "--:|---|",
+    ]
+    for s in step:
+        cells = []
+        for p in phases:
+            v = s["phase_peak_bytes"][p]
+            cells.append("n/a" if v is None else f"{_mib(v)} ({'peak' if v == s['step_peak_bytes'] else '-' + _mib(s['step_peak_bytes'] - v)})")
+        lines.append(
+            f"| {'on' if s['overlap'] else 'off'} | {s['tree']} | " + " | ".join(cells)
+            + f" | **{_mib(s['step_peak_bytes'])}** | {s['peak_phase']} |"
+        )
+    lines += ["", "MiB (to peak). Phases: " + "; ".join(f"*{k}*: {v}" for k, v in step[0]["phase_desc"].items()), ""]
+    return lines
+
+
+def _real_table(result) -> List[str]:
+    trees = _trees(result)
+    lines = [
+        "## Real ranks: bytes, launches, wire bytes (rank 0, one sync)",
+        "",
+        "| model | DP | path | buckets | shares equal | "
+        + " | ".join(f"{SHORT.get(t, t)} MiB (+NCCL)" for t in trees)
+        + " | " + " | ".join(f"{SHORT.get(t, t)} launches" for t in trees)
+        + " | wire MiB " + "/".join(SHORT.get(t, t) for t in trees) + " |",
+        "|---|--:|---|--:|---|" + "--:|" * (2 * len(trees) + 1),
+    ]  # fmt: skip
+    for r in result["records"]:
+        if r["pg"] != "real" or r["tree"] != trees[0] or r["path"] == "control":
+            continue
+        peers = [_find(result["records"], tree=t, **{k: r[k] for k in
+                 ("model", "path", "dp_size", "rank", "bucket_size", "pg")}) for t in trees]  # fmt: skip
+        mem = [f"{_mib(p['temporary_bytes'])} (+{_mib(p['nccl_model_temporary_bytes'])})" if p else "n/a" for p in peers]
+        la = [str(p["collective_launches"]) if p else "n/a" for p in peers]
+        wire = "/".join(_mib(p["wire_bytes"]) if p else "n/a" for p in peers)
+        lines.append(
+            f"| {r['model']} | {r['dp_size']} | {r['path']} | {r['num_buckets']} | "
+            f"{'yes' if r['shares_equal'] else 'no'} | " + " | ".join(mem) + " | "
+            + " | ".join(la) + f" | {wire} |"
+        )
+    lines += [
+        "",
+        "*MiB*: tensor storages the sync's ATen ops allocate (dispatch level); *(+NCCL)*: what "
+        "ProcessGroupNCCL allocates on top (the flat output of a list `all_gather` with equal "
+        "slots). *launches*: NCCL calls per sync (one per all-gather, one per broadcast of a "
+        "list `all_gather` with unequal slots). *wire*: bytes this rank receives, padding included.",
+        "",
+    ]
+    return lines
+
+
+def _timing_table(result) -> List[str]:
+    trees = _trees(result)
+    rows = result["timing"]
+    if not rows:
+        return []
+    others = [t for t in trees if t != "upstream"]
+    lines = [
+        "## Time: interleaved ratios with 95 % bootstrap CIs",
+        "",
+        "| model | DP | path | upstream ms | " + " | ".join(f"{SHORT.get(t, t)}/up" for t in others)
+        + (" | series/exact |" if "exact_list_slots" in trees and "patched" in trees else " |"),
+        "|---|--:|---|--:|" + "--:|" * len(others) + ("--:|" if "exact_list_slots" in trees else ""),
+    ]  # fmt: skip
+    cfg = result["meta"]["config"]
+    for row in rows:
+        cells = [_ratio(row.get(f"{t}_vs_upstream")) for t in others]
+        extra = f" | {_ratio(row.get('patched_vs_exact_list_slots'))}" if "exact_list_slots" in trees else ""
+        name = row["path"] + (" (negative control)" if row["path"] == "control" else "")
+        lines.append(
+            f"| {row['model']} | {row['dp_size']} | {name} | "
+            f"{row['median_s'].get('upstream', float('nan')) * 1e3:.2f} | " + " | ".join(cells) + extra + " |"
+        )
+    lines += [
+        "",
+        f"{cfg['rounds']} rounds; each round times one block of {cfg['block']} syncs per tree "
+        "(the slowest rank's time per sync, median over the block), trees in order in even "
+        "rounds and reversed in odd ones (ABBA); the ratio is the median over rounds of the "
+        "per-round ratios, the CI the percentile bootstrap of that median. *control* is "
+        "`DDP.zero_grad_buffer()`, whose code is identical in every tree (source hash "
+        "checked): its ratio measures the method's own bias and noise.",
+        "",
+    ]
+    return lines
+
+
+def _fake_table(result) -> List[str]:
+    trees = _trees(result)
+    recs = [r for r in result["records"] if r["pg"] == "fake" and r["tree"] == trees[0]]
+    if not recs:
+        return []
+    lines = [
+        "## Large DP (fake process group, counts only): launches and temporaries per sync",
+        "",
+        "| model | DP | rank | bucket | path | buckets | shares equal | "
+        + " | ".join(f"{SHORT.get(t, t)} launches" for t in trees)
+        + " | " + " | ".join(f"{SHORT.get(t, t)} MiB (+NCCL)" for t in trees) + " |",
+        "|---|--:|--:|--:|---|--:|---|" + "--:|" * (2 * len(trees)),
+    ]  # fmt: skip
+    for r in recs:
+        peers = [_find(result["records"], tree=t, **{k: r[k] for k in
+                 ("model", "path", "dp_size", "rank", "bucket_size", "pg")}) for t in trees]  # fmt: skip
+        la = [str(p["collective_launches"]) if p else "n/a" for p in peers]
+        mem = [f"{_mib(p['temporary_bytes'])} (+{_mib(p['nccl_model_temporary_bytes'])})" if p else "n/a" for p in peers]
+        lines.append(
+            f"| {r['model']} | {r['dp_size']} | {r['rank']} | {_bucket(r['bucket_size'])} | {r['path']} | "
+            f"{r['num_buckets']} | {'yes' if r['shares_equal'] else 'no'} | " + " | ".join(la) + " | "
+            + " | ".join(mem) + " |"
+        )
+    lines += ["", "No data moves on the fake group, so no time is reported there.", ""]
+    return lines
+
+
+def _allocator_table(result) -> List[str]:
+    trees = _trees(result)
+    recs = [r for r in result["records"] if r["pg"] == "real" and r["tree"] == trees[0] and r["path"] != "control"]
+    if not recs:
+        return []
+    lines = [
+        "## Allocator level (torch.profiler) next to the dispatch-level counter",
+        "",
+        "| model | DP | path | " + " | ".join(f"{SHORT.get(t, t)} dispatch / profiler / caller thread MiB" for t in trees) + " |",
+        "|---|--:|---|" + "--:|" * len(trees),
+    ]  # fmt: skip
+    for r in recs:
+        peers = [_find(result["records"], tree=t, **{k: r[k] for k in
+                 ("model", "path", "dp_size", "rank", "bucket_size", "pg")}) for t in trees]  # fmt: skip
+        cells = [f"{_mib(p['temporary_bytes'])} / {_mib(p['profiler_alloc_bytes'])} / {_mib(p['profiler_caller_thread_bytes'])}"
+                 if p else "n/a" for p in peers]  # fmt: skip
+        lines.append(f"| {r['model']} | {r['dp_size']} | {r['path']} | " + " | ".join(cells) + " |")
+    lines += [
+        "",
+        "*profiler*: every C++ allocation during the sync on every thread "
+        "(`torch.profiler`, `profile_memory=True`); on gloo that includes gloo's own buffers "
+        "(its list and flat all-gathers stage through internal tensors), which NCCL does not "
+        "have; *caller thread*: those made on the thread that ran the sync.",
+        "",
+    ]
+    return lines
+
+
+def _method(meta) -> List[str]:
+    return [
+        "## Method",
+        "",
+        "Bytes and launches per sync on the rank shown, one sync after a warm-up: "
+        "`harness/bench/counters.py` (a `TorchDispatchMode` that sees every ATen op and every "
+        "`c10d` collective op). NCCL's own allocations follow ProcessGroupNCCL's `allgather`: "
+        "a list `all_gather` with equal slots allocates a flat `world_size x numel` output and "
+        "copies out of it (one launch); with unequal slots it issues one broadcast per rank "
+        "(no temporary); `all_gather_into_tensor` writes into its output (one launch, nothing "
+        "allocated). *theory* (`harness/bench/theory.py`): upstream = every other rank's share "
+        "plus the local flatten; the series = 0. The CPU runtime layer's device-mapping "
+        "`TorchFunctionMode` is suspended during measured syncs (it would add microseconds per "
+        "torch call that no GPU run pays).",
+        "",
+        "**Paths.** *async*: the forward pre-hook chain, `start_param_sync()` of the first "
+        "bucket group then `finish_param_sync()` of every group (`--overlap-param-gather`). "
+        "*forced*: `DistributedDataParallel.start_param_sync(force_sync=True)` (eval, "
+        "checkpoint save). *optimizer*: `LayerWiseDistributedOptimizer.allgather_params()`, "
+        "the synchronous gather at the end of `step()` without overlap.",
+        "",
+    ]
+
+
+# ---------------------------------------------------------------- plot
+def write_plot(path: Path, result: dict) -> None:
+    """Three panels: (a) NCCL-model + dispatch temporaries vs DP (gpt_equal, async);
+    (b) NCCL launches per sync vs DP (optimizer path, gpt_unequal, smallest bucket size);
+    (c) wall-time ratio vs upstream with CIs, per DP and path, incl. the negative control."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    trees = _trees(result)
+    records = result["records"]
+    fig = Figure(figsize=(15, 4.6))
+    FigureCanvasAgg(fig)
+    ax1, ax2, ax3 = fig.subplots(1, 3)
+    markers = dict(zip(trees, "osD^v"))
+
+    def series(model, path, value, bucket):
+        out = {}
+        for t in trees:
+            pts = sorted(
+                (r["dp_size"], value(r)) for r in records
+                if r["tree"] == t and r["model"] == model and r["path"] == path
+                and r["rank"] == 0 and r["bucket_size"] == bucket
+            )  # fmt: skip
+            out[t] = pts
+        return out
+
+    for t, pts in series("gpt_equal", "async", lambda r: (r["temporary_bytes"] + r["nccl_model_temporary_bytes"]) / 2**20, None).items():
+        if pts:
+            ax1.plot([p[0] for p in pts], [p[1] for p in pts], marker=markers[t], label=t)
+    ax1.set_xscale("log", base=2)
+    ax1.set_yscale("symlog", linthresh=0.1)
+    ax1.set_xlabel("DP size")
+    ax1.set_ylabel("MiB per sync (tensors + inside NCCL)")
+    ax1.set_title("(a) temporaries, gpt_equal, async path")
+    ax1.legend(fontsize=8)
+
+    buckets = sorted({r["bucket_size"] for r in records if r["model"] == "gpt_unequal" and r["bucket_size"]})
+    bucket = buckets[0] if buckets else None
+    for t, pts in series("gpt_unequal", "optimizer", lambda r: r["collective_launches"], bucket).items():
+        if pts:
+            ax2.plot([p[0] for p in pts], [p[1] for p in pts], marker=markers[t], label=t)
+    ax2.set_xscale("log", base=2)
+    ax2.set_yscale("log")
+    ax2.set_xlabel("DP size")
+    ax2.set_ylabel("NCCL launches per sync")
+    ax2.set_title(f"(b) launches, gpt_unequal, optimizer path, bucket {_bucket(bucket)}")
+    ax2.legend(fontsize=8)
+
+    rows = [r for r in result["timing"] if r["bucket_size"] is None]
+    labels, x = [], 0
+    for row in rows:
+        for j, t in enumerate(x for x in trees if x != "upstream"):
+            s = row.get(f"{t}_vs_upstream")
+            if s:
+                ax3.errorbar([x + 0.25 * j], [s["ratio"]], yerr=[[s["ratio"] - s["ci_lo"]], [s["ci_hi"] - s["ratio"]]],
+                             fmt=markers[t], color=f"C{trees.index(t)}", capsize=3,
+                             label=t if x == 0 else None)  # fmt: skip
+        labels.append(f"{row['model'].replace('gpt_', '')}\nDP{row['dp_size']} {row['path']}")
+        x += 1
+    ax3.axhline(1.0, color="grey", lw=0.8)
+    ax3.set_xticks(range(len(labels)), labels, fontsize=6, rotation=60)
+    ax3.set_ylabel("wall time / upstream (95 % CI)")
+    ax3.set_title("(c) interleaved time ratios (control = same code)")
+    if rows:
+        ax3.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)

@@ -1,0 +1,566 @@
+"""Worker of scripts/bench_param_sync.py: ONE megatron tree's layer-wise param sync.
+
+The driver starts this file once per (tree, process-group kind), with the tree chosen by
+PYTHONPATH (harness.launch.torchrun_command / harness.trees.env_for_tree):
+
+    # real ranks (gloo on CPU, NCCL with --device cuda): counts, then a timing server
+    python -m torch.distributed.run --standalone --nproc-per-node 2 \
+        harness/bench/sync_worker.py --mode real --serve 127.0.0.1:PORT
+    # PyTorch's fake process group: one process simulates rank r of a DP group of size N
+    python harness/bench/sync_worker.py --mode fake --dp-sizes 8,64,512 --out F.json
+
+Cases: model x bucket size x path (real megatron-core objects):
+
+* models (MODELS): "gpt_unequal", a whole GPT (embedding, 4 layers, hidden 256, untied
+  output layer) whose per-rank shares differ; "gpt_equal", a middle pipeline stage of a GPT
+  (16 identical layers, hidden 128, no embedding or output layer): every param size occurs
+  a multiple of 16 times, so the layer-wise optimizer's ping-pong sharding gives every DP
+  rank of 2, 4 or 8 exactly the same share of each bucket that holds whole layers.
+* paths: "async", the forward pre-hook chain (start_param_sync() of the first bucket group
+  in forward order, then finish_param_sync() of every group, --overlap-param-gather);
+  "forced", DistributedDataParallel.start_param_sync(force_sync=True) (eval, checkpoint
+  save); "optimizer", LayerWiseDistributedOptimizer.allgather_params() (the synchronous
+  gather at the end of step() without overlap); "control", DDP.zero_grad_buffer(): code
+  that no tree changes (its source hash is recorded), the negative control of the timing.
+
+Per case and rank, ONE sync is counted (harness/bench/counters.py): tensor storages the
+ATen ops allocate (dispatch level), the collectives issued (NCCL launches, bytes received,
+what ProcessGroupNCCL would allocate), every C++ allocation seen by torch.profiler, and
+(real ranks) that every param afterwards holds its owner's value. Shares per bucket come
+from bucket.layerwise_params_list. Timing is done only on real ranks, in blocks the driver
+requests (ABBA over trees, harness/bench/stats.py): {"op": "time", "case": i, "n": k}
+answers the k per-sync wall times in seconds, each the slowest rank's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import hashlib
+import inspect
+import json
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):
+    # Run as a file (torchrun): sys.path[0] is harness/bench. Drop it; the repo root goes
+    # LAST so that the tree chosen by PYTHONPATH keeps its rank (check_expected_tree()
+    # refuses a mismatch with $MEGATRON_EXPECT_TREE).
+    if sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
+        del sys.path[0]
+    sys.path.append(str(Path(__file__).resolve().parents[2]))
+
+from harness import cpu_runtime  # noqa: E402
+
+cpu_runtime.install_if_requested()
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from harness.bench import theory  # noqa: E402
+from harness.bench.counters import ProfiledAllocations, SyncCounter  # noqa: E402
+from harness.trees import check_expected_tree  # noqa: E402
+
+PATHS = ("async", "forced", "optimizer")
+CONTROL = "control"
+PARAM_DTYPE = torch.bfloat16
+#: name -> (TransformerConfig shape, GPTModel kwargs). Params: gpt_unequal 3,716,608
+#: (7.09 MiB bf16); gpt_equal 3,178,496 (6.06 MiB bf16).
+MODELS = {
+    "gpt_unequal": (
+        dict(num_layers=4, hidden_size=256, num_attention_heads=4, ffn_hidden_size=1024),
+        dict(vocab_size=1024, max_sequence_length=128),
+    ),
+    "gpt_equal": (
+        dict(num_layers=16, hidden_size=128, num_attention_heads=4, ffn_hidden_size=512),
+        dict(vocab_size=1024, max_sequence_length=128, pre_process=False, post_process=False),
+    ),
+}
+
+
+# ---------------------------------------------------------------- megatron objects
+def _megatron():
+    """Import megatron-core lazily (after the CPU runtime layer is installed)."""
+    from megatron.core import parallel_state
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.distributed import param_and_grad_buffer as pgb
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.optimizer import OptimizerConfig
+    from megatron.core.optimizer.muon import get_megatron_muon_optimizer
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    from megatron.core.transformer import TransformerConfig
+
+    return dict(
+        ps=parallel_state,
+        DDP=DistributedDataParallel,
+        DDPConfig=DistributedDataParallelConfig,
+        pgb=pgb,
+        spec=get_gpt_layer_local_spec,
+        GPTModel=GPTModel,
+        OptimizerConfig=OptimizerConfig,
+        muon=get_megatron_muon_optimizer,
+        seed=model_parallel_cuda_manual_seed,
+        TransformerConfig=TransformerConfig,
+    )
+
+
+def control_code_sha(mc) -> str:
+    """sha256 of the source of what the "control" path runs: DDP.zero_grad_buffer and the
+    buffer and bucket-group reset() it calls. Equal across trees = a valid negative control."""
+    fns = (mc["DDP"].zero_grad_buffer, mc["pgb"]._ParamAndGradBuffer.reset,
+           mc["pgb"]._ParamAndGradBucketGroup.reset)  # fmt: skip
+    return hashlib.sha256("".join(inspect.getsource(f) for f in fns).encode()).hexdigest()
+
+
+class Setup:
+    """GPTModel wrapped in megatron DDP plus its LayerWiseDistributedOptimizer.
+
+    Args:
+        mc: the dict from _megatron().
+        model: a key of MODELS.
+        overlap: overlap_param_gather (True: async/forced paths; False: optimizer path).
+        bucket_size: DDPConfig.bucket_size in elements; None: DDP's default
+            (max(40M, 1M * dp_size): one bucket for these models).
+        device: "cpu" or "cuda".
+
+    Weights are torch.empty (no init): values do not matter for bytes, launches or time,
+    and scramble()/synced() write and check known values.
+    """
+
+    def __init__(self, mc, model: str, overlap: bool, bucket_size, device: str):
+        shape, gpt_kwargs = MODELS[model]
+        config = mc["TransformerConfig"](
+            **shape,
+            params_dtype=PARAM_DTYPE,
+            bf16=True,
+            use_cpu_initialization=True,
+            perform_initialization=False,
+        )
+        module = mc["GPTModel"](config, mc["spec"](), **gpt_kwargs).to(dtype=PARAM_DTYPE)
+        if device == "cuda":
+            module = module.cuda()
+        ddp_config = mc["DDPConfig"](
+            grad_reduce_in_fp32=True,
+            overlap_grad_reduce=True,
+            overlap_param_gather=overlap,
+            use_distributed_optimizer=False,
+            bucket_size=bucket_size,
+        )
+        self.ddp = mc["DDP"](config, ddp_config, module)
+        opt_config = mc["OptimizerConfig"](
+            optimizer="muon",
+            lr=0.01,
+            bf16=True,
+            params_dtype=PARAM_DTYPE,
+            use_distributed_optimizer=False,
+            overlap_param_gather=overlap,
+        )
+        self.opt = mc["muon"](
+            opt_config, [self.ddp], layer_wise_distributed_optimizer=True,
+            use_gloo_process_groups=False,
+        )  # fmt: skip
+        self.params = list(self.ddp.module.parameters())
+        self.groups = self.ddp.bucket_groups + self.ddp.expert_parallel_bucket_groups
+        self.buckets = [b for g in self.groups for b in g.buckets]
+
+    @property
+    def forward_order(self):
+        """Bucket groups in the order the forward pre-hooks finish them: buckets are
+        built in backward order, and next_param_gather_bucket_group points backwards."""
+        return list(reversed(self.ddp.bucket_groups))
+
+    def reset(self) -> None:
+        """State at the start of a training step: train_step's zero_grad_buffer(), and no
+        gather dispatched (finish_grad_sync clears param_gather_dispatched)."""
+        self.ddp.zero_grad_buffer()
+        for g in self.groups:
+            g.param_gather_dispatched = False
+
+    def sync_fn(self, path: str):
+        """Zero-argument callable running one sync of `path` (see module docstring).
+
+        Raises:
+            ValueError: unknown path.
+        """
+        if path == "async":
+
+            def run():
+                order = self.forward_order
+                order[0].start_param_sync()
+                for g in order:
+                    g.finish_param_sync()
+
+            return run
+        if path == "forced":
+            return lambda: self.ddp.start_param_sync(force_sync=True)
+        if path == "optimizer":
+            return self.opt.allgather_params
+        if path == CONTROL:
+            return self.ddp.zero_grad_buffer
+        raise ValueError(f"unknown path {path!r}; expected one of {PATHS + (CONTROL,)}")
+
+    def shares(self):
+        """Per-rank shares (elements, rank order) of what each design gathers at once.
+
+        Returns:
+            (per_bucket, whole): for every bucket, the elements of its params that each
+            DP rank owns (from the layer-wise optimizer's dp_cp_params_list, so the same on
+            every tree whether or not the tree sets bucket.layerwise_params_list); and the
+            whole model's per-rank elements (upstream's optimizer path gathers those in one
+            all_gather). ([], None) when the optimizer does not shard (DP 1).
+        """
+        owners = self.opt.dp_cp_params_list
+        if owners is None:
+            return [], None
+        per_bucket = []
+        for b in self.buckets:
+            in_bucket = set(b.params)
+            per_bucket.append([sum(p.numel() for p in own if p in in_bucket) for own in owners])
+        return per_bucket, theory.shares(owners)
+
+    def theory(self, path: str, rank: int) -> dict:
+        """Theoretical dispatch-level bytes of one sync of `path` on `rank` (theory.py).
+
+        Returns:
+            {theory_upstream_bytes, theory_3751_bytes, theory_series_bytes,
+             theory_upstream_peak_bytes}, all bytes.
+        """
+        if path == CONTROL:
+            return dict(theory_upstream_bytes=0, theory_3751_bytes=0, theory_series_bytes=0,
+                        theory_upstream_peak_bytes=0)  # fmt: skip
+        if path == "optimizer":
+            owners = self.opt.dp_cp_params_list
+            up = 0 if owners is None else theory.theory_upstream_bytes(owners, rank, PARAM_DTYPE.itemsize)
+            # #3751 left allgather_params() as upstream has it.
+            return dict(theory_upstream_bytes=up, theory_3751_bytes=up, theory_series_bytes=0,
+                        theory_upstream_peak_bytes=up)  # fmt: skip
+        per_group = [theory.group_bytes(g, rank) for g in self.forward_order]
+        peak = theory.async_chain_peak_bytes(per_group) if path == "async" else max(per_group)
+        return dict(
+            theory_upstream_bytes=sum(per_group),
+            theory_3751_bytes=sum(theory.group_bytes(g, rank, "3751") for g in self.groups),
+            theory_series_bytes=0,
+            theory_upstream_peak_bytes=peak,
+        )
+
+    def owned(self, rank: int) -> set:
+        owners = self.opt.dp_cp_params_list
+        return set(self.params) if owners is None else set(owners[rank])
+
+    @torch.no_grad()
+    def scramble(self, rank: int) -> None:
+        """Post-step state with known values: owned params = target, others stale."""
+        own = self.owned(rank)
+        for i, p in enumerate(self.params):
+            p.fill_(float(i % 97) / 8.0 if p in own else -777.0)
+
+    @torch.no_grad()
+    def synced(self) -> bool:
+        return all(bool((p == float(i % 97) / 8.0).all()) for i, p in enumerate(self.params))
+
+
+# ---------------------------------------------------------------- measurement
+@contextlib.contextmanager
+def device_mode_suspended():
+    """Suspend the CPU runtime layer's device-mapping TorchFunctionMode while measuring.
+
+    The mode intercepts every torch call (microseconds each) to rewrite CUDA device
+    arguments; it is needed to BUILD megatron objects on CPU, not to run the sync (which
+    allocates on the buffers' own device). Left on, it would charge each tree per torch
+    call, an overhead no GPU run has. A no-op when the layer is not installed.
+    """
+    mode = getattr(cpu_runtime, "_mode", None)
+    if mode is None:
+        yield
+        return
+    mode.__exit__(None, None, None)
+    try:
+        yield
+    finally:
+        mode.__enter__()
+
+
+def _sync_device(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def count_one_sync(s: Setup, path: str, rank: int, device: str, real: bool) -> dict:
+    """Counters of one sync of `path` (after a reset() and, on real ranks, scramble()).
+
+    Returns:
+        temporary_bytes, alloc_calls, peak_extra_bytes, alloc_ops (dispatch level, bytes);
+        collective_launches, wire_bytes, nccl_model_temporary_bytes, collectives (one
+        [op, launches, wire bytes, NCCL temporary bytes] per c10d op);
+        profiler_alloc_bytes, profiler_alloc_calls, profiler_peak_bytes,
+        profiler_caller_thread_bytes (torch.profiler, all threads);
+        cuda_peak_extra_bytes (torch.cuda.max_memory_allocated delta; None on CPU);
+        params_synced (real ranks; None on the fake group).
+    """
+    run = s.sync_fn(path)
+    s.reset()
+    run()  # warm-up: lazily built state (slot views, caches) is not a per-sync cost
+    s.reset()
+    if real and path != CONTROL:
+        s.scramble(rank)
+    _sync_device(device)
+    with SyncCounter() as c:
+        run()
+    _sync_device(device)
+    synced = (s.synced() if path != CONTROL else True) if real else None
+    s.reset()
+    with ProfiledAllocations() as prof:
+        run()
+    _sync_device(device)
+    cuda_peak = None
+    if device == "cuda":
+        s.reset()
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        run()
+        torch.cuda.synchronize()
+        cuda_peak = torch.cuda.max_memory_allocated() - base
+    return dict(
+        temporary_bytes=c.temporary_bytes,
+        alloc_calls=c.alloc_calls,
+        peak_extra_bytes=c.peak_extra_bytes,
+        alloc_ops=sorted({name for name, _ in c.events}),
+        collective_launches=c.collective_launches,
+        wire_bytes=c.wire_bytes,
+        nccl_model_temporary_bytes=c.nccl_temporary_bytes,
+        collectives=[[k.op, k.launches, k.wire_bytes, k.nccl_temporary_bytes] for k in c.calls],
+        profiler_alloc_bytes=prof.alloc_bytes,
+        profiler_alloc_calls=prof.alloc_calls,
+        profiler_peak_bytes=prof.peak_bytes,
+        profiler_caller_thread_bytes=prof.caller_thread_bytes,
+        cuda_peak_extra_bytes=cuda_peak,
+        params_synced=synced,
+    )
+
+
+def time_block(s: Setup, path: str, n: int, device: str, real: bool) -> list:
+    """Wall seconds of `n` syncs of `path`, each after an untimed reset() and a barrier."""
+    run = s.sync_fn(path)
+    times = []
+    for _ in range(n):
+        if path != CONTROL:
+            s.reset()
+        _sync_device(device)
+        if real:
+            dist.barrier()
+        t0 = time.perf_counter()
+        run()
+        _sync_device(device)
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def _bucket_arg(text: str):
+    return None if text == "default" else int(text)
+
+
+def build_cases(mc, args, dp_size: int, rank: int, real: bool, bucket_sizes: str = ""):
+    """Every (model, bucket size, path) case: ([(Setup, path)], [record]) with counts.
+    `bucket_sizes` (comma list) overrides --bucket-sizes."""
+    cases, records = [], []
+    paths = args.paths.split(",") + ([CONTROL] if real else [])
+    for model in args.models.split(","):
+        for bucket_text in (bucket_sizes or args.bucket_sizes).split(","):
+            bucket_size = _bucket_arg(bucket_text)
+            setups = {}
+            for path in paths:
+                overlap = path != "optimizer"
+                if overlap not in setups:
+                    setups[overlap] = Setup(mc, model, overlap, bucket_size, args.device)
+                s = setups[overlap]
+                per_bucket, whole = s.shares()
+                rec = dict(
+                    model=model,
+                    path=path,
+                    dp_size=dp_size,
+                    rank=rank,
+                    device=args.device,
+                    backend=dist.get_backend(),
+                    bucket_size=bucket_size,
+                    num_buckets=len(s.buckets),
+                    num_bucket_groups=len(s.groups),
+                    param_bytes=sum(p.numel() * p.element_size() for p in s.params),
+                    num_params=len(s.params),
+                    params_owned=len(s.owned(rank)),
+                    bucket_shares=per_bucket,
+                    model_shares=whole,
+                    param_itemsize=PARAM_DTYPE.itemsize,
+                    control_code_sha=control_code_sha(mc),
+                    **s.theory(path, rank),
+                )
+                with device_mode_suspended():
+                    rec.update(count_one_sync(s, path, rank, args.device, real))
+                cases.append((s, path))
+                records.append(rec)
+    return cases, records
+
+
+def _merge_ranks(records: list) -> list:
+    """Rank 0: its records plus all_ranks_* lists; [] on other ranks."""
+    world = dist.get_world_size()
+    everyone = [None] * world
+    dist.all_gather_object(everyone, records)
+    if dist.get_rank() != 0:
+        return []
+    out = []
+    for i, rec in enumerate(records):
+        peers = [everyone[r][i] for r in range(world)]
+        rec = dict(rec)
+        rec["params_synced"] = all(p["params_synced"] for p in peers)
+        for key in ("temporary_bytes", "alloc_calls", "peak_extra_bytes", "theory_upstream_bytes",
+                    "collective_launches", "wire_bytes", "nccl_model_temporary_bytes",
+                    "profiler_alloc_bytes"):  # fmt: skip
+            rec[f"all_ranks_{key}"] = [p[key] for p in peers]
+        out.append(rec)
+    return out
+
+
+class _Channel:
+    """Rank 0's line-delimited JSON connection to the driver (a TCP socket)."""
+
+    def __init__(self, address: str, timeout_s: float):
+        host, port = address.rsplit(":", 1)
+        self.sock = socket.create_connection((host, int(port)), timeout=timeout_s)
+        self.sock.settimeout(None)
+        self.file = self.sock.makefile("rw")
+
+    def send(self, obj) -> None:
+        self.file.write(json.dumps(obj) + "\n")
+        self.file.flush()
+
+    def recv(self):
+        line = self.file.readline()
+        if not line:
+            raise ConnectionError("driver closed the connection")
+        return json.loads(line)
+
+
+def serve(cases, channel, device: str) -> None:
+    """Answer the driver's timing requests until {"op": "quit"} (see module docstring)."""
+    rank = dist.get_rank()
+    while True:
+        box = [channel.recv() if rank == 0 else None]
+        dist.broadcast_object_list(box, src=0)
+        cmd = box[0]
+        if cmd["op"] == "quit":
+            return
+        if cmd["op"] != "time":
+            raise ValueError(f"unknown command {cmd!r}")
+        s, path = cases[cmd["case"]]
+        with device_mode_suspended():
+            mine = time_block(s, path, int(cmd["n"]), device, real=True)
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, mine)
+        if rank == 0:
+            channel.send({"times_s": [max(ts) for ts in zip(*everyone)]})
+
+
+def main_real(args, mc, tree_dir: str) -> None:
+    if args.device == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(backend="nccl")
+    else:
+        dist.init_process_group(backend="gloo")
+    mc["ps"].initialize_model_parallel(create_gloo_process_groups=False)
+    mc["seed"](1234)
+    channel = _Channel(args.serve, 120) if args.serve and dist.get_rank() == 0 else None
+    cases, records = build_cases(mc, args, dist.get_world_size(), dist.get_rank(), real=True)
+    records = _merge_ranks(records)
+    if dist.get_rank() == 0:
+        for rec in records:
+            rec.update(tree=args.tree, tree_dir=tree_dir, pg="real")
+        if channel is not None:
+            channel.send({"records": records})
+        if args.out:
+            Path(args.out).write_text(json.dumps(records, indent=1))
+    if args.serve:
+        serve(cases, channel, args.device)
+    dist.barrier()
+    rank = dist.get_rank()
+    mc["ps"].destroy_model_parallel()
+    dist.destroy_process_group()
+    if rank == 0 and args.serve:
+        # The fake-group counts reuse this process (one start-up less per tree).
+        fake = fake_records(args, mc, tree_dir) if args.dp_sizes else []
+        channel.send({"records": fake})
+
+
+def _fake_group_uneven_all_gather() -> None:
+    """Interim, until the CPU runtime layer's collective model covers the fake backend:
+    a list all_gather with slots of different sizes on a fake group runs as one broadcast
+    per slot (what ProcessGroupNCCL does; on the fake backend a broadcast moves nothing).
+    The fake backend's own list all_gather copies the input into every slot and so rejects
+    different sizes. Equal sizes keep the fake backend's own all_gather."""
+    real = dist.all_gather
+
+    def all_gather(tensor_list, tensor, group=None, async_op=False):
+        if dist.get_backend(group) != "fake" or len({t.numel() for t in tensor_list}) <= 1:
+            return real(tensor_list, tensor, group=group, async_op=async_op)
+        works = [dist.broadcast(t, group_src=i, group=group, async_op=async_op)
+                 for i, t in enumerate(tensor_list)]  # fmt: skip
+        return works[-1] if async_op else None
+
+    dist.all_gather = all_gather
+
+
+def fake_records(args, mc, tree_dir: str) -> list:
+    """Count records of every fake DP size and rank in --dp-sizes / --ranks (no timing)."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    _fake_group_uneven_all_gather()
+    records = []
+    buckets = args.fake_bucket_sizes or args.bucket_sizes
+    for dp_size in [int(x) for x in args.dp_sizes.split(",")]:
+        ranks = [dp_size // 2 if r == "mid" else int(r) for r in args.ranks.split(",")]
+        for rank in dict.fromkeys(ranks):
+            dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=dp_size)
+            mc["ps"].initialize_model_parallel(create_gloo_process_groups=False)
+            mc["seed"](1234)
+            records += build_cases(mc, args, dp_size, rank, real=False, bucket_sizes=buckets)[1]
+            mc["ps"].destroy_model_parallel()
+            dist.destroy_process_group()
+    for rec in records:
+        rec.update(tree=args.tree, tree_dir=tree_dir, pg="fake")
+    return records
+
+
+def main_fake(args, mc, tree_dir: str) -> None:
+    Path(args.out).write_text(json.dumps(fake_records(args, mc, tree_dir), indent=1))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--mode", choices=("real", "fake"), required=True)
+    ap.add_argument("--out", default="", help="JSON list of records (rank 0 writes)")
+    ap.add_argument("--serve", default="", help="real mode: HOST:PORT of the driver; then serve timing")
+    ap.add_argument("--tree", default="", help="label stored in each record")
+    ap.add_argument("--models", default=",".join(MODELS))
+    ap.add_argument("--paths", default=",".join(PATHS))
+    ap.add_argument("--bucket-sizes", default="default", help="comma list: default or elements")
+    ap.add_argument("--dp-sizes", default="8,64,512",
+                    help="fake DP sizes to count (fake mode; real mode with --serve: after serving)")
+    ap.add_argument("--fake-bucket-sizes", default="", help="bucket sizes of the fake counts (default: --bucket-sizes)")
+    ap.add_argument("--ranks", default="0,mid", help="fake mode: ranks to simulate (mid = dp//2)")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    args = ap.parse_args(argv)
+    if args.mode == "fake" and not args.out:
+        ap.error("--mode fake needs --out")
+    tree_dir = check_expected_tree()
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    mc = _megatron()
+    (main_real if args.mode == "real" else main_fake)(args, mc, tree_dir)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,57 @@
+"""The megatron trees the bench compares, by label.
+
+| label | tree |
+|---|---|
+| ``upstream`` | pristine megatron-core 0.17.1 (``build/upstream``) |
+| ``exact_list_slots`` | pristine + ``harness/bench/trees/exact_list_slots.diff``: every bucket receives into ``grad_data`` through a list ``all_gather`` with one exact-size slot per DP rank (the NVIDIA/Megatron-LM#3751 design, with zeroing) |
+| ``patched`` | pristine + ``patches/series`` (``megatron/`` at the repo root) |
+
+Comparison trees are not part of ``patches/``; they are rebuilt under ``build/bench/trees``
+with ``patch -p1 --fuzz=0`` (harness.trees) whenever their diff's sha256 differs from the one they were built from.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Dict, Union
+
+from harness import trees as _trees
+
+DIFF_DIR = Path(__file__).resolve().parent / "trees"
+BUILD_DIR = _trees.REPO_ROOT / "build" / "bench" / "trees"
+#: Labels in the order tables show them.
+BENCH_TREES = ("upstream", "exact_list_slots", "patched")
+
+
+def comparison_tree(label: str, build_dir: Path = BUILD_DIR) -> Path:
+    """Build (if stale) and return the directory holding comparison tree `label`'s megatron/.
+
+    Raises:
+        ValueError: no ``harness/bench/trees/<label>.diff``.
+        RuntimeError: the diff does not apply to the pristine tree (patch's output quoted).
+    """
+    diff = DIFF_DIR / f"{label}.diff"
+    if not diff.is_file():
+        known = sorted(p.stem for p in DIFF_DIR.glob("*.diff"))
+        raise ValueError(f"no comparison tree {label!r}; known: {known}")
+    dest = Path(build_dir) / label
+    stamp = dest / ".built-from"
+    key = f"{hashlib.sha256(diff.read_bytes()).hexdigest()} {_trees.tree_parent('upstream')}"
+    if not (stamp.is_file() and stamp.read_text() == key):
+        # The builder of the prefix and mutant trees.
+        _trees._tree_with_patches(_trees.tree_parent("upstream"), [diff], dest)
+        stamp.write_text(key)
+    return dest
+
+
+def tree_for(label: str) -> Union[str, Path]:
+    """What harness.trees.env_for_tree / harness.launch.torchrun_command take for `label`."""
+    if label in _trees.TREES:
+        return label
+    return comparison_tree(label)
+
+
+def all_trees(labels=BENCH_TREES) -> Dict[str, Union[str, Path]]:
+    """{label: tree} for every label, building the comparison trees first."""
+    return {label: tree_for(label) for label in labels}
