@@ -19,8 +19,9 @@ Units: bytes and counts, per region.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import Iterator, List, Optional
 
 import torch
 
@@ -115,6 +116,28 @@ class SyncCounter(AllocationCounter):
         if call is not None:
             self.calls.append(call)
         return super().__torch_dispatch__(func, types, args, kwargs)
+
+
+def collective_model():
+    """The CPU runtime layer's collective model module (harness.cpu_runtime.collectives),
+    or None where this checkout has none yet (then SyncCounter's own c10d counts serve)."""
+    try:
+        from harness.cpu_runtime import collectives
+    except ImportError:
+        return None
+    return collectives if hasattr(collectives, "record_collectives") else None
+
+
+@contextlib.contextmanager
+def model_records() -> Iterator[Optional[list]]:
+    """The collective model's records of the block (``record_collectives()``), or None
+    when there is no model (see collective_model())."""
+    model = collective_model()
+    if model is None:
+        yield None
+        return
+    with model.record_collectives() as calls:
+        yield calls
 
 
 class ProfiledAllocations:

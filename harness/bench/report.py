@@ -94,19 +94,21 @@ def _headline(result) -> List[str]:
     for s in step:
         if s["tree"] != "patched":
             continue
-        up = _find(step, tree="upstream", overlap=s["overlap"])
+        up = _find(step, tree="upstream", overlap=s["overlap"], dp_size=s["dp_size"])
         if not up:
             continue
         d = up["step_peak_bytes"] - s["step_peak_bytes"]
         where = "forward" if s["overlap"] else "optimizer gather"
         moved = (up["phase_peak_bytes"][where] or 0) - (s["phase_peak_bytes"][where] or 0)
         lines.append(
-            f"- **Step peak memory, {'--overlap-param-gather' if s['overlap'] else 'no overlap'}**: "
+            f"- **Step peak memory, DP {s['dp_size']}, {'--overlap-param-gather' if s['overlap'] else 'no overlap'}**: "
             f"upstream {_mib(up['step_peak_bytes'])} MiB (in *{up['peak_phase']}*), series "
             f"{_mib(s['step_peak_bytes'])} MiB (in *{s['peak_phase']}*): "
             f"{'lower by ' + _mib(d) if d > 0 else ('unchanged' if d == 0 else 'higher by ' + _mib(-d))} MiB. "
-            f"The gather's transient ({where}) drops by {_mib(moved)} MiB; it moves the step peak only "
-            f"where it is the peak."
+            f"The param gather's transient ({where}) drops by {_mib(moved)} MiB"
+            + ("; it set the step peak upstream." if up["peak_phase"] == where or
+               (where == "optimizer gather" and up["phase_peak_bytes"][where] == up["step_peak_bytes"])
+               else f"; it stays {_mib(up['step_peak_bytes'] - (up['phase_peak_bytes'][where] or 0))} MiB below upstream's step peak, so the peak does not move.")
         )
     for tree in _trees(result):
         rs = [r for r in records if r["tree"] == tree and r["path"] != "control"]
@@ -151,11 +153,11 @@ def _step_memory_section(step) -> List[str]:
         "Bytes alive above the step's start, peak within each phase (torch.profiler memory "
         "events: every allocation made during the step, every thread of rank 0); *step peak* "
         "is the largest, and *to peak* says how far each phase's peak stays below it. "
-        f"Model: {step[0]['model_desc']}; DP {step[0]['dp_size']}; "
+        f"Model: {step[0]['model_desc']}; "
         f"{_mib(step[0]['param_bytes'])} MiB of bf16 params, {_mib(step[0]['grad_data_bytes'])} MiB of fp32 grad_data.",
         "",
-        "| overlap | tree | " + " | ".join(phases) + " | step peak | peak phase |",
-        "|---|---|" + "--:|" * len(phases) + "--:|---|",
+        "| DP | overlap | tree | " + " | ".join(phases) + " | step peak | peak phase |",
+        "|--:|---|---|" + "--:|" * len(phases) + "--:|---|",
     ]
     for s in step:
         cells = []
@@ -163,7 +165,7 @@ def _step_memory_section(step) -> List[str]:
             v = s["phase_peak_bytes"][p]
             cells.append("n/a" if v is None else f"{_mib(v)} ({'peak' if v == s['step_peak_bytes'] else '-' + _mib(s['step_peak_bytes'] - v)})")
         lines.append(
-            f"| {'on' if s['overlap'] else 'off'} | {s['tree']} | " + " | ".join(cells)
+            f"| {s['dp_size']} | {'on' if s['overlap'] else 'off'} | {s['tree']} | " + " | ".join(cells)
             + f" | **{_mib(s['step_peak_bytes'])}** | {s['peak_phase']} |"
         )
     lines += ["", "MiB (to peak). Phases: " + "; ".join(f"*{k}*: {v}" for k, v in step[0]["phase_desc"].items()), ""]
@@ -350,6 +352,7 @@ def write_plot(path: Path, result: dict) -> None:
             ax1.plot([p[0] for p in pts], [p[1] for p in pts], marker=markers[t], label=t)
     ax1.set_xscale("log", base=2)
     ax1.set_yscale("symlog", linthresh=0.1)
+    ax1.set_ylim(bottom=0)
     ax1.set_xlabel("DP size")
     ax1.set_ylabel("MiB per sync (tensors + inside NCCL)")
     ax1.set_title("(a) temporaries, gpt_equal, async path")

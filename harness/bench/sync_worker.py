@@ -61,7 +61,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from harness.bench import theory  # noqa: E402
-from harness.bench.counters import ProfiledAllocations, SyncCounter  # noqa: E402
+from harness.bench.counters import ProfiledAllocations, SyncCounter, collective_model, model_records  # noqa: E402
 from harness.trees import check_expected_tree  # noqa: E402
 
 PATHS = ("async", "forced", "optimizer")
@@ -263,6 +263,82 @@ class Setup:
         return all(bool((p == float(i % 97) / 8.0).all()) for i, p in enumerate(self.params))
 
 
+class SetupFullParamLayout(Setup):
+    """The same model on megatron-core >= 0.19 with its layer-wise param layout
+    (LayerWiseDistributedOptimizer.compute_full_param_layout passed to DDP as
+    full_param_layout; the optimizer then has use_buffer_param_sync): params are views
+    into DDP's param_data and every bucket gathers in place with all_gather_into_tensor,
+    as megatron.training.training.wrap_model_chunks_with_ddp wires it. An anchor, not a
+    design under test: no theory, and whole-param scramble/synced checks do not apply
+    (the distributed optimizer shards embeddings and norms by byte range).
+
+    The "optimizer" path is DDP.start_param_sync() with overlap off, what the chained
+    optimizers' step_with_ready_grads issue for their buckets after the step.
+    """
+
+    def __init__(self, mc, model: str, overlap: bool, bucket_size, device: str):
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+        from megatron.core.optimizer.layer_wise_optimizer import (
+            LayerWiseDistributedOptimizer,
+            tag_params_for_buffer_routing,
+        )
+
+        ps = mc["ps"]
+        shape, gpt_kwargs = MODELS[model]
+        config = mc["TransformerConfig"](**shape, params_dtype=PARAM_DTYPE, bf16=True,
+                                         use_cpu_initialization=True, perform_initialization=False)  # fmt: skip
+        module = mc["GPTModel"](config, mc["spec"](), **gpt_kwargs).to(dtype=PARAM_DTYPE)
+        if device == "cuda":
+            module = module.cuda()
+        ddp_config = mc["DDPConfig"](grad_reduce_in_fp32=True, overlap_grad_reduce=True,
+                                     overlap_param_gather=overlap, use_distributed_optimizer=True,
+                                     bucket_size=bucket_size)  # fmt: skip
+        tag_params_for_buffer_routing([module])
+        layout = LayerWiseDistributedOptimizer.compute_full_param_layout(
+            [p for p in module.parameters() if p.requires_grad], bucket_size,
+            ps.get_data_parallel_world_size(with_context_parallel=True), ddp_config,
+            expert_data_parallel_world_size=ps.get_expert_data_parallel_world_size(),
+        )  # fmt: skip
+        self.ddp = mc["DDP"](config, ddp_config, module, full_param_layout=layout)
+        opt_config = OptimizerConfig(optimizer="muon", use_layer_wise_distributed_optimizer=True,
+                                     lr=0.01, bf16=True, params_dtype=PARAM_DTYPE,
+                                     use_distributed_optimizer=True, overlap_param_gather=overlap)  # fmt: skip
+        self.opt = get_megatron_optimizer(opt_config, [self.ddp], use_gloo_process_groups=False)
+        self.params = list(self.ddp.module.parameters())
+        self.groups = self.ddp.bucket_groups + self.ddp.expert_parallel_bucket_groups
+        self.buckets = [b for g in self.groups for b in g.buckets]
+
+    def sync_fn(self, path: str):
+        if path == "optimizer":
+            return self.ddp.start_param_sync
+        return super().sync_fn(path)
+
+    def shares(self):
+        """Every bucket gathers its param_data in equal shards (padded by the layout)."""
+        dp = dist.get_world_size()
+        return [[b.param_data.numel() // dp] * dp for b in self.buckets], None
+
+    def theory(self, path: str, rank: int) -> dict:
+        return dict(theory_upstream_bytes=0, theory_3751_bytes=0, theory_series_bytes=0,
+                    theory_upstream_peak_bytes=0)  # fmt: skip
+
+    def owned(self, rank: int) -> set:
+        return set()
+
+    def scramble(self, rank: int) -> None:
+        pass
+
+    def synced(self):
+        return None
+
+
+def _setup_class():
+    """Setup for megatron-core 0.17/0.18; SetupFullParamLayout from 0.19 on."""
+    from megatron.core import package_info
+
+    return SetupFullParamLayout if (package_info.MAJOR, package_info.MINOR) >= (0, 19) else Setup
+
+
 # ---------------------------------------------------------------- measurement
 @contextlib.contextmanager
 def device_mode_suspended():
@@ -273,6 +349,10 @@ def device_mode_suspended():
     allocates on the buffers' own device). Left on, it would charge each tree per torch
     call, an overhead no GPU run has. A no-op when the layer is not installed.
     """
+    if hasattr(cpu_runtime, "device_mapping_suspended"):
+        with cpu_runtime.device_mapping_suspended():
+            yield
+        return
     mode = getattr(cpu_runtime, "_mode", None)
     if mode is None:
         yield
@@ -293,7 +373,9 @@ def count_one_sync(s: Setup, path: str, rank: int, device: str, real: bool) -> d
     """Counters of one sync of `path` (after a reset() and, on real ranks, scramble()).
 
     Returns:
-        temporary_bytes, alloc_calls, peak_extra_bytes, alloc_ops (dispatch level, bytes);
+        temporary_bytes, alloc_calls (dispatch level, bytes: megatron's own tensors, without
+        model_standin_bytes, the NCCL temporaries the collective model allocates through
+        torch on gloo), peak_extra_bytes (stand-ins included), dispatch_total_bytes, alloc_ops;
         collective_launches, wire_bytes, nccl_model_temporary_bytes, collectives (one
         [op, launches, wire bytes, NCCL temporary bytes] per c10d op);
         profiler_alloc_bytes, profiler_alloc_calls, profiler_peak_bytes,
@@ -308,9 +390,22 @@ def count_one_sync(s: Setup, path: str, rank: int, device: str, real: bool) -> d
     if real and path != CONTROL:
         s.scramble(rank)
     _sync_device(device)
-    with SyncCounter() as c:
+    with model_records() as calls, SyncCounter() as c:
         run()
-    _sync_device(device)
+        _sync_device(device)
+    if calls is None:  # no collective model in this checkout: the dispatch-level counts
+        launches, wire, nccl = c.collective_launches, c.wire_bytes, c.nccl_temporary_bytes
+        collectives = [[k.op, k.launches, k.wire_bytes, k.nccl_temporary_bytes] for k in c.calls]
+    else:
+        launches = sum(k.launches for k in calls)
+        wire = sum(k.wire_bytes for k in calls)
+        nccl = sum(k.nccl_temporary_bytes for k in calls)
+        collectives = [[k.form, k.launches, k.wire_bytes, k.nccl_temporary_bytes] for k in calls]
+    # On gloo the collective model allocates NCCL's temporaries through torch (so that
+    # allocation counters see them); they are reported as nccl_model_temporary_bytes, and
+    # temporary_bytes keeps megatron's own tensors.
+    standin = nccl if calls is not None and "gloo" in str(dist.get_backend()) and collective_model().model_installed() else 0
+    standin_calls = sum(1 for k in calls if k.nccl_temporary_bytes) if standin else 0
     synced = (s.synced() if path != CONTROL else True) if real else None
     s.reset()
     with ProfiledAllocations() as prof:
@@ -326,14 +421,17 @@ def count_one_sync(s: Setup, path: str, rank: int, device: str, real: bool) -> d
         torch.cuda.synchronize()
         cuda_peak = torch.cuda.max_memory_allocated() - base
     return dict(
-        temporary_bytes=c.temporary_bytes,
-        alloc_calls=c.alloc_calls,
+        temporary_bytes=c.temporary_bytes - standin,
+        alloc_calls=c.alloc_calls - standin_calls,
         peak_extra_bytes=c.peak_extra_bytes,
+        dispatch_total_bytes=c.temporary_bytes,
+        model_standin_bytes=standin,
         alloc_ops=sorted({name for name, _ in c.events}),
-        collective_launches=c.collective_launches,
-        wire_bytes=c.wire_bytes,
-        nccl_model_temporary_bytes=c.nccl_temporary_bytes,
-        collectives=[[k.op, k.launches, k.wire_bytes, k.nccl_temporary_bytes] for k in c.calls],
+        collective_launches=launches,
+        wire_bytes=wire,
+        nccl_model_temporary_bytes=nccl,
+        collectives=collectives,
+        collective_source="dispatch" if calls is None else "model",
         profiler_alloc_bytes=prof.alloc_bytes,
         profiler_alloc_calls=prof.alloc_calls,
         profiler_peak_bytes=prof.peak_bytes,
@@ -376,7 +474,7 @@ def build_cases(mc, args, dp_size: int, rank: int, real: bool, bucket_sizes: str
             for path in paths:
                 overlap = path != "optimizer"
                 if overlap not in setups:
-                    setups[overlap] = Setup(mc, model, overlap, bucket_size, args.device)
+                    setups[overlap] = _setup_class()(mc, model, overlap, bucket_size, args.device)
                 s = setups[overlap]
                 per_bucket, whole = s.shares()
                 rec = dict(
@@ -496,12 +594,18 @@ def main_real(args, mc, tree_dir: str) -> None:
 
 
 def _fake_group_uneven_all_gather() -> None:
-    """Interim, until the CPU runtime layer's collective model covers the fake backend:
-    a list all_gather with slots of different sizes on a fake group runs as one broadcast
-    per slot (what ProcessGroupNCCL does; on the fake backend a broadcast moves nothing).
-    The fake backend's own list all_gather copies the input into every slot and so rejects
-    different sizes. Equal sizes keep the fake backend's own all_gather."""
-    real = dist.all_gather
+    """Interim, until the CPU runtime layer's collective model runs list gathers on the
+    fake backend itself: there a list all_gather with slots of different sizes runs as one
+    broadcast per slot (what ProcessGroupNCCL does; on the fake backend a broadcast moves
+    nothing). The fake backend's own list all_gather copies the input into every slot and
+    so rejects different sizes. Equal sizes keep the fake backend's own all_gather.
+
+    With the collective model present, this wraps the torch function it passes non-gloo
+    calls to (after recording them), so the model's records stay complete.
+    """
+    model = collective_model()
+    owner, name = (model, "_real_all_gather") if model is not None else (dist, "all_gather")
+    real = getattr(owner, name)
 
     def all_gather(tensor_list, tensor, group=None, async_op=False):
         if dist.get_backend(group) != "fake" or len({t.numel() for t in tensor_list}) <= 1:
@@ -510,7 +614,7 @@ def _fake_group_uneven_all_gather() -> None:
                  for i, t in enumerate(tensor_list)]  # fmt: skip
         return works[-1] if async_op else None
 
-    dist.all_gather = all_gather
+    setattr(owner, name, all_gather)
 
 
 def fake_records(args, mc, tree_dir: str) -> list:

@@ -113,7 +113,8 @@ def test_upstream_temporaries_equal_the_theory(bench):
     for r in ups:
         assert r["theory_upstream_bytes"] > 0
         assert r["temporary_bytes"] == r["theory_upstream_bytes"], r
-        assert r["peak_extra_bytes"] == r["theory_upstream_peak_bytes"], r
+        if not r["model_standin_bytes"]:
+            assert r["peak_extra_bytes"] == r["theory_upstream_peak_bytes"], r
         if r["pg"] == "real":
             assert r["all_ranks_temporary_bytes"] == r["all_ranks_theory_upstream_bytes"]
 
@@ -148,7 +149,7 @@ def test_series_receives_without_temporaries(bench):
     receive (padding can add)."""
     for r in _syncs(bench, tree="patched"):
         assert (r["temporary_bytes"], r["alloc_calls"], r["peak_extra_bytes"]) == (0, 0, 0), r
-        assert r["nccl_model_temporary_bytes"] == 0, r
+        assert r["nccl_model_temporary_bytes"] == 0 == r["dispatch_total_bytes"], r
         if r["shares_equal"]:
             assert r["collective_launches"] == len(_gathers(r)), r
         exact = sum(sum(s) - s[r["rank"]] for s in _gathers(r)) * r["param_itemsize"]
