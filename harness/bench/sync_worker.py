@@ -35,7 +35,6 @@ answers the k per-sync wall times in seconds, each the slowest rank's.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import hashlib
 import inspect
 import json
@@ -61,7 +60,8 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from harness.bench import theory  # noqa: E402
-from harness.bench.counters import ProfiledAllocations, SyncCounter, collective_model, model_records  # noqa: E402
+from harness.alloc_counter import AllocationCounter  # noqa: E402
+from harness.bench.counters import ProfiledAllocations, model_standin_bytes  # noqa: E402
 from harness.trees import check_expected_tree  # noqa: E402
 
 PATHS = ("async", "forced", "optimizer")
@@ -340,30 +340,6 @@ def _setup_class():
 
 
 # ---------------------------------------------------------------- measurement
-@contextlib.contextmanager
-def device_mode_suspended():
-    """Suspend the CPU runtime layer's device-mapping TorchFunctionMode while measuring.
-
-    The mode intercepts every torch call (microseconds each) to rewrite CUDA device
-    arguments; it is needed to BUILD megatron objects on CPU, not to run the sync (which
-    allocates on the buffers' own device). Left on, it would charge each tree per torch
-    call, an overhead no GPU run has. A no-op when the layer is not installed.
-    """
-    if hasattr(cpu_runtime, "device_mapping_suspended"):
-        with cpu_runtime.device_mapping_suspended():
-            yield
-        return
-    mode = getattr(cpu_runtime, "_mode", None)
-    if mode is None:
-        yield
-        return
-    mode.__exit__(None, None, None)
-    try:
-        yield
-    finally:
-        mode.__enter__()
-
-
 def _sync_device(device: str) -> None:
     if device == "cuda":
         torch.cuda.synchronize()
@@ -390,21 +366,12 @@ def count_one_sync(s: Setup, path: str, rank: int, device: str, real: bool) -> d
     if real and path != CONTROL:
         s.scramble(rank)
     _sync_device(device)
-    with model_records() as calls, SyncCounter() as c:
+    with cpu_runtime.record_collectives() as calls, AllocationCounter() as c:
         run()
         _sync_device(device)
-    if calls is None:  # no collective model in this checkout: the dispatch-level counts
-        launches, wire, nccl = c.collective_launches, c.wire_bytes, c.nccl_temporary_bytes
-        collectives = [[k.op, k.launches, k.wire_bytes, k.nccl_temporary_bytes] for k in c.calls]
-    else:
-        launches = sum(k.launches for k in calls)
-        wire = sum(k.wire_bytes for k in calls)
-        nccl = sum(k.nccl_temporary_bytes for k in calls)
-        collectives = [[k.form, k.launches, k.wire_bytes, k.nccl_temporary_bytes] for k in calls]
-    # On gloo the collective model allocates NCCL's temporaries through torch (so that
-    # allocation counters see them); they are reported as nccl_model_temporary_bytes, and
-    # temporary_bytes keeps megatron's own tensors.
-    standin = nccl if calls is not None and "gloo" in str(dist.get_backend()) and collective_model().model_installed() else 0
+    # The collective model allocates NCCL's temporaries through torch where it executes
+    # the call (gloo, fake); temporary_bytes keeps megatron's own tensors.
+    standin = model_standin_bytes(calls, str(dist.get_backend()))
     standin_calls = sum(1 for k in calls if k.nccl_temporary_bytes) if standin else 0
     synced = (s.synced() if path != CONTROL else True) if real else None
     s.reset()
@@ -427,11 +394,10 @@ def count_one_sync(s: Setup, path: str, rank: int, device: str, real: bool) -> d
         dispatch_total_bytes=c.temporary_bytes,
         model_standin_bytes=standin,
         alloc_ops=sorted({name for name, _ in c.events}),
-        collective_launches=launches,
-        wire_bytes=wire,
-        nccl_model_temporary_bytes=nccl,
-        collectives=collectives,
-        collective_source="dispatch" if calls is None else "model",
+        collective_launches=sum(k.launches for k in calls),
+        wire_bytes=sum(k.wire_bytes for k in calls),
+        nccl_model_temporary_bytes=sum(k.nccl_temporary_bytes for k in calls),
+        collectives=[[k.form, k.launches, k.wire_bytes, k.nccl_temporary_bytes] for k in calls],
         profiler_alloc_bytes=prof.alloc_bytes,
         profiler_alloc_calls=prof.alloc_calls,
         profiler_peak_bytes=prof.peak_bytes,
@@ -496,7 +462,7 @@ def build_cases(mc, args, dp_size: int, rank: int, real: bool, bucket_sizes: str
                     control_code_sha=control_code_sha(mc),
                     **s.theory(path, rank),
                 )
-                with device_mode_suspended():
+                with cpu_runtime.device_mapping_suspended():
                     rec.update(count_one_sync(s, path, rank, args.device, real))
                 cases.append((s, path))
                 records.append(rec)
@@ -555,7 +521,7 @@ def serve(cases, channel, device: str) -> None:
         if cmd["op"] != "time":
             raise ValueError(f"unknown command {cmd!r}")
         s, path = cases[cmd["case"]]
-        with device_mode_suspended():
+        with cpu_runtime.device_mapping_suspended():
             mine = time_block(s, path, int(cmd["n"]), device, real=True)
         everyone = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, mine)
@@ -593,35 +559,26 @@ def main_real(args, mc, tree_dir: str) -> None:
         channel.send({"records": fake})
 
 
-def _fake_group_uneven_all_gather() -> None:
-    """Interim, until the CPU runtime layer's collective model runs list gathers on the
-    fake backend itself: there a list all_gather with slots of different sizes runs as one
-    broadcast per slot (what ProcessGroupNCCL does; on the fake backend a broadcast moves
-    nothing). The fake backend's own list all_gather copies the input into every slot and
-    so rejects different sizes. Equal sizes keep the fake backend's own all_gather.
+def _fake_all_gather_object() -> None:
+    """all_gather_object on the fake backend: every rank's object is this rank's, as the
+    fake backend's own all_gather made it (megatron's optimizer setup gathers param-group
+    keys with it). The collective model executes fake-backend gathers without moving data,
+    so torch's all_gather_object would unpickle uninitialized sizes there. Fake mode only."""
+    real = dist.all_gather_object
 
-    With the collective model present, this wraps the torch function it passes non-gloo
-    calls to (after recording them), so the model's records stay complete.
-    """
-    model = collective_model()
-    owner, name = (model, "_real_all_gather") if model is not None else (dist, "all_gather")
-    real = getattr(owner, name)
+    def all_gather_object(object_list, obj, group=None):
+        if "fake" not in str(dist.get_backend(group)):
+            return real(object_list, obj, group=group)
+        object_list[:] = [obj] * dist.get_world_size(group)
 
-    def all_gather(tensor_list, tensor, group=None, async_op=False):
-        if dist.get_backend(group) != "fake" or len({t.numel() for t in tensor_list}) <= 1:
-            return real(tensor_list, tensor, group=group, async_op=async_op)
-        works = [dist.broadcast(t, group_src=i, group=group, async_op=async_op)
-                 for i, t in enumerate(tensor_list)]  # fmt: skip
-        return works[-1] if async_op else None
-
-    setattr(owner, name, all_gather)
+    dist.all_gather_object = all_gather_object
 
 
 def fake_records(args, mc, tree_dir: str) -> list:
     """Count records of every fake DP size and rank in --dp-sizes / --ranks (no timing)."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    _fake_group_uneven_all_gather()
+    _fake_all_gather_object()
     records = []
     buckets = args.fake_bucket_sizes or args.bucket_sizes
     for dp_size in [int(x) for x in args.dp_sizes.split(",")]:
