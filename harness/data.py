@@ -1,14 +1,19 @@
-"""Offline training data: stdlib docstrings -> byte-level BPE -> Megatron indexed dataset.
+"""Training data: text of the pinned megatron-core wheel -> byte-level BPE -> Megatron indexed dataset.
 
-The functional tests must train on real text on any fresh machine, without network. The
-pinned interpreter's standard library carries about 1.7 MB of English in its docstrings;
-this module turns it into the three artifacts Megatron's GPT pretraining path reads:
+The source is a file every machine gets byte for byte from the lock: the megatron-core
+wheel named in ``requirements/megatron-core.lock`` (``MCORE_WHEEL``), checked against its
+``MCORE_WHEEL_SHA256`` before anything is read (``scripts/setup.sh`` downloads it into
+``build/wheels/``). The text is read straight from the zip, so it does not depend on the
+interpreter that runs this module:
 
-    <stdlib of sys.base_prefix>/**/*.py        (tests, site-packages excluded)
-        | ast.parse, ast.get_docstring (module, class, function; cleandoc'ed)
+    megatron_core-0.17.1-*.whl                  (sha256 pinned in the lock)
+        | members under megatron/, sorted by name:
+        |   *.py  its triple-quoted string literals without b/f prefix (docstrings,
+        |         mostly), found by a scanner of our own (no ast/tokenize), each
+        |         dedented; joined by a blank line
+        |   *.md  the file as it is
         v
-    corpus.jsonl                 {"text": ...}, one line per module (its docstrings
-        |                        joined by a blank line), modules in sorted-path order
+    corpus.jsonl                 {"text": ...}, one line per member that has text
         | tokenizers.ByteLevelBPETokenizer, trained single-threaded
         v
     tokenizer/vocab.json         GPT-2 format {token: id}; "<|endoftext|>" is the LAST id,
@@ -17,70 +22,83 @@ this module turns it into the three artifacts Megatron's GPT pretraining path re
     tokenizer/tokenizer_config.json   lets transformers.AutoTokenizer load the folder
         | encode each document, append EOD, IndexedDatasetBuilder (megatron-core)
         v
-    stdlib_docs_text_document.bin / .idx   uint16 tokens (DType.optimal_dtype(vocab))
+    mcore_docs_text_document.bin / .idx   uint16 tokens (DType.optimal_dtype(vocab))
     manifest.json                fingerprint of inputs + recipe, sha256 of every output
 
-Everything lands in ``build/data/`` (``--out``). A second call finds ``manifest.json``,
-re-fingerprints the inputs (sha256 of every source file, the recipe parameters, this
-file, and the library versions) and re-hashes the outputs; if all match it does nothing
-(about 0.3 s). Otherwise it rebuilds into a temporary sibling folder and swaps it in, so
-a crash never leaves a half-written dataset that looks valid. ``manifest.json`` holds no
-timestamps or absolute output paths: the same inputs give the same folder, byte for byte
-(``tests/unit_tests/test_data.py`` builds twice and compares).
+Invariants:
+- The corpus step uses only the standard library and ASCII-only text rules (no Unicode
+  database lookups, whose tables change between Python releases), so any Python >= 3.10
+  writes the same ``corpus.jsonl`` bytes (``--corpus-only``; a unit test runs it under a
+  second interpreter). Token ids then depend only on the pinned ``tokenizers`` (an abi3
+  wheel: one binary for every Python version) and the recipe.
+- The same inputs give the same folder byte for byte: ``manifest.json`` holds no
+  timestamps or absolute paths. A second call re-fingerprints the inputs (wheel sha256,
+  recipe, this file, library versions) and re-hashes the outputs; if all match it does
+  nothing. Otherwise it rebuilds into a temporary sibling folder and swaps it in, so a
+  crash never leaves a half-written dataset that looks valid.
+- :func:`provenance` is what ``golden_data.json`` records; :func:`provenance_mismatch`
+  says whether the data differs from a recorded one, at which step and what to do.
 
 Tokenizer flags. megatron-core 0.17.1 cannot load GPT-2 vocab/merges files offline:
 ``--tokenizer-type GPT2BPETokenizer`` goes through ``MegatronHFTokenizer``, which calls
-``transformers.AutoTokenizer.from_pretrained("gpt2", ...)`` (needs the ``transformers``
-package and the Hugging Face hub), passes the vocab path where the merges path belongs
-(``_get_merges_file(tokenizer_name, vocab_file)``) and spells the keyword ``merge_files``,
-so the merges would be ignored anyway. Training only needs the vocabulary size and the EOD
-id from the tokenizer (the tokens are already in the ``.bin``), and because EOD is the last
-id, megatron's own ``NullTokenizer`` reproduces both exactly: ``--tokenizer-type
-NullTokenizer --vocab-size <eod_id>`` gives ``eod == eod_id`` and ``vocab_size == eod_id + 1``.
-That is what :meth:`DataArtifacts.megatron_args` returns. Where ``transformers`` is
-installed, ``--tokenizer-type HuggingFaceTokenizer --tokenizer-model <tokenizer dir>``
-loads the real BPE offline as well (see :meth:`DataArtifacts.hf_tokenizer_args`).
+``transformers.AutoTokenizer.from_pretrained("gpt2", ...)``. Training only needs the
+vocabulary size and the EOD id (the tokens are already in the ``.bin``), and because EOD is
+the last id, megatron's ``NullTokenizer`` reproduces both: ``--tokenizer-type NullTokenizer
+--vocab-size <eod_id>`` gives ``eod == eod_id`` and ``vocab_size == eod_id + 1``
+(:meth:`DataArtifacts.megatron_args`). Where ``transformers`` is installed,
+``--tokenizer-type HuggingFaceTokenizer --tokenizer-model <tokenizer dir>`` loads the real
+BPE offline (:meth:`DataArtifacts.hf_tokenizer_args`).
 
-CLI: ``scripts/prepare_data.sh [--out DIR] [--vocab-size N] [--max-modules N] [--force]``.
+CLI: ``scripts/prepare_data.sh [--out DIR] [--vocab-size N] [--max-documents N] [--force]``
+or ``python -m harness.data --corpus-only FILE`` (standard library only).
 """
 
 from __future__ import annotations
 
 import argparse
-import ast
 import dataclasses
 import fcntl
 import hashlib
 import json
 import os
+import re
 import shutil
 import sys
-import sysconfig
 import tempfile
 import time
-import warnings
+import zipfile
 from pathlib import Path
 from typing import Iterator, Sequence
 
-# Tokenizer training must be reproducible byte for byte. It measured identical with 1 and
-# 2 threads on tokenizers 0.23.3, but a single thread removes the question altogether and
-# costs < 0.5 s. These must be set before `tokenizers` starts its rayon pool.
+# Tokenizer training must be reproducible byte for byte. A single thread removes any
+# question of merge order between threads and costs < 0.5 s. These must be set before
+# `tokenizers` starts its rayon pool.
 os.environ.setdefault("RAYON_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = REPO_ROOT / "build" / "data"
+LOCK_FILE = REPO_ROOT / "requirements" / "megatron-core.lock"
+WHEEL_DIR = REPO_ROOT / "build" / "wheels"
 EOD_TOKEN = "<|endoftext|>"
-DATASET_PREFIX = "stdlib_docs_text_document"
+DATASET_PREFIX = "mcore_docs_text_document"
 MANIFEST = "manifest.json"
-MANIFEST_SCHEMA = 1
-# Directory names skipped while walking the stdlib. Test suites are mostly code and
-# assertion strings, not prose; site-packages is not the standard library.
-EXCLUDED_DIRS = ("__pycache__", "site-packages", "test", "tests", "idle_test")
+MANIFEST_SCHEMA = 2
+CORPUS_FILE = "corpus.jsonl"
+# What the corpus is, in words: recorded in golden_data.json next to the hashes.
+CORPUS_RULE = (
+    "members under megatron/ sorted by name; *.py: triple-quoted string literals without "
+    "b/f prefix, dedented, joined by a blank line; *.md: verbatim; one document per member"
+)
+# ASCII whitespace only: str.strip() with no argument consults the Unicode database.
+_WS = " \t\n\r\f\v"
+_LETTERS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ")
+_IDENT = _LETTERS | frozenset("0123456789_")
+_SCAN = re.compile("[#'\"]")  # where a comment or a string literal can start
 
 # Output files, relative to the output folder. Every one is hashed into the manifest.
 OUTPUT_FILES = (
-    "corpus.jsonl",
+    CORPUS_FILE,
     "tokenizer/vocab.json",
     "tokenizer/merges.txt",
     "tokenizer/tokenizer.json",
@@ -91,7 +109,8 @@ OUTPUT_FILES = (
 
 
 class DataError(RuntimeError):
-    """The data could not be built or a built folder is inconsistent."""
+    """The data could not be built, its source is missing or wrong, or a built folder is
+    inconsistent. The message says what to do."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,22 +121,22 @@ class Recipe:
         vocab_size: tokenizer vocabulary size *including* the EOD token (an upper bound:
             on a small corpus BPE may run out of pairs earlier).
         min_frequency: minimum pair count for a BPE merge.
-        max_modules: keep only the first N modules (sorted path order) that have
-            docstrings; None keeps all. For fast tests.
-        stdlib_root: folder to walk; None means the stdlib of the interpreter this venv
-            was made from (``sys.base_prefix``).
+        max_documents: keep only the first N documents (sorted member order); None keeps
+            all. For fast tests.
     """
 
     vocab_size: int = 4096
     min_frequency: int = 2
-    max_modules: int | None = None
-    stdlib_root: str | None = None
+    max_documents: int | None = None
 
-    def resolved_root(self) -> Path:
-        if self.stdlib_root is not None:
-            return Path(self.stdlib_root)
-        base = {"installed_base": sys.base_prefix, "base": sys.base_prefix}
-        return Path(sysconfig.get_paths(vars=base)["stdlib"])
+
+@dataclasses.dataclass(frozen=True)
+class SourceWheel:
+    """The pinned source artifact: ``path`` has the lock's ``sha256`` (checked)."""
+
+    path: Path
+    sha256: str
+    lock_file: Path
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,6 +151,7 @@ class DataArtifacts:
         vocab_size: number of token ids, EOD included (= ``eod_id + 1``).
         eod_id: id of ``<|endoftext|>``, appended after every document.
         stats: documents, corpus_bytes (UTF-8 of all texts), tokens (EOD included), ...
+        manifest: the folder's ``manifest.json``.
     """
 
     out_dir: Path
@@ -142,6 +162,7 @@ class DataArtifacts:
     vocab_size: int
     eod_id: int
     stats: dict
+    manifest: dict
 
     def megatron_args(self) -> list[str]:
         """Flags for ``megatron.training`` that work offline with the pinned packages.
@@ -170,108 +191,192 @@ class DataArtifacts:
         ]
 
 
+# --------------------------------------------------------------------------- source
+
+
+def read_lock(lock_file: Path = LOCK_FILE) -> dict[str, str]:
+    """``KEY=VALUE`` lines of the (shell-sourced) lock file; comments and blanks skipped.
+
+    Raises:
+        DataError: the file is missing or lacks MCORE_WHEEL / MCORE_WHEEL_SHA256.
+    """
+    try:
+        text = lock_file.read_text(encoding="utf-8")
+    except OSError as e:
+        raise DataError(f"cannot read {lock_file}: {e}") from e
+    values = {}
+    for line in text.split("\n"):
+        line = line.strip(_WS)
+        if line and not line.startswith("#") and "=" in line:
+            key, value = line.split("=", 1)
+            values[key.strip(_WS)] = value.strip(_WS).strip("\"'")
+    missing = [k for k in ("MCORE_WHEEL", "MCORE_WHEEL_SHA256") if not values.get(k)]
+    if missing:
+        raise DataError(f"{lock_file} lacks {', '.join(missing)}")
+    return values
+
+
+def source_wheel(wheel: Path | None = None, lock_file: Path = LOCK_FILE) -> SourceWheel:
+    """The pinned wheel, after checking its sha256 against the lock.
+
+    Args:
+        wheel: the file to use; None means ``build/wheels/<MCORE_WHEEL>``.
+
+    Raises:
+        DataError: the wheel is missing (run scripts/setup.sh) or its sha256 is not the
+            lock's (delete it and rerun scripts/setup.sh).
+    """
+    lock = read_lock(lock_file)
+    path = Path(wheel) if wheel is not None else WHEEL_DIR / lock["MCORE_WHEEL"]
+    if not path.is_file():
+        raise DataError(
+            f"source wheel {path} not found; run scripts/setup.sh (it downloads "
+            f"{lock['MCORE_WHEEL']} and checks its sha256 from {lock_file.name})"
+        )
+    sha = sha256_file(path)
+    if sha != lock["MCORE_WHEEL_SHA256"]:
+        raise DataError(
+            f"sha256 of {path} is {sha}, but {lock_file} pins {lock['MCORE_WHEEL_SHA256']}; "
+            f"delete the file and run scripts/setup.sh to download it again"
+        )
+    return SourceWheel(path=path, sha256=sha, lock_file=lock_file)
+
+
 # --------------------------------------------------------------------------- corpus
 
 
-def iter_source_files(root: Path) -> Iterator[Path]:
-    """Yield ``*.py`` files under ``root`` in sorted relative-path order (deterministic)."""
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = sorted(d for d in dirnames if d not in EXCLUDED_DIRS)
-        for name in sorted(filenames):
-            if name.endswith(".py"):
-                yield Path(dirpath) / name
+def triple_quoted_strings(source: str) -> Iterator[tuple[str, str]]:
+    """``(prefix, body)`` of every triple-quoted string literal in Python source, in order.
+
+    A small scanner: skips comments and single-quoted strings (honouring backslash
+    escapes, which also hold inside raw strings), so that quotes inside them are not
+    taken as delimiters. ``prefix`` is the literal's prefix as written ("", "r", "f",
+    "rb", ...). Escapes in ``body`` are left as written (source text, not values).
+    Unterminated literals run to the end of the source.
+    """
+    n = len(source)
+    i = 0
+    while True:
+        hit = _SCAN.search(source, i)
+        if hit is None:
+            return
+        i = hit.start()
+        c = source[i]
+        if c == "#":
+            nl = source.find("\n", i)
+            i = n if nl < 0 else nl + 1
+            continue
+        k = i
+        while k > 0 and i - k < 2 and source[k - 1] in _LETTERS:
+            k -= 1
+        prefix = source[k:i]
+        if prefix.lower() not in ("", "r", "u", "b", "f", "br", "rb", "fr", "rf") or (
+            k > 0 and source[k - 1] in _IDENT
+        ):
+            prefix = ""
+        if not source.startswith(c * 3, i):
+            # Single-quoted: ends at the quote or, unterminated, at the line end.
+            j = i + 1
+            while j < n and source[j] != c and source[j] != "\n":
+                j += 2 if source[j] == "\\" else 1
+            i = j + 1
+            continue
+        start = pos = i + 3
+        while True:
+            end = source.find(c * 3, pos)
+            if end < 0:
+                end = n
+                break
+            if not _escaped(source, start, end):
+                break
+            pos = end + 1
+        yield prefix, source[start:end]
+        i = end + 3
 
 
-def module_docstrings(source: bytes, filename: str) -> list[str]:
-    """Docstrings of a module, its classes and functions, in source order.
+def _escaped(source: str, start: int, at: int) -> bool:
+    """Is ``source[at]`` preceded by an odd number of backslashes (after ``start``)?"""
+    b = at
+    while b > start and source[b - 1] == "\\":
+        b -= 1
+    return (at - b) % 2 == 1
+
+
+def clean_text(body: str) -> str:
+    """Dedent a docstring-like text: first line stripped, common indent of the others
+    removed, trailing whitespace and leading/trailing blank lines dropped; ``\\r\\n`` and
+    tabs (to 8 columns) normalized. ASCII whitespace only."""
+    lines = body.replace("\r\n", "\n").replace("\r", "\n").expandtabs(8).split("\n")
+    lines = [line.rstrip(_WS) for line in lines]
+    indents = [len(line) - len(line.lstrip(" ")) for line in lines[1:] if line]
+    margin = min(indents) if indents else 0
+    lines = [lines[0].strip(_WS)] + [line[margin:] for line in lines[1:]]
+    while lines and not lines[0]:
+        lines.pop(0)
+    while lines and not lines[-1]:
+        lines.pop()
+    return "\n".join(lines)
+
+
+def member_text(name: str, raw: bytes) -> str | None:
+    """The corpus document of one wheel member (see CORPUS_RULE), or None if it has none."""
+    text = raw.decode("utf-8", "replace")
+    if name.endswith(".md"):
+        text = clean_text(text)
+        return text or None
+    parts = []
+    for prefix, body in triple_quoted_strings(text):
+        if "b" in prefix.lower() or "f" in prefix.lower():
+            continue
+        cleaned = clean_text(body)
+        if " " in cleaned:  # skip empty strings and bare words
+            parts.append(cleaned)
+    return "\n\n".join(parts) or None
+
+
+def collect_corpus(wheel: SourceWheel, recipe: Recipe) -> list[str]:
+    """The documents of the corpus, in sorted member order (see CORPUS_RULE).
 
     Raises:
-        SyntaxError: the file is not valid for this interpreter (a few stdlib files are
-            deliberately broken, e.g. lib2to3 fixtures); callers skip and record those.
+        DataError: the wheel is not a readable zip or holds no text.
     """
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # invalid escape sequences in old modules
-        tree = ast.parse(source, filename=filename)
-    found: list[str] = []
-
-    def visit(node: ast.AST) -> None:
-        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
-            doc = ast.get_docstring(node, clean=True)
-            if doc:
-                found.append(doc)
-        for child in ast.iter_child_nodes(node):
-            visit(child)
-
-    visit(tree)
-    return found
-
-
-def collect_corpus(recipe: Recipe) -> tuple[list[str], dict]:
-    """Walk the stdlib and return (documents, source facts).
-
-    One document per module: its docstrings joined by a blank line. Lone surrogates
-    (possible in string literals) are replaced so every text is valid UTF-8.
-
-    Returns:
-        documents: list of str, sorted-path order.
-        facts: ``inputs_sha256`` (sha256 over relative path + sha256 of every file read),
-            ``files`` (count), ``skipped`` (relative paths that did not parse).
-    """
-    root = recipe.resolved_root()
-    if not root.is_dir():
-        raise DataError(f"stdlib folder not found: {root}")
-    docs: list[str] = []
-    skipped: list[str] = []
-    inputs = hashlib.sha256()
-    n_files = 0
-    for path in iter_source_files(root):
-        rel = path.relative_to(root).as_posix()
-        source = path.read_bytes()
-        inputs.update(f"{rel}\0{hashlib.sha256(source).hexdigest()}\n".encode())
-        n_files += 1
-        try:
-            parts = module_docstrings(source, rel)
-        except (SyntaxError, ValueError):
-            skipped.append(rel)
-            continue
-        if not parts:
-            continue
-        text = "\n\n".join(parts).encode("utf-8", "replace").decode("utf-8")
-        docs.append(text)
-        if recipe.max_modules is not None and len(docs) >= recipe.max_modules:
-            break
+    try:
+        with zipfile.ZipFile(wheel.path) as zf:
+            names = sorted(
+                n
+                for n in zf.namelist()
+                if n.startswith("megatron/") and (n.endswith(".py") or n.endswith(".md"))
+            )
+            docs = []
+            for name in names:
+                text = member_text(name, zf.read(name))
+                if text:
+                    docs.append(text)
+                    if recipe.max_documents is not None and len(docs) >= recipe.max_documents:
+                        break
+    except (OSError, zipfile.BadZipFile) as e:
+        raise DataError(f"cannot read {wheel.path} as a wheel: {e}") from e
     if not docs:
-        raise DataError(f"no docstrings found under {root}")
-    return docs, {"inputs_sha256": inputs.hexdigest(), "files": n_files, "skipped": skipped}
+        raise DataError(f"no text found in {wheel.path}")
+    return docs
 
 
-def fingerprint_inputs(recipe: Recipe) -> dict:
-    """Everything the outputs depend on, cheap to recompute (full build: hashing only).
-
-    A full build reads every source file, so hashing them all matches what the build
-    recorded. A ``max_modules`` build reads only a prefix; that prefix is found by
-    collecting the (small) corpus again.
-    """
-    if recipe.max_modules is not None:
-        return _fingerprint(recipe, collect_corpus(recipe)[1]["inputs_sha256"])
-    root = recipe.resolved_root()
-    inputs = hashlib.sha256()
-    for path in iter_source_files(root):
-        rel = path.relative_to(root).as_posix()
-        inputs.update(f"{rel}\0{_sha256_file(path)}\n".encode())
-    return _fingerprint(recipe, inputs.hexdigest())
+def write_corpus(docs: Sequence[str], path: Path) -> None:
+    """``{"text": ...}`` per line, UTF-8, ``\\n`` line ends, non-ASCII kept as is."""
+    with open(path, "w", encoding="utf-8", newline="\n") as f:
+        for text in docs:
+            f.write(json.dumps({"text": text}, ensure_ascii=False) + "\n")
 
 
-def _fingerprint(recipe: Recipe, inputs_sha256: str) -> dict:
+def _fingerprint(recipe: Recipe, wheel: SourceWheel) -> dict:
     import numpy
     import tokenizers
 
     return {
         "recipe": dataclasses.asdict(recipe),
-        "python": sys.version.split()[0],
-        "stdlib_root": str(recipe.resolved_root()),
-        "inputs_sha256": inputs_sha256,
-        "builder_sha256": _sha256_file(Path(__file__)),
+        "source_wheel": wheel.path.name,
+        "source_sha256": wheel.sha256,
+        "builder_sha256": sha256_file(Path(__file__)),
         "tokenizers": tokenizers.__version__,
         "numpy": numpy.__version__,
         "megatron_core": _megatron_core_version(),
@@ -397,7 +502,8 @@ def write_indexed_dataset(docs: Sequence[str], tok_dir: Path, eod_id: int, prefi
 # --------------------------------------------------------------------------- build + cache
 
 
-def _sha256_file(path: Path) -> str:
+def sha256_file(path: Path) -> str:
+    """Hex sha256 of a file's bytes."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
@@ -405,28 +511,23 @@ def _sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
-def _build_into(folder: Path, recipe: Recipe) -> dict:
+def _build_into(folder: Path, recipe: Recipe, wheel: SourceWheel) -> dict:
     """Build every output into ``folder`` (empty) and return the manifest dict."""
-    docs, facts = collect_corpus(recipe)
-    with open(folder / "corpus.jsonl", "w", encoding="utf-8", newline="\n") as f:
-        for text in docs:
-            f.write(json.dumps({"text": text}, ensure_ascii=False) + "\n")
+    docs = collect_corpus(wheel, recipe)
+    write_corpus(docs, folder / CORPUS_FILE)
     eod_id = train_tokenizer(docs, recipe, folder / "tokenizer")
     tokens = write_indexed_dataset(docs, folder / "tokenizer", eod_id, folder / DATASET_PREFIX)
-    fingerprint = _fingerprint(recipe, facts["inputs_sha256"])
     return {
         "schema": MANIFEST_SCHEMA,
-        "fingerprint": fingerprint,
+        "fingerprint": _fingerprint(recipe, wheel),
         "stats": {
             "documents": len(docs),
             "corpus_bytes": sum(len(t.encode("utf-8")) for t in docs),
             "tokens": tokens,
             "vocab_size": eod_id + 1,
             "eod_id": eod_id,
-            "source_files": facts["files"],
-            "skipped_unparsable": facts["skipped"],
         },
-        "outputs": {rel: _sha256_file(folder / rel) for rel in OUTPUT_FILES},
+        "outputs": {rel: sha256_file(folder / rel) for rel in OUTPUT_FILES},
     }
 
 
@@ -435,7 +536,7 @@ def _write_manifest(folder: Path, manifest: dict) -> None:
     (folder / MANIFEST).write_text(text, encoding="utf-8")
 
 
-def check_built(out_dir: Path, recipe: Recipe) -> tuple[bool, str]:
+def check_built(out_dir: Path, recipe: Recipe, wheel: SourceWheel | None = None) -> tuple[bool, str]:
     """Is ``out_dir`` a complete build of ``recipe`` from the current inputs?
 
     Returns:
@@ -450,17 +551,17 @@ def check_built(out_dir: Path, recipe: Recipe) -> tuple[bool, str]:
         return False, f"unreadable {MANIFEST}: {e}"
     if manifest.get("schema") != MANIFEST_SCHEMA:
         return False, "manifest schema changed"
-    want = fingerprint_inputs(recipe)
+    want = _fingerprint(recipe, wheel or source_wheel())
     have = manifest.get("fingerprint", {})
     for key, value in want.items():
         if have.get(key) != value:
             return False, f"input changed: {key}"
-    for rel, sha in manifest.get("outputs", {}).items():
-        file = out_dir / rel
-        if not file.is_file() or _sha256_file(file) != sha:
-            return False, f"output missing or modified: {rel}"
     if set(manifest.get("outputs", {})) != set(OUTPUT_FILES):
         return False, "output list changed"
+    for rel, sha in manifest["outputs"].items():
+        file = out_dir / rel
+        if not file.is_file() or sha256_file(file) != sha:
+            return False, f"output missing or modified: {rel}"
     return True, "up to date"
 
 
@@ -478,26 +579,37 @@ def artifacts_of(out_dir: Path) -> DataArtifacts:
         vocab_size=stats["vocab_size"],
         eod_id=stats["eod_id"],
         stats=stats,
+        manifest=manifest,
     )
 
 
 def prepare(
-    out_dir: Path | str = DEFAULT_OUT, recipe: Recipe = Recipe(), force: bool = False, log=print
+    out_dir: Path | str = DEFAULT_OUT,
+    recipe: Recipe = Recipe(),
+    force: bool = False,
+    log=print,
+    wheel: Path | None = None,
 ) -> DataArtifacts:
     """Build the data into ``out_dir`` unless an identical valid build is already there.
 
     Concurrent callers serialize on ``<out_dir>.lock``. The build happens in a temporary
     sibling folder that replaces ``out_dir`` only when complete.
 
+    Args:
+        wheel: source wheel to read (None: the lock's, in build/wheels); its sha256 must
+            be the lock's either way.
+
     Raises:
-        DataError: inputs missing or an internal consistency check failed.
+        DataError: the source is missing or not the pinned one, or an internal
+            consistency check failed.
     """
     out_dir = Path(out_dir).resolve()
     out_dir.parent.mkdir(parents=True, exist_ok=True)
+    source = source_wheel(wheel)
     with open(str(out_dir) + ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         t0 = time.perf_counter()
-        valid, reason = check_built(out_dir, recipe)
+        valid, reason = check_built(out_dir, recipe, source)
         if valid and not force:
             log(f"[data] {out_dir}: up to date ({time.perf_counter() - t0:.2f} s)")
             return artifacts_of(out_dir)
@@ -505,7 +617,7 @@ def prepare(
         tmp = Path(tempfile.mkdtemp(prefix=out_dir.name + ".tmp-", dir=out_dir.parent))
         os.chmod(tmp, 0o755)
         try:
-            manifest = _build_into(tmp, recipe)
+            manifest = _build_into(tmp, recipe, source)
             _write_manifest(tmp, manifest)
             if out_dir.exists():
                 shutil.rmtree(out_dir)
@@ -521,6 +633,96 @@ def prepare(
         return artifacts_of(out_dir)
 
 
+# --------------------------------------------------------------------------- provenance
+
+
+def provenance(artifacts: DataArtifacts) -> dict:
+    """What the golden values' data is, as ``golden_data.json`` records it.
+
+    Keys: ``source`` (wheel file, sha256, lock file, CORPUS_RULE), ``corpus`` (sha256,
+    documents, bytes), ``tokenizer`` (library and version, model, recipe, sha256 of the
+    vocab and merges), ``dataset`` (prefix, sha256 of .bin and .idx, tokens).
+    """
+    m = artifacts.manifest
+    fp, out, stats = m["fingerprint"], m["outputs"], m["stats"]
+    return {
+        "source": {
+            "file": fp["source_wheel"],
+            "sha256": fp["source_sha256"],
+            "pinned_in": "requirements/megatron-core.lock",
+            "text": CORPUS_RULE,
+        },
+        "corpus": {
+            "file": CORPUS_FILE,
+            "sha256": out[CORPUS_FILE],
+            "documents": stats["documents"],
+            "bytes": stats["corpus_bytes"],
+        },
+        "tokenizer": {
+            "library": f"tokenizers {fp['tokenizers']}",
+            "model": "byte-level BPE (GPT-2 pre-tokenizer), EOD appended as the last id",
+            "vocab_size": stats["vocab_size"],
+            "recipe": fp["recipe"],
+            "vocab.json": out["tokenizer/vocab.json"],
+            "merges.txt": out["tokenizer/merges.txt"],
+        },
+        "dataset": {
+            "prefix": DATASET_PREFIX,
+            "writer": f"megatron-core {fp['megatron_core']} IndexedDatasetBuilder, numpy {fp['numpy']}",
+            ".bin": out[f"{DATASET_PREFIX}.bin"],
+            ".idx": out[f"{DATASET_PREFIX}.idx"],
+            "tokens": stats["tokens"],
+        },
+    }
+
+
+def provenance_mismatch(recorded: dict, actual: dict) -> str | None:
+    """None when the datasets are the same bytes, else why they differ and what to do.
+
+    Only the dataset hashes decide; the other fields locate the first step that differs
+    (source wheel, corpus text, tokenizer, dataset writer).
+    """
+    want, have = recorded.get("dataset", {}), actual["dataset"]
+    if "dataset" in recorded and (want.get(".bin"), want.get(".idx")) == (have[".bin"], have[".idx"]):
+        return None
+    head = "the training data differs from the data the golden values were made from"
+    regen = (
+        "if that change is intended, regenerate every golden file on purpose "
+        "(scripts/run_functional_test.sh --update-golden all) and say why in the commit"
+    )
+    if "dataset" not in recorded:
+        return f"{head}: golden_data.json is in an older format without dataset hashes; {regen}"
+    rs, hs = recorded.get("source", {}), actual["source"]
+    if rs.get("sha256") != hs["sha256"]:
+        return (
+            f"{head}: the source wheel is {hs['file']} (sha256 {hs['sha256'][:12]}), the golden "
+            f"values used {rs.get('file')} (sha256 {str(rs.get('sha256'))[:12]}): "
+            f"requirements/megatron-core.lock changed; {regen}"
+        )
+    if recorded.get("corpus", {}).get("sha256") != actual["corpus"]["sha256"]:
+        return (
+            f"{head}: the same source wheel gives another corpus text, so the corpus rule in "
+            f"harness/data.py changed; {regen}"
+        )
+    rt, ht = recorded.get("tokenizer", {}), actual["tokenizer"]
+    if (rt.get("vocab.json"), rt.get("merges.txt")) != (ht["vocab.json"], ht["merges.txt"]):
+        if rt.get("library") != ht["library"]:
+            return (
+                f"{head}: the corpus is the same but the BPE differs: {ht['library']} is "
+                f"installed, the golden values were made with {rt.get('library')}; install "
+                f"the pinned packages (scripts/setup.sh, requirements/lock.txt)"
+            )
+        return (
+            f"{head}: the corpus is the same but the BPE differs (recipe {ht['recipe']}, "
+            f"golden {rt.get('recipe')}); {regen}"
+        )
+    return (
+        f"{head}: corpus and tokenizer are the same but the .bin/.idx differ (writer "
+        f"{have['writer']}, golden {want.get('writer')}); install the pinned packages "
+        f"(scripts/setup.sh), or {regen}"
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m harness.data", description=__doc__.split("\n\n")[0]
@@ -528,16 +730,31 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="output folder")
     parser.add_argument("--vocab-size", type=int, default=Recipe.vocab_size)
     parser.add_argument("--min-frequency", type=int, default=Recipe.min_frequency)
-    parser.add_argument("--max-modules", type=int, default=None, help="small subset (tests)")
-    parser.add_argument("--stdlib-root", default=None, help="walk this folder instead")
+    parser.add_argument("--max-documents", type=int, default=None, help="small subset (tests)")
+    parser.add_argument("--wheel", type=Path, default=None, help="source wheel (sha256 from the lock)")
     parser.add_argument("--force", action="store_true", help="rebuild even if up to date")
+    parser.add_argument(
+        "--corpus-only",
+        type=Path,
+        metavar="FILE",
+        help="write only the corpus (JSON lines) to FILE; needs only the standard library",
+    )
     args = parser.parse_args(argv)
-    recipe = Recipe(args.vocab_size, args.min_frequency, args.max_modules, args.stdlib_root)
+    recipe = Recipe(args.vocab_size, args.min_frequency, args.max_documents)
     try:
-        art = prepare(args.out, recipe, force=args.force)
+        if args.corpus_only is not None:
+            source = source_wheel(args.wheel)
+            docs = collect_corpus(source, recipe)
+            write_corpus(docs, args.corpus_only)
+            print(f"[data] {args.corpus_only}: {len(docs)} documents from {source.path.name}")
+            print(f"[data] sha256 {sha256_file(args.corpus_only)}")
+            return 0
+        art = prepare(args.out, recipe, force=args.force, wheel=args.wheel)
     except DataError as e:
         print(f"[data] ERROR: {e}", file=sys.stderr)
         return 1
+    d = provenance(art)["dataset"]
+    print(f"[data] dataset sha256: .bin {d['.bin']}  .idx {d['.idx']}")
     print("[data] megatron flags (offline, pinned packages):")
     print("  " + " ".join(art.megatron_args()))
     print("[data] GPT-2 format tokenizer files (HF tokenizers; megatron GPT2BPETokenizer")

@@ -2,7 +2,7 @@
 # scripts/prepare_data.sh: build (or confirm) the offline training data under build/data/.
 # Thin wrapper around `python -m harness.data` (see harness/data.py for what it makes);
 # it does not run scripts/setup.sh, only needs .venv and the megatron/ tree from it.
-# Usage: scripts/prepare_data.sh [--out DIR] [--vocab-size N] [--max-modules N] [--force]
+# Usage: scripts/prepare_data.sh [--out DIR] [--vocab-size N] [--max-documents N] [--force]
 # Exit:  0 data ready (flags printed); 1 build failed; 2 not set up.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"

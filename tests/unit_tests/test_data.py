@@ -1,18 +1,22 @@
-"""harness/data.py: reproducible offline corpus, tokenizer and Megatron indexed dataset.
+"""harness/data.py: pinned source wheel -> corpus -> BPE -> Megatron indexed dataset.
 
-Builds a small subset (first 25 stdlib modules with docstrings, vocab 512) twice: once
-in-process and once through scripts/prepare_data.sh in a subprocess, and checks the two
-folders are byte-identical. The rest reads the artifacts back through independent paths
-(HF tokenizers from the GPT-2 files, megatron's tokenizer builder, megatron's
-IndexedDataset and GPTDataset) rather than trusting the builder's own bookkeeping.
+Builds a small subset (first 25 documents of the wheel, vocab 512) twice: once in-process
+and once through scripts/prepare_data.sh in a subprocess, and checks the two folders are
+byte-identical. The corpus is checked against an independent reading of the wheel (ast
+docstrings), and under a second Python interpreter when one is installed. The rest reads
+the artifacts back through independent paths (HF tokenizers from the GPT-2 files,
+megatron's tokenizer builder, IndexedDataset and GPTDataset).
 """
 
+import ast
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import types
+import zipfile
 from pathlib import Path
 
 import numpy
@@ -21,8 +25,8 @@ import pytest
 from harness import data
 
 ROOT = Path(__file__).resolve().parents[2]
-SUBSET = data.Recipe(vocab_size=512, max_modules=25)
-SUBSET_CLI = ["--vocab-size", "512", "--max-modules", "25"]
+SUBSET = data.Recipe(vocab_size=512, max_documents=25)
+SUBSET_CLI = ["--vocab-size", "512", "--max-documents", "25"]
 
 
 def _tree_digest(folder: Path) -> dict[str, str]:
@@ -78,20 +82,145 @@ def test_second_prepare_is_a_noop_and_tampering_triggers_rebuild(built, tmp_path
     assert _tree_digest(out) == _tree_digest(built.out_dir)
 
     # A different recipe is a different build, not a cache hit.
-    assert not data.check_built(out, data.Recipe(vocab_size=500, max_modules=25))[0]
+    assert not data.check_built(out, data.Recipe(vocab_size=500, max_documents=25))[0]
 
 
-def test_corpus_is_stdlib_docstrings_in_sorted_order(documents):
-    import ast
+def _normalized(text: str) -> str:
+    return "\n".join(line.rstrip() for line in text.split("\n"))
 
+
+def test_corpus_holds_the_wheels_docstrings_in_member_order(documents):
+    """Every docstring ast finds in a member is in that member's document (up to
+    trailing whitespace, which the corpus drops), and the documents follow member order."""
+    wheel = data.source_wheel()
+    with zipfile.ZipFile(wheel.path) as zf:
+        names = sorted(n for n in zf.namelist() if n.startswith("megatron/") and n.endswith((".py", ".md")))
+        expected = []
+        for name in names:
+            raw = zf.read(name)
+            if name.endswith(".md"):
+                expected.append([raw.decode().strip()])
+                continue
+            found = [
+                ast.get_docstring(node, clean=True)
+                for node in ast.walk(ast.parse(raw))
+                if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+            ]
+            found = [_normalized(d) for d in found if d and " " in d]
+            if found:
+                expected.append(found)
+            if len(expected) == len(documents):
+                break
     assert len(documents) == 25
-    stdlib = data.Recipe().resolved_root()
-    assert stdlib.is_relative_to(sys.base_prefix)
-    # The first module with a docstring in sorted order must open the corpus.
-    first = next(
-        p for p in sorted(stdlib.glob("*.py")) if ast.get_docstring(ast.parse(p.read_bytes()))
+    assert documents[0].startswith("<div")  # megatron/core/README.md sorts first
+    checked = 0
+    for doc, docstrings in zip(documents, expected):
+        for docstring in docstrings:
+            assert docstring in doc
+            checked += 1
+    assert checked > 100
+
+
+def test_scanner_finds_triple_quoted_strings_only():
+    source = (
+        '"""Module doc."""\n'
+        "# a comment with \"\"\" quotes\n"
+        "x = 'it\\'s \"\"\" not a docstring'\n"
+        'y = "say \\"hi\\""\n'
+        "def f():\n"
+        '    r"""Raw \\d doc with \\""" inside."""\n'
+        "    return f\"\"\"{x} templated\"\"\", b\'\'\'bytes\'\'\', rb\"\"\"raw bytes\"\"\"\n"
+        "class C:\n"
+        "    \'\'\'\n"
+        "    Indented\n"
+        "        more\n"
+        "    \'\'\'\n"
     )
-    assert documents[0].startswith(ast.get_docstring(ast.parse(first.read_bytes())))
+    found = list(data.triple_quoted_strings(source))
+    assert [p for p, _ in found] == ["", "r", "f", "b", "rb", ""]
+    assert found[1][1] == 'Raw \\d doc with \\""" inside.'
+    text = data.member_text("m.py", source.encode())
+    assert text == 'Module doc.\n\nRaw \\d doc with \\""" inside.\n\nIndented\n    more'
+
+
+def _other_interpreters() -> list[str]:
+    """Installed Pythons >= 3.10 of another minor version than this one."""
+    found = {}
+    names = [f"python3.{m}" for m in range(10, 16)]
+    pyenv = Path(os.environ.get("PYENV_ROOT", Path.home() / ".pyenv")) / "versions"
+    paths = [shutil.which(n) for n in names] + sorted(str(p) for p in pyenv.glob("3.*/bin/python"))
+    for path in filter(None, paths):
+        try:
+            out = subprocess.run(
+                [path, "-c", "import sys; print(sys.version_info[0], sys.version_info[1])"],
+                capture_output=True, text=True, timeout=30,
+            ).stdout.split()
+        except (OSError, subprocess.TimeoutExpired):
+            continue
+        if len(out) == 2 and (3, 10) <= (int(out[0]), int(out[1])) != sys.version_info[:2]:
+            found.setdefault(tuple(out), path)
+    return [found[k] for k in sorted(found)]
+
+
+OTHER_PYTHONS = _other_interpreters()
+
+
+@pytest.mark.skipif(not OTHER_PYTHONS, reason="no second Python >= 3.10 installed (python3.1x on PATH or pyenv)")
+@pytest.mark.parametrize("python", OTHER_PYTHONS)
+def test_corpus_is_the_same_bytes_under_another_interpreter(python, tmp_path):
+    """The corpus of the whole wheel, built by another Python with the standard library
+    only (-I -S: no site-packages), equals this interpreter's byte for byte."""
+    here = tmp_path / "here.jsonl"
+    assert data.main(["--corpus-only", str(here)]) == 0
+    there = tmp_path / "there.jsonl"
+    code = f"import sys; sys.path.insert(0, {str(ROOT)!r}); from harness import data; " \
+        f"sys.exit(data.main(['--corpus-only', {str(there)!r}]))"
+    proc = subprocess.run([python, "-I", "-S", "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert there.read_bytes() == here.read_bytes()
+    assert here.stat().st_size > 500_000
+
+
+def test_source_wheel_must_have_the_locked_sha256(tmp_path):
+    with pytest.raises(data.DataError, match="run scripts/setup.sh"):
+        data.source_wheel(tmp_path / "absent.whl")
+    real = data.source_wheel()
+    tampered = tmp_path / real.path.name
+    raw = bytearray(real.path.read_bytes())
+    raw[-1] ^= 1
+    tampered.write_bytes(bytes(raw))
+    with pytest.raises(data.DataError, match="delete the file and run scripts/setup.sh"):
+        data.source_wheel(tampered)
+    with pytest.raises(data.DataError, match="delete the file"):
+        data.prepare(tmp_path / "out", SUBSET, wheel=tampered, log=lambda *_: None)
+    assert not (tmp_path / "out").exists()
+
+
+def test_provenance_mismatch_only_when_the_dataset_differs(built):
+    recorded = data.provenance(built)
+    assert recorded["source"]["sha256"] == data.read_lock()["MCORE_WHEEL_SHA256"]
+    assert recorded["dataset"][".bin"] == hashlib.sha256(
+        built.data_prefix.with_suffix(".bin").read_bytes()).hexdigest()
+    same_data = json.loads(json.dumps(recorded))
+    same_data["tokenizer"]["library"] = "tokenizers 0.0.1"  # recorded elsewhere, same bytes
+    assert data.provenance_mismatch(same_data, recorded) is None
+
+    def changed(**stages):
+        other = json.loads(json.dumps(recorded))
+        other["dataset"][".bin"] = "0" * 64
+        for stage, fields in stages.items():
+            other[stage].update(fields)
+        return data.provenance_mismatch(other, recorded)
+
+    assert "requirements/megatron-core.lock changed" in changed(source={"sha256": "1" * 64})
+    assert "corpus rule in harness/data.py changed" in changed(corpus={"sha256": "2" * 64})
+    message = changed(tokenizer={"vocab.json": "3" * 64, "library": "tokenizers 0.0.1"})
+    assert "made with tokenizers 0.0.1" in message and "scripts/setup.sh" in message
+    assert "recipe" in changed(tokenizer={"merges.txt": "4" * 64})
+    assert ".bin/.idx differ" in changed()
+    for msg in (changed(), changed(source={"sha256": "1" * 64})):
+        assert msg.startswith("the training data differs") and "--update-golden all" in msg
+    assert "older format" in data.provenance_mismatch({"python": "3.12.1"}, recorded)
 
 
 def test_gpt2_files_round_trip_and_eod_is_last_id(built, documents):

@@ -13,7 +13,15 @@ from pathlib import Path
 import numpy
 import pytest
 
-from tests.functional_tests.python_test_utils import compare, golden_schema, plot
+from tests.functional_tests.python_test_utils import (
+    checks,
+    formatting,
+    golden_schema,
+    golden_update,
+    plot,
+    tolerances,
+    verdicts,
+)
 from tests.functional_tests.python_test_utils import tensorboard_reader as tbr
 from tests.functional_tests.python_test_utils.golden_schema import MetricSeries
 
@@ -75,9 +83,9 @@ def three(lm=None, gn=None, nz=None, n=STEPS) -> dict:
 
 
 RULES = {
-    "lm loss": compare.MetricRule(compare.Approximate(rtol=1e-3)),
-    "grad-norm": compare.MetricRule(compare.Approximate(rtol=1e-2)),
-    "num-zeros": compare.MetricRule(compare.Exact()),
+    "lm loss": tolerances.MetricRule(tolerances.Approximate(rtol=1e-3)),
+    "grad-norm": tolerances.MetricRule(tolerances.Approximate(rtol=1e-2)),
+    "num-zeros": tolerances.MetricRule(tolerances.Exact()),
 }
 
 
@@ -107,7 +115,7 @@ def test_reader_round_trip(tmp_path):
 
     again = tbr.load_run_metrics(tmp_path / "out")
     assert all(
-        compare.same_bits(again[m].values[t], exact[m].values[t])
+        checks.same_bits(again[m].values[t], exact[m].values[t])
         for m in exact
         for t in exact[m].steps
     )
@@ -173,7 +181,7 @@ def test_schema_round_trips_floats_bit_for_bit(tmp_path):
     metrics = {"m": series(values)}
     golden_schema.save(tmp_path / "m.json", metrics)
     back = golden_schema.load(tmp_path / "m.json")["m"]
-    assert all(compare.same_bits(a, b) for a, b in zip(values, back.values.values()))
+    assert all(checks.same_bits(a, b) for a, b in zip(values, back.values.values()))
     assert math.copysign(1, back.values[53]) == -1  # -0.0 kept
 
 
@@ -246,8 +254,8 @@ def test_single_one_ulp_difference_is_found_at_its_step(tmp_path):
     write_events(tmp_path / "pa", run_scalars({("lm loss", 7): next_f32(loss7)}))
     up = tbr.read_run_metrics(tmp_path / "up")
     pa = tbr.read_run_metrics(tmp_path / "pa")
-    result = compare.compare_variants(up, pa)
-    assert result.first == compare.Divergence(7, "lm loss", f32(loss7), next_f32(loss7))
+    result = checks.compare_variants(up, pa)
+    assert result.first == checks.Divergence(7, "lm loss", f32(loss7), next_f32(loss7))
     assert result.max_abs_diff["lm loss"] == next_f32(loss7) - f32(loss7) > 0
     assert result.max_abs_diff["grad-norm"] == 0.0
     line = result.first.describe()
@@ -263,7 +271,7 @@ def test_float64_one_ulp_difference_is_a_divergence():
     values = list(up["grad-norm"].values.values())
     values[2] = math.nextafter(values[2], math.inf)
     pa = {**up, "grad-norm": series(values)}
-    first = compare.compare_variants(up, pa).first
+    first = checks.compare_variants(up, pa).first
     assert (first.step, first.metric) == (3, "grad-norm")
 
 
@@ -274,29 +282,29 @@ def test_first_divergence_is_earliest_step_then_metric_order():
     nz = list(up["num-zeros"].values.values())
     lm[4] += 1.0
     gn[2] += 1.0
-    first = compare.compare_variants(up, three(lm=lm, gn=gn)).first
+    first = checks.compare_variants(up, three(lm=lm, gn=gn)).first
     assert (first.step, first.metric) == (3, "grad-norm")
     lm[2] += 1.0
     nz[2] += 1.0
-    first = compare.compare_variants(up, three(lm=lm, gn=gn, nz=nz)).first
+    first = checks.compare_variants(up, three(lm=lm, gn=gn, nz=nz)).first
     assert (first.step, first.metric) == (3, "lm loss")
 
 
 def test_identical_runs_and_missing_required_metric():
-    assert compare.compare_variants(three(), three()).identical
+    assert checks.compare_variants(three(), three()).identical
     up = three()
     pa = {k: v for k, v in three().items() if k != "num-zeros"}
-    result = compare.compare_variants(up, pa)
+    result = checks.compare_variants(up, pa)
     assert result.first is None and result.failures == ["num-zeros: not logged by patched"]
 
 
 def test_variant_grid_mismatch_and_shared_nan_are_failures():
     short = three(n=STEPS - 2)
-    result = compare.compare_variants(three(), short)
+    result = checks.compare_variants(three(), short)
     assert any("step grids differ" in f for f in result.failures)
     lm = [curve("lm loss", t) for t in range(1, STEPS + 1)]
     lm[5] = math.nan
-    result = compare.compare_variants(three(lm=lm), three(lm=lm))
+    result = checks.compare_variants(three(lm=lm), three(lm=lm))
     assert result.first is None and any("steps [6]" in f for f in result.failures)
 
 
@@ -304,19 +312,19 @@ def test_variant_grid_mismatch_and_shared_nan_are_failures():
 
 
 def test_tolerance_boundaries():
-    assert compare.Approximate(rtol=0.25).allows(5.0, 4.0)  # |1.0| <= 0.25 * 4
-    assert compare.Approximate(rtol=0.25).allows(3.0, 4.0)
-    assert not compare.Approximate(rtol=0.25).allows(math.nextafter(5.0, 6.0), 4.0)
-    assert compare.Approximate(rtol=0.0, atol=0.5).allows(0.5, 0.0)
-    assert not compare.Approximate(rtol=0.0, atol=0.5).allows(0.5000001, 0.0)
-    assert compare.Approximate(rtol=0.5, atol=0.5).allows(6.5, 4.0)  # 2.5 <= 0.5 + 0.5 * 4
-    assert not compare.Approximate(rtol=0.5, atol=0.5).allows(6.5001, 4.0)
-    assert not compare.Approximate(rtol=1.0).allows(math.inf, 4.0)
-    assert compare.Approximate(rtol=1.0).allows(math.inf, math.inf)
-    assert compare.Exact().allows(2.5, 2.5)
-    assert not compare.Exact().allows(math.nextafter(2.5, 3), 2.5)
+    assert tolerances.Approximate(rtol=0.25).allows(5.0, 4.0)  # |1.0| <= 0.25 * 4
+    assert tolerances.Approximate(rtol=0.25).allows(3.0, 4.0)
+    assert not tolerances.Approximate(rtol=0.25).allows(math.nextafter(5.0, 6.0), 4.0)
+    assert tolerances.Approximate(rtol=0.0, atol=0.5).allows(0.5, 0.0)
+    assert not tolerances.Approximate(rtol=0.0, atol=0.5).allows(0.5000001, 0.0)
+    assert tolerances.Approximate(rtol=0.5, atol=0.5).allows(6.5, 4.0)  # 2.5 <= 0.5 + 0.5 * 4
+    assert not tolerances.Approximate(rtol=0.5, atol=0.5).allows(6.5001, 4.0)
+    assert not tolerances.Approximate(rtol=1.0).allows(math.inf, 4.0)
+    assert tolerances.Approximate(rtol=1.0).allows(math.inf, math.inf)
+    assert tolerances.Exact().allows(2.5, 2.5)
+    assert not tolerances.Exact().allows(math.nextafter(2.5, 3), 2.5)
     with pytest.raises(ValueError):
-        compare.Approximate(rtol=-1e-3)
+        tolerances.Approximate(rtol=-1e-3)
 
 
 def test_golden_check_applies_tolerance_per_step_on_rounded_values():
@@ -324,11 +332,11 @@ def test_golden_check_applies_tolerance_per_step_on_rounded_values():
     lm = list(golden["lm loss"].values.values())
     # Inside: 0.9e-3 relative at every step (no averaging can hide a failing step...)
     inside = [v * (1 + 0.9e-3) for v in lm]
-    result = compare.compare_to_golden(three(lm=inside), golden, RULES, "patched")
+    result = checks.compare_to_golden(three(lm=inside), golden, RULES, "patched")
     assert result.failures == [] and result.failing_steps["lm loss"] == 0
     # ...and one step outside by 1.1e-3 fails alone, naming that step.
     inside[6] = lm[6] * (1 + 1.1e-3)
-    result = compare.compare_to_golden(three(lm=inside), golden, RULES, "patched")
+    result = checks.compare_to_golden(three(lm=inside), golden, RULES, "patched")
     assert result.failing_steps["lm loss"] == 1
     assert result.failures[0].startswith("patched: lm loss: step 7: ")
 
@@ -337,10 +345,10 @@ def test_golden_exact_rule_compares_at_five_decimals(tmp_path):
     exact_up = three(nz=[1.000004] * STEPS)
     golden_schema.save(tmp_path / "g.json", {"num-zeros": series([1.0] * STEPS)})
     rules = {"num-zeros": RULES["num-zeros"]}
-    ok = compare.build_comparison("c", exact_up, exact_up, tmp_path / "g.json", rules)
+    ok = verdicts.build_comparison("c", exact_up, exact_up, tmp_path / "g.json", rules)
     assert ok["verdict"] == "identical"
     bad = three(nz=[1.000006] * STEPS)  # rounds to 1.00001
-    out = compare.build_comparison("c", bad, bad, tmp_path / "g.json", rules)
+    out = verdicts.build_comparison("c", bad, bad, tmp_path / "g.json", rules)
     assert out["verdict"] == "outside_golden"
     assert out["metrics"]["num-zeros"]["golden_failing_steps"] == {
         "upstream": STEPS,
@@ -376,7 +384,7 @@ def test_golden_check_failures(kind, expect, tmp_path):
         golden = three(lm=lm)
     else:
         run = three(n=STEPS - 2)
-    result = compare.compare_to_golden(golden_schema.round_all(run), golden, RULES, "upstream")
+    result = checks.compare_to_golden(golden_schema.round_all(run), golden, RULES, "upstream")
     messages = result.failures + result.structural
     assert any(expect in m for m in messages), messages
 
@@ -384,12 +392,12 @@ def test_golden_check_failures(kind, expect, tmp_path):
 def test_missing_step_allowed_only_where_rule_says_so():
     golden = {"iteration-time": series([math.nan, 0.1, 0.1])}
     run = {"iteration-time": series([math.nan, 0.2, 0.1])}
-    rule = {"iteration-time": compare.MetricRule(compare.Approximate(rtol=0.0), allow_missing=True)}
-    assert compare.compare_to_golden(run, golden, rule).failing_steps["iteration-time"] == 1
+    rule = {"iteration-time": tolerances.MetricRule(tolerances.Approximate(rtol=0.0), allow_missing=True)}
+    assert checks.compare_to_golden(run, golden, rule).failing_steps["iteration-time"] == 1
     strict = {
-        "iteration-time": compare.MetricRule(compare.Approximate(rtol=1.0), allow_missing=False)
+        "iteration-time": tolerances.MetricRule(tolerances.Approximate(rtol=1.0), allow_missing=False)
     }
-    result = compare.compare_to_golden(run, golden, strict)
+    result = checks.compare_to_golden(run, golden, strict)
     assert result.failures == [
         "actual: iteration-time: step 1: no value in the run nor in the golden file"
     ]
@@ -403,7 +411,7 @@ def test_build_comparison_verdicts(tmp_path):
     up = three()
     golden_schema.save(golden_path, golden_schema.round_all(up))
 
-    same = compare.build_comparison("case", up, three(), golden_path, RULES)
+    same = verdicts.build_comparison("case", up, three(), golden_path, RULES)
     assert same["verdict"] == "identical" and same["verdict_line"] == "identical"
     assert same["first_divergent_step"] is None and same["failures"] == []
     assert same["metrics"]["lm loss"]["max_abs_diff_variants"] == 0.0
@@ -411,7 +419,7 @@ def test_build_comparison_verdicts(tmp_path):
 
     lm = list(up["lm loss"].values.values())
     lm[5] += 0.5
-    div = compare.build_comparison("case", up, three(lm=lm), golden_path, RULES)
+    div = verdicts.build_comparison("case", up, three(lm=lm), golden_path, RULES)
     assert div["verdict"] == "diverged" and div["first_divergent_step"] == 6
     assert (
         div["verdict_line"]
@@ -421,10 +429,17 @@ def test_build_comparison_verdicts(tmp_path):
     assert div["metrics"]["lm loss"]["identical"] is False
     assert any(m.startswith("patched: lm loss: step 6") for m in div["failures"])
 
-    missing = compare.build_comparison("case", up, three(), tmp_path / "none.json", RULES)
-    assert missing["verdict"] == "failed" and "golden file not found" in missing["verdict_line"]
+    missing = verdicts.build_comparison("case", up, three(), tmp_path / "none.json", RULES)
+    assert missing["verdict"] == "no_golden"
+    assert missing["verdict_line"] == f"no golden values: {tmp_path / 'none.json'} does not exist (patched == upstream exactly)"
+    assert not any("tolerance" in f or "diverged" in f for f in missing["failures"])
+    # What outranks a missing golden file: a divergence, a crash.
+    assert verdicts.build_comparison("case", up, three(lm=lm), tmp_path / "none.json", RULES)["verdict"] == "diverged"
+    assert verdicts.build_comparison(
+        "case", up, three(), tmp_path / "none.json", RULES, ["rank 1 exited with 1"]
+    )["verdict"] == "failed"
 
-    crashed = compare.build_comparison(
+    crashed = verdicts.build_comparison(
         "case", up, three(), golden_path, RULES, ["rank 1 exited with 1"]
     )
     assert crashed["verdict"] == "failed"
@@ -433,7 +448,7 @@ def test_build_comparison_verdicts(tmp_path):
     # A failure outranks golden deviations: both variants off golden AND one metric absent.
     off = three(lm=[v * 1.5 for v in lm])
     del off["num-zeros"]
-    both = compare.build_comparison("case", off, dict(off), golden_path, RULES)
+    both = verdicts.build_comparison("case", off, dict(off), golden_path, RULES)
     assert both["verdict"] == "failed"
     assert any("num-zeros: not logged by upstream and patched" == f for f in both["failures"])
     assert any(f.startswith("upstream: lm loss: step 1:") for f in both["failures"])
@@ -446,21 +461,21 @@ def test_all_metrics_failures_collected_before_verdict(tmp_path):
         lm=[v * 1.01 for v in three()["lm loss"].values.values()],
         gn=[v * 1.5 for v in three()["grad-norm"].values.values()],
     )
-    out = compare.build_comparison("case", off, off, golden_path, RULES)
+    out = verdicts.build_comparison("case", off, off, golden_path, RULES)
     assert out["verdict"] == "outside_golden" and out["verdict_line"] == "outside golden tolerance"
     failing = out["metrics"]
     assert failing["lm loss"]["golden_failing_steps"] == {"upstream": STEPS, "patched": STEPS}
     assert failing["grad-norm"]["golden_failing_steps"] == {"upstream": STEPS, "patched": STEPS}
     assert failing["num-zeros"]["golden_failing_steps"] == {"upstream": 0, "patched": 0}
     assert len(out["failures"]) == 4 * STEPS
-    table = compare.format_table(out)
+    table = formatting.format_table(out)
     assert "grad-norm" in table and table.endswith("verdict: outside golden tolerance")
 
 
 def test_rules_for_unknown_metric_is_an_error():
-    assert list(compare.rules_for(["lm loss", "iteration-time"])) == ["lm loss", "iteration-time"]
+    assert list(tolerances.rules_for(["lm loss", "iteration-time"])) == ["lm loss", "iteration-time"]
     with pytest.raises(KeyError, match="no golden rule"):
-        compare.rules_for(["lm loss", "throughput"])
+        tolerances.rules_for(["lm loss", "throughput"])
 
 
 # --------------------------------------------------------------------------- golden update
@@ -472,29 +487,29 @@ def test_update_golden_refuses_when_variants_differ(tmp_path):
     before = path.read_bytes()
     lm = list(three()["lm loss"].values.values())
     lm[8] = math.nextafter(lm[8], 0)
-    with pytest.raises(compare.GoldenUpdateRefused, match="diverged at step 9"):
-        compare.update_golden(path, three(), three(lm=lm), RULES)
+    with pytest.raises(golden_update.GoldenUpdateRefused, match="diverged at step 9"):
+        golden_update.update_golden(path, three(), three(lm=lm), RULES)
     assert path.read_bytes() == before
-    with pytest.raises(compare.GoldenUpdateRefused, match="num-zeros: not logged"):
-        compare.update_golden(
+    with pytest.raises(golden_update.GoldenUpdateRefused, match="num-zeros: not logged"):
+        golden_update.update_golden(
             path, three(), {k: v for k, v in three().items() if k != "num-zeros"}, RULES
         )
     nan_lm = list(three()["lm loss"].values.values())
     nan_lm[0] = math.nan
-    with pytest.raises(compare.GoldenUpdateRefused, match="no value"):
-        compare.update_golden(path, three(lm=nan_lm), three(lm=nan_lm), RULES)
+    with pytest.raises(golden_update.GoldenUpdateRefused, match="no value"):
+        golden_update.update_golden(path, three(lm=nan_lm), three(lm=nan_lm), RULES)
     assert path.read_bytes() == before
 
 
 def test_update_golden_writes_and_shows_per_step_diff(tmp_path):
     path = tmp_path / "golden.json"
-    text = compare.update_golden(path, three(), three(), RULES)
+    text = golden_update.update_golden(path, three(), three(), RULES)
     assert "created" in text
     assert golden_schema.load(path) == golden_schema.round_all(three())
 
     lm = list(three()["lm loss"].values.values())
     lm[1] += 0.25
-    diff = compare.update_golden(path, three(lm=lm), three(lm=lm), RULES)
+    diff = golden_update.update_golden(path, three(lm=lm), three(lm=lm), RULES)
     old2, new2 = round(three()["lm loss"].values[2], 5), round(lm[1], 5)
     assert f"lm loss step 2: {old2!r} -> {new2!r}" in diff
     assert "= grad-norm: unchanged" in diff
@@ -523,3 +538,61 @@ def test_plot_writes_png(tmp_path):
         plot.plot_loss_curves(
             tmp_path / "x.png", {"upstream": {"num-zeros": up["num-zeros"]}, "golden": None}
         )
+
+
+# --------------------------------------------------------------------------- runner decisions
+
+
+@pytest.fixture
+def one_case_without_gpu_golden(tmp_path, monkeypatch):
+    """A copy of the default case (config and CPU golden file only) as the whole case set."""
+    import shutil
+
+    from tests.functional_tests.python_test_utils import run_case as rc
+
+    src = rc.find_case(rc.DEFAULT_CASE)
+    dst = tmp_path / "cases" / "gpt" / rc.DEFAULT_CASE
+    dst.mkdir(parents=True)
+    shutil.copy(src / "model_config.yaml", dst)
+    shutil.copy(src / rc.GOLDEN_NAME["cpu"], dst)
+    monkeypatch.setattr(rc, "CASES_DIR", tmp_path / "cases")
+
+    def no_training(*args, **kwargs):
+        raise AssertionError("trained although the golden file is missing")
+
+    monkeypatch.setattr(rc, "run_case", no_training)
+    return rc
+
+
+def test_missing_platform_golden_file_names_file_and_command(one_case_without_gpu_golden, capsys):
+    rc = one_case_without_gpu_golden
+    case = rc.DEFAULT_CASE
+    assert rc.missing_golden([case], "cpu") == []
+    assert rc.main(["--device", "cuda", case]) == rc.EXIT_NO_GOLDEN != 1
+    err = capsys.readouterr().err
+    assert f"gpt/{case}/golden_values_dgx_h200.json does not exist" in err
+    assert f"scripts/run_functional_test.sh --device cuda --update-golden {case}" in err
+    for numerics_word in ("diverged", "outside golden", "tolerance", "VERDICT"):
+        assert numerics_word not in err
+    assert rc.main(["--device", "cuda", "all"]) == rc.EXIT_NO_GOLDEN
+
+
+def test_update_golden_command_round_trips_through_the_parser():
+    from tests.functional_tests.python_test_utils import run_case as rc
+
+    words = rc.update_golden_command(rc.DEFAULT_CASE, "cuda").split()
+    assert words[0] == "scripts/run_functional_test.sh"
+    assert words[1:] == ["--device", "cuda", "--update-golden", rc.DEFAULT_CASE]
+    assert rc.update_golden_command(rc.DEFAULT_CASE, "cpu").split()[1:] == ["--update-golden", rc.DEFAULT_CASE]
+
+
+def test_committed_golden_data_records_source_tokenizer_and_dataset():
+    from harness import data
+    from tests.functional_tests.python_test_utils import run_case as rc
+
+    recorded = json.loads(rc.GOLDEN_DATA.read_text())
+    assert recorded["source"]["file"] == data.read_lock()["MCORE_WHEEL"]
+    assert recorded["source"]["sha256"] == data.read_lock()["MCORE_WHEEL_SHA256"]
+    assert recorded["tokenizer"]["library"].startswith("tokenizers ")
+    assert all(len(recorded["dataset"][k]) == 64 for k in (".bin", ".idx"))
+    assert len(recorded["corpus"]["sha256"]) == 64

@@ -4,9 +4,12 @@ Data flows one way:
 
     tensorboard event dir --tensorboard_reader--> metrics.json (golden schema, 5 decimals)
                                               +-> metrics_exact.json (same schema, unrounded)
-    upstream + patched + golden --compare--> comparison.json, table, one-line verdict
-                                 --plot----> loss_curves.png
-    upstream == patched exactly --compare.update_golden--> golden_values_<env>_<platform>.json
+    upstream + patched + golden --checks (tolerances)--> findings --verdicts--> comparison.json
+                                 --formatting--> table, one-line verdict
+                                 --plot--------> loss_curves.png
+    upstream == patched exactly --golden_update--> golden_values_<env>_<platform>.json
 
-Modules: ``golden_schema`` (typed file format), ``tensorboard_reader``, ``compare``, ``plot``.
+Modules: ``golden_schema`` (typed file format), ``tensorboard_reader``, ``tolerances``
+(per-metric rules), ``checks`` (exact and golden), ``verdicts``, ``formatting``,
+``golden_update``, ``plot``; ``run_case`` runs a case end to end.
 """

@@ -1,6 +1,6 @@
 """Measure the run-to-run and machine-to-machine variation that the golden tolerance covers.
 
-The golden check (compare.GOLDEN_RULES) needs a relative tolerance that passes on any
+The golden check (tolerances.GOLDEN_RULES) needs a relative tolerance that passes on any
 reviewer's machine yet stays tight enough to flag a real change. This script measures
 the spread it has to absorb, on the default case, patched tree:
 

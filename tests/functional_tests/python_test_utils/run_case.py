@@ -13,7 +13,7 @@ test case folder ``tests/functional_tests/test_cases/<model>/<case>/``:
    steps must equal the straight run bit for bit.
 3. The tensorboard event files become ``metrics.json`` / ``metrics_exact.json``
    (``tensorboard_reader``), compared exactly (patched vs upstream) and per step against
-   ``golden_values_<env>_<platform>.json`` (``compare``).
+   ``golden_values_<env>_<platform>.json`` (``checks``, ``verdicts``).
 
 Outputs, per case: ``build/functional/<case>/{upstream,patched}/`` (logs, tensorboard,
 metrics), ``comparison.json`` and ``loss_curves.png``. Exit code 0 only if every case is
@@ -42,7 +42,8 @@ import yaml
 from harness import launch
 from harness.trees import REPO_ROOT
 
-from . import compare, golden_schema, plot
+from . import checks, golden_schema, golden_update, plot, tolerances, verdicts
+from .formatting import format_table
 from . import tensorboard_reader as tbr
 
 CASES_DIR = REPO_ROOT / "tests" / "functional_tests" / "test_cases"
@@ -50,11 +51,12 @@ OUT_ROOT = REPO_ROOT / "build" / "functional"
 DEFAULT_CASE = "gpt_dp2_bf16_fp32grad_overlap_layerwise"
 GOLDEN_NAME = {"cpu": "golden_values_cpu_gloo.json", "cuda": "golden_values_dgx_h200.json"}
 VARIANTS = ("upstream", "patched")
-# sha256 of the training data the committed golden values were made from (written by
-# --update-golden). The corpus is the pinned interpreter's stdlib docstrings, so another
-# Python patch release gives other tokens and other curves: say so instead of reporting
-# a bare "outside golden tolerance".
+# What the committed golden values were trained on (harness.data.provenance: source wheel,
+# corpus, tokenizer, dataset sha256), written by --update-golden. A run on other data
+# says so and why, instead of reporting a bare "outside golden tolerance".
 GOLDEN_DATA = CASES_DIR / "golden_data.json"
+# Exit code of main() when a case has no golden file for the device (nothing was trained).
+EXIT_NO_GOLDEN = 3
 TEST_TYPES = ("regular", "ckpt-resume")
 
 
@@ -298,13 +300,13 @@ def resume_check(case, variant, out_dir, variables, cpu, timeout_s, straight) ->
         resume_dir / "tensorboard", tags=case.metrics, start_step=k + 1, end_step=case.train_iters
     )
     failures = []
-    for metric in compare.EXACT_REQUIRED:
+    for metric in checks.EXACT_REQUIRED:
         if metric not in resumed:
             failures.append(f"resume of {label}: {metric} not logged")
             continue
         for step, value in resumed[metric].values.items():
             want = straight.metrics[metric].values.get(step)
-            if want is None or not compare.same_bits(value, want):
+            if want is None or not checks.same_bits(value, want):
                 failures.append(
                     f"resume of {label} differs from the straight run at step {step} "
                     f"({metric}: {want!r} straight, {value!r} resumed)"
@@ -360,6 +362,9 @@ def run_case(
     artifacts = data.prepare(log=lambda m: None)
     data_path = str(artifacts.data_prefix)
     print(f"== {case.name} ({case.test_type}, {case.nproc} ranks, {device})", flush=True)
+    data_note = None if update_golden else check_golden_data(artifacts)
+    if data_note:
+        print(f"  WARNING: {data_note}", flush=True)
     results: Dict[str, VariantResult] = {}
     for variant in VARIANTS:
         if variant == "upstream" and reuse_upstream is not None:
@@ -368,24 +373,25 @@ def run_case(
         tree = variant if variant == "upstream" or patched_tree is None else Path(patched_tree)
         results[variant] = run_variant(case, tree, out / variant, data_path, device, timeout_s, extra_env)
     failures = [f for r in results.values() for f in r.failures]
-    rules = compare.rules_for(case.metrics)
+    rules = tolerances.rules_for(case.metrics)
+    own_golden = golden_path is None  # a caller's own golden file has its own way to create it
     golden_path = golden_path or case.golden_path(device)
     have_metrics = all(r.metrics is not None for r in results.values())
     if update_golden:
         # Before the comparison, so that it is built once, against the new golden file.
         try:
             if not have_metrics:
-                raise compare.GoldenUpdateRefused("a training run produced no metrics")
-            diff = compare.update_golden(
+                raise golden_update.GoldenUpdateRefused("a training run produced no metrics")
+            diff = golden_update.update_golden(
                 golden_path, results["upstream"].metrics, results["patched"].metrics, rules
             )
             print(f"  golden values written to {golden_path}:\n{diff}")
-            GOLDEN_DATA.write_text(json.dumps(data_fingerprint(artifacts), indent=1) + "\n")
-        except compare.GoldenUpdateRefused as e:
+            GOLDEN_DATA.write_text(json.dumps(data.provenance(artifacts), indent=1) + "\n")
+        except golden_update.GoldenUpdateRefused as e:
             print(f"  REFUSED to update golden values: {e}", flush=True)
             failures.append(f"golden update refused: {e}")
     if have_metrics:
-        comparison = compare.build_comparison(
+        comparison = verdicts.build_comparison(
             case.name, results["upstream"].metrics, results["patched"].metrics, golden_path,
             rules, extra_failures=failures,
         )
@@ -395,8 +401,9 @@ def run_case(
             "first_divergent_step": None, "first_divergence": None,
             "golden_file": str(golden_path), "metrics": {}, "failures": failures,
         }
-    data_note = check_golden_data(artifacts)
-    if data_note and comparison["verdict"] != "diverged" and not update_golden:
+    if comparison["verdict"] == "no_golden" and own_golden:
+        comparison["verdict_line"] += f"; create it with: {update_golden_command(case.name, device)}"
+    if data_note and comparison["verdict"] not in ("diverged", "no_golden"):
         comparison["failures"].append(data_note)
         comparison["verdict"] = "failed"
         comparison["verdict_line"] = f"failed: {data_note}"
@@ -405,7 +412,7 @@ def run_case(
         v: (case.train_iters if r.metrics is not None and not r.failures else r.iterations_completed)
         for v, r in results.items()
     }
-    comparison["data"] = {"path": data_path, "stats": artifacts.stats}
+    comparison["data"] = {"path": data_path, "provenance": data.provenance(artifacts)}
     (out / "comparison.json").write_text(json.dumps(comparison, indent=1) + "\n")
     curves = {
         "upstream": results["upstream"].metrics,
@@ -419,38 +426,41 @@ def run_case(
         )
     except ValueError as e:
         print(f"  no plot: {e}")
-    print(compare.format_table(comparison))
+    print(format_table(comparison))
     print(f"VERDICT {case.name}: {comparison['verdict_line']}", flush=True)
     return comparison
 
 
-def data_fingerprint(artifacts) -> dict:
-    """sha256 of the dataset files and the Python that made the corpus."""
-    import hashlib
-
-    prefix = Path(artifacts.data_prefix)
-    out = {"python": sys.version.split()[0]}
-    for suffix in (".bin", ".idx"):
-        out[prefix.name + suffix] = hashlib.sha256(
-            prefix.with_suffix(suffix).read_bytes()
-        ).hexdigest()
-    return out
-
-
 def check_golden_data(artifacts) -> Optional[str]:
-    """None if the data equals what the golden values were made from, else a message."""
+    """None if the dataset is the one the golden values were made from, else why not and
+    what to do (``harness.data.provenance_mismatch``). No golden_data.json: None."""
+    from harness import data
+
     if not GOLDEN_DATA.exists():
         return None
-    want = json.loads(GOLDEN_DATA.read_text())
-    have = data_fingerprint(artifacts)
-    if all(have.get(k) == v for k, v in want.items() if k != "python"):
-        return None
-    return (
-        f"training data differs from the data the golden values were made with (corpus "
-        f"from Python {have['python']}'s stdlib; golden values: Python {want.get('python')}). "
-        f"Use that Python (PYTHON=... scripts/setup.sh after removing .venv) or regenerate "
-        f"the golden values on purpose with --update-golden"
-    )
+    return data.provenance_mismatch(json.loads(GOLDEN_DATA.read_text()), data.provenance(artifacts))
+
+
+def update_golden_command(case: str, device: str) -> str:
+    """The command that creates (or rewrites) ``case``'s golden file for ``device``."""
+    device_flag = "" if device == "cpu" else f" --device {device}"
+    return f"scripts/run_functional_test.sh{device_flag} --update-golden {case}"
+
+
+def missing_golden(names: Sequence[str], device: str) -> List[str]:
+    """One message per case without a golden file for ``device``: the file and the
+    command that creates it. Empty when every case has one."""
+    messages = []
+    for name in names:
+        path = load_case(find_case(name)).golden_path(device)
+        if not path.is_file():
+            shown = path.relative_to(REPO_ROOT) if path.is_relative_to(REPO_ROOT) else path
+            messages.append(
+                f"{name}: no golden values for --device {device}: {shown} "
+                f"does not exist. Create it on this machine with: {update_golden_command(name, device)} "
+                f"(trains upstream and patched, and writes the file only if they are equal bit for bit)"
+            )
+    return messages
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -458,6 +468,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         prog="scripts/run_functional_test.sh",
         description="Train test cases on the pristine and the patched megatron tree and "
         "compare them with each other (exactly) and with the golden values.",
+        epilog="Exit: 0 every case identical; 1 diverged, outside golden tolerance or failed; "
+        f"2 bad arguments; {EXIT_NO_GOLDEN} a case has no golden file for --device (nothing "
+        "trained; the message names the file and the --update-golden command).",
     )
     ap.add_argument("cases", nargs="*", help=f"case names (default: {DEFAULT_CASE}); 'all' for every case")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
@@ -478,6 +491,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except CaseConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if not args.update_golden:
+        absent = missing_golden(names, args.device)
+        if absent:
+            # Not a numerics result: nothing was trained, there is nothing to compare with.
+            print("error: missing golden values, nothing trained:", file=sys.stderr)
+            for message in absent:
+                print(f"  {message}", file=sys.stderr)
+            return EXIT_NO_GOLDEN
     t0 = time.monotonic()
     verdicts = {}
     for n in names:

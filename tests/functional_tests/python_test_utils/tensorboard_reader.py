@@ -9,7 +9,7 @@ files with tensorboard's own ``EventAccumulator`` and never parse stdout: the st
 'lm loss' of the 2nd iteration after a (re)start is an average over two iterations.
 
 This one reader produces every side of every comparison (upstream run, patched run, and
-the golden file through ``compare.update_golden``), so a change in what gets logged shows
+the golden file through ``golden_update.update_golden``), so a change in what gets logged shows
 up as a failing comparison, not as a silently skipped metric. Upstream's equivalent is
 ``read_tb_logs_as_list`` in Megatron-LM ``tests/functional_tests/python_test_utils/common.py``;
 differences: a missing event dir or no matching scalar is an exception (upstream logs an

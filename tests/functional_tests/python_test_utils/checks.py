@@ -1,0 +1,216 @@
+"""The two checks: patched vs upstream exactly, and each run vs the golden values.
+
+1. **Exact** (:func:`compare_variants`): same machine, same run of the harness, so any
+   difference is the series' doing. Bitwise float64 equality of the unrounded values
+   (``metrics_exact.json``) of :data:`EXACT_REQUIRED` and, when both runs logged them,
+   :data:`EXACT_OPTIONAL`. The first divergence is the earliest step at which any of them
+   differs, ties broken by that order.
+2. **Golden** (:func:`compare_to_golden`): values rounded to 5 decimals, per step, with
+   each metric's :class:`~.tolerances.MetricRule`. Every failing step is a failure: no
+   averaging, no allowance of N failing steps, and a missing step never "matches".
+
+Both return every finding; the verdict is made elsewhere (``verdicts``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import struct
+from typing import Mapping, Sequence
+
+from .formatting import format_exact, format_grid
+from .golden_schema import Metrics, MetricSeries
+from .tolerances import Informational, MetricRule
+
+VARIANTS = ("upstream", "patched")
+EXACT_REQUIRED = ("lm loss", "grad-norm", "num-zeros")
+EXACT_OPTIONAL = ("params-norm", "learning-rate")
+
+
+def same_bits(a: float, b: float) -> bool:
+    """Bitwise float64 equality; any nan equals any nan (nan means "no value")."""
+    if math.isnan(a) or math.isnan(b):
+        return math.isnan(a) and math.isnan(b)
+    return struct.pack("<d", a) == struct.pack("<d", b)
+
+
+def max_abs_diff(a: MetricSeries, b: MetricSeries) -> float | None:
+    """max |a - b| over the steps of ``a`` that ``b`` has; inf where exactly one is nan;
+    None when no step has a value on both sides."""
+    diffs = []
+    for step in a.steps:
+        if step not in b.values:
+            continue
+        x, y = a.values[step], b.values[step]
+        if math.isnan(x) and math.isnan(y):
+            continue
+        if math.isnan(x) or math.isnan(y):
+            diffs.append(math.inf)
+        elif x == y:
+            diffs.append(0.0)
+        else:
+            diffs.append(abs(x - y))
+    return max(diffs) if diffs else None
+
+
+# --------------------------------------------------------------------------- exact check
+
+
+@dataclasses.dataclass(frozen=True)
+class Divergence:
+    """First step at which one metric differs between the variants (values unrounded)."""
+
+    step: int
+    metric: str
+    upstream: float
+    patched: float
+
+    def describe(self) -> str:
+        return (
+            f"diverged at step {self.step} "
+            f"({self.metric}, {format_exact(self.upstream)}, {format_exact(self.patched)})"
+        )
+
+
+@dataclasses.dataclass
+class VariantComparison:
+    """Result of :func:`compare_variants`.
+
+    Attributes:
+        first: earliest divergence over all compared metrics, or None.
+        per_metric: first divergence of each metric that diverged.
+        max_abs_diff: per metric present in both, :func:`max_abs_diff` of the variants.
+        failures: structural problems (missing metric, different step grids, nan).
+        compared: the metrics the exact check compared.
+    """
+
+    first: Divergence | None = None
+    per_metric: dict[str, Divergence] = dataclasses.field(default_factory=dict)
+    max_abs_diff: dict[str, float | None] = dataclasses.field(default_factory=dict)
+    failures: list[str] = dataclasses.field(default_factory=list)
+    compared: list[str] = dataclasses.field(default_factory=list)
+
+    @property
+    def identical(self) -> bool:
+        return self.first is None and not self.failures
+
+
+def compare_variants(
+    upstream: Metrics,
+    patched: Metrics,
+    required: Sequence[str] = EXACT_REQUIRED,
+    optional: Sequence[str] = EXACT_OPTIONAL,
+) -> VariantComparison:
+    """Exact comparison of two runs' unrounded metrics; see the module docstring.
+
+    A required metric missing from either run, an optional one logged by only one run,
+    different step grids, and a required metric without value in both runs at a step
+    are failures.
+    """
+    result = VariantComparison()
+    for metric in sorted(set(upstream) & set(patched), key=lambda m: (m not in required, m)):
+        result.max_abs_diff[metric] = max_abs_diff(upstream[metric], patched[metric])
+    for metric in (*required, *optional):
+        absent = [v for v, m in zip(VARIANTS, (upstream, patched)) if metric not in m]
+        if absent:
+            if metric in required or len(absent) == 1:
+                result.failures.append(f"{metric}: not logged by {' and '.join(absent)}")
+            continue
+        result.compared.append(metric)
+        up, pa = upstream[metric], patched[metric]
+        if up.steps != pa.steps:
+            result.failures.append(
+                f"{metric}: step grids differ: upstream {format_grid(up)}, patched {format_grid(pa)}"
+            )
+        for step in up.steps:
+            if step not in pa.values:
+                continue
+            u, p = up.values[step], pa.values[step]
+            if not same_bits(u, p):
+                result.per_metric[metric] = Divergence(step, metric, u, p)
+                break
+        if metric in required:
+            both_nan = [
+                t
+                for t in up.steps
+                if t in pa.values and math.isnan(up.values[t]) and math.isnan(pa.values[t])
+            ]
+            if both_nan:
+                result.failures.append(f"{metric}: no value in either run at steps {both_nan[:10]}")
+    order = {m: i for i, m in enumerate((*required, *optional))}
+    if result.per_metric:
+        result.first = min(result.per_metric.values(), key=lambda d: (d.step, order[d.metric]))
+    return result
+
+
+# --------------------------------------------------------------------------- golden check
+
+
+@dataclasses.dataclass
+class GoldenComparison:
+    """Result of :func:`compare_to_golden` for one variant.
+
+    Attributes:
+        failures: one message per failing step, every metric.
+        max_abs_diff: per metric, max |actual - golden| over steps with both values.
+        failing_steps: per metric, how many steps failed the tolerance or had no value.
+        structural: metric missing on one side, or a step-count mismatch.
+    """
+
+    failures: list[str] = dataclasses.field(default_factory=list)
+    max_abs_diff: dict[str, float | None] = dataclasses.field(default_factory=dict)
+    failing_steps: dict[str, int] = dataclasses.field(default_factory=dict)
+    structural: list[str] = dataclasses.field(default_factory=list)
+
+
+def compare_to_golden(
+    actual: Metrics, golden: Metrics, rules: Mapping[str, MetricRule], label: str = "actual"
+) -> GoldenComparison:
+    """Check rounded ``actual`` against ``golden`` with ``rules``, per step, every metric.
+
+    Args:
+        actual: the run's metrics, rounded to the golden precision (``metrics.json``).
+        golden: the golden file's metrics.
+        rules: metric -> rule; only these metrics are checked (the case's METRICS).
+        label: names the run in messages ("upstream"/"patched").
+    """
+    out = GoldenComparison()
+    for metric, rule in rules.items():
+        where = f"{label}: {metric}"
+        if metric not in golden:
+            out.structural.append(f"{where}: not in the golden file")
+            continue
+        if metric not in actual:
+            out.structural.append(f"{where}: not logged by the run")
+            continue
+        act, gold = actual[metric], golden[metric]
+        out.max_abs_diff[metric] = max_abs_diff(act, gold)
+        if act.steps != gold.steps:
+            out.structural.append(
+                f"{where}: step-count mismatch: run {format_grid(act)}, golden {format_grid(gold)}"
+            )
+        if isinstance(rule.tolerance, Informational):
+            continue
+        failing = 0
+        for step in gold.steps:
+            g = gold.values[step]
+            a = act.values.get(step, math.nan)
+            message = None
+            if math.isnan(a) and math.isnan(g):
+                if not rule.allow_missing:
+                    message = "no value in the run nor in the golden file"
+            elif math.isnan(a):
+                message = f"missing or NaN in the run (golden {g!r})"
+            elif math.isnan(g):
+                message = f"golden has no value but the run has {a!r}"
+            elif not rule.tolerance.allows(a, g):
+                message = (
+                    f"{a!r} vs golden {g!r}: |diff| {abs(a - g):.6g} outside "
+                    f"{rule.tolerance.describe()}"
+                )
+            if message:
+                failing += 1
+                out.failures.append(f"{where}: step {step}: {message}")
+        out.failing_steps[metric] = failing
+    return out
