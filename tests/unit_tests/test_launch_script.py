@@ -1,16 +1,21 @@
-"""scripts/launch_pretrain_gpt.sh: the command it builds (--dry-run), and its input checks.
+"""scripts/launch_pretrain_gpt.sh: the command it launches, and its input checks.
 
-The script is run as a user would (subprocess, a clean launcher environment). Checkouts are
-stand-ins: a directory with pretrain_gpt.py and a megatron/ link to the generated patched
-(megatron/) or pristine (build/upstream/megatron) tree, so scripts/apply_patches.sh --check
-sees the real files. The flag set is finally checked by megatron.training's own parser.
+The script is run as a user would (subprocess, a clean launcher environment). The printed
+--dry-run line is parsed with shlex, and run by a shell against a stand-in torchrun that
+records its argv and environment, which must equal what the script itself launches.
+Checkouts are stand-ins: a directory with pretrain_gpt.py and a megatron/ link to the
+generated patched (megatron/) or pristine (build/upstream/megatron) tree, so
+scripts/apply_patches.sh --check sees the real files. The flag set is finally checked by
+megatron.training's own parser.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shlex
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -21,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[2]
 LAUNCH = ROOT / "scripts" / "launch_pretrain_gpt.sh"
 LAUNCH_ENV = (
     "NNODES NODE_RANK MASTER_ADDR MASTER_PORT GPUS_PER_NODE MEGATRON_LM TORCHRUN "
-    "SLURM_NNODES SLURM_NODEID SLURM_GPUS_ON_NODE PYTHONPATH"
+    "SLURM_NNODES SLURM_NODEID SLURM_GPUS_ON_NODE CUDA_DEVICE_MAX_CONNECTIONS"
 ).split()
 SERIES_FLAGS = ["--optimizer", "dist_muon", "--overlap-param-gather", "--overlap-grad-reduce", "--bf16"]
 
@@ -45,6 +50,21 @@ def checkouts(tmp_path_factory):
     }
 
 
+@pytest.fixture
+def fake_torchrun(tmp_path):
+    """A torchrun stand-in that writes {"argv": [...], "cdmc": env value} to $FAKE_OUT."""
+    path = tmp_path / "bin" / "torchrun"
+    path.parent.mkdir()
+    path.write_text(
+        f"#!{sys.executable}\n"
+        "import json, os, sys\n"
+        "json.dump({'argv': sys.argv[1:], 'cdmc': os.environ.get('CUDA_DEVICE_MAX_CONNECTIONS')},\n"
+        "          open(os.environ['FAKE_OUT'], 'w'))\n"
+    )
+    path.chmod(0o755)
+    return path
+
+
 def launch(*args, env=None):
     full_env = {k: v for k, v in os.environ.items() if k not in LAUNCH_ENV}
     full_env.update({"GPUS_PER_NODE": "1"} if env is None else env)
@@ -53,22 +73,23 @@ def launch(*args, env=None):
     )
 
 
-def dry_run(*args, env=None):
-    """Parse the printed command: (environment assignments, torchrun argv, script argv)."""
+def printed_line(*args, env=None) -> str:
     proc = launch("--dry-run", *args, env=env)
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.strip().splitlines()
     assert len(lines) == 1, f"expected one command line, got:\n{proc.stdout}"
-    words = shlex.split(lines[0])
-    assert words[0] == "env"
-    i = 1
+    return lines[0]
+
+
+def dry_run(*args, env=None):
+    """Parse the printed command: (environment assignments, torchrun argv, script argv)."""
+    words = shlex.split(printed_line(*args, env=env))
     assigns = {}
-    while "=" in words[i] and not words[i].startswith("-"):
-        key, value = words[i].split("=", 1)
+    while "=" in words[0] and not words[0].startswith("-"):
+        key, value = words.pop(0).split("=", 1)
         assigns[key] = value
-        i += 1
     script = next(j for j, w in enumerate(words) if w.endswith("/pretrain_gpt.py"))
-    return assigns, words[i:script + 1], words[script + 1:]
+    return assigns, words[: script + 1], words[script + 1 :]
 
 
 def opt(argv, flag):
@@ -78,32 +99,86 @@ def opt(argv, flag):
     return argv[idx[-1] + 1]
 
 
+def flag_names(argv):
+    return [w.split("=", 1)[0] for w in argv if w.startswith("--")]
+
+
 def test_defaults_single_node_mock_data(checkouts):
     env, torchrun, argv = dry_run(checkouts["patched"])
+    assert env == {}
     assert torchrun[0] == "torchrun"
     assert [opt(torchrun, f) for f in ("--nnodes", "--node-rank", "--nproc-per-node")] == ["1", "0", "1"]
     assert (opt(torchrun, "--master-addr"), opt(torchrun, "--master-port")) == ("localhost", "6000")
     assert torchrun[-1] == f"{checkouts['patched']}/pretrain_gpt.py"
-    assert env["PYTHONPATH"] == str(checkouts["patched"])
-    assert env["CUDA_DEVICE_MAX_CONNECTIONS"] == "1"
     assert argv[: len(SERIES_FLAGS)] == SERIES_FLAGS
     assert "--accumulate-allreduce-grads-in-fp32" not in argv
     assert "--use-distributed-optimizer" not in argv
     assert "--mock-data" in argv and "--data-path" not in argv
     assert opt(argv, "--tokenizer-type") == "NullTokenizer" and opt(argv, "--vocab-size") == "32768"
     assert opt(argv, "--global-batch-size") == opt(argv, "--micro-batch-size") == "2"
+    assert len(flag_names(argv)) == len(set(flag_names(argv)))
+
+
+def test_upstream_flags_pass_through_unchanged_and_in_order(checkouts):
+    mine = ["--tensor-model-parallel-size", "2", "--accumulate-allreduce-grads-in-fp32",
+            "--num-layers=8", "--data-path", "0.3", "/d/a", "0.7", "/d/b",
+            "--vocab-file", "/tok/vocab.json", "--merge-file", "/tok/merges.txt",
+            "--micro-batch-size", "4", "--wandb-exp-name", "it's a \"run\" $HOME"]
+    env, _, argv = dry_run(checkouts["patched"], *mine, env={"GPUS_PER_NODE": "8"})
+    assert argv[-len(mine):] == mine
+    added = argv[: -len(mine)]
+    # Nothing the user gave is added again; what is added derives from the given flags.
+    assert not set(flag_names(added)) & set(flag_names(mine))
+    assert "--mock-data" not in argv and opt(added, "--tokenizer-type") == "GPT2BPETokenizer"
+    assert opt(added, "--global-batch-size") == "16"  # 8 GPUs / tp 2 = dp 4, x micro-batch 4
+    assert env == {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}  # tp > 1: megatron asserts it
+
+
+def test_a_leading_double_dash_is_optional(checkouts):
+    with_sep = dry_run(checkouts["patched"], "--", "--log-interval", "5")
+    without = dry_run(checkouts["patched"], "--log-interval", "5")
+    assert with_sep == without
+    assert opt(without[2], "--log-interval") == "5" and without[2].count("--log-interval") == 1
+
+
+def test_printed_line_runs_what_the_script_runs(checkouts, fake_torchrun, tmp_path):
+    env = {"GPUS_PER_NODE": "2", "TORCHRUN": str(fake_torchrun)}
+    args = [checkouts["patched"], "--tensor-model-parallel-size", "2", "--seq-length", "256"]
+    line = printed_line(*args, env=env)
+    assert shlex.split(line)[0] == "CUDA_DEVICE_MAX_CONNECTIONS=1"
+    assert shlex.split(line)[1] == str(fake_torchrun)
+
+    pasted = tmp_path / "pasted.json"
+    clean = {k: v for k, v in os.environ.items() if k not in LAUNCH_ENV}
+    subprocess.run(["bash", "-c", line], env={**clean, "FAKE_OUT": str(pasted)}, check=True, timeout=60)
+    launched = tmp_path / "launched.json"
+    proc = launch(*args, env={**env, "FAKE_OUT": str(launched)})
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(pasted.read_text()) == json.loads(launched.read_text())
+    recorded = json.loads(launched.read_text())
+    assert recorded["argv"] == shlex.split(line)[2:] and recorded["cdmc"] == "1"
+
+    # A value the caller set is left alone (and not printed).
+    env["CUDA_DEVICE_MAX_CONNECTIONS"] = "8"
+    assert shlex.split(printed_line(*args, env=env))[0] == str(fake_torchrun)
+    launch(*args, env={**env, "FAKE_OUT": str(launched)})
+    assert json.loads(launched.read_text())["cdmc"] == "8"
+
+
+def test_missing_torchrun_is_a_clear_error(checkouts):
+    proc = launch(checkouts["patched"], env={"GPUS_PER_NODE": "1", "TORCHRUN": "/nonexistent/torchrun"})
+    assert proc.returncode == 2 and "'/nonexistent/torchrun' not found" in proc.stderr
 
 
 def test_launcher_environment_is_honoured(checkouts):
     env = {"NNODES": "4", "NODE_RANK": "3", "MASTER_ADDR": "node-0.cluster", "MASTER_PORT": "29500",
            "GPUS_PER_NODE": "8", "TORCHRUN": "/opt/bin/torchrun"}
-    _, torchrun, argv = dry_run(checkouts["patched"], "--tp", "2", env=env)
+    _, torchrun, argv = dry_run(checkouts["patched"], "--tensor-model-parallel-size", "2", env=env)
     assert torchrun[0] == "/opt/bin/torchrun"
     assert [opt(torchrun, f) for f in ("--nnodes", "--node-rank", "--nproc-per-node", "--master-addr",
                                        "--master-port")] == ["4", "3", "8", "node-0.cluster", "29500"]
     # 32 GPUs / tp 2 = 16 data-parallel ranks x micro-batch 2.
     assert opt(argv, "--global-batch-size") == "32"
-    assert opt(argv, "--tensor-model-parallel-size") == "2"
 
 
 def test_slurm_variables_are_the_fallback(checkouts):
@@ -115,38 +190,11 @@ def test_slurm_variables_are_the_fallback(checkouts):
     assert [opt(torchrun, f) for f in ("--nnodes", "--node-rank")] == ["3", "2"]
 
 
-def test_checkout_from_environment_and_grad_dtype_options(checkouts):
+def test_checkout_from_environment_and_hf_tokenizer(checkouts):
     env = {"GPUS_PER_NODE": "1", "MEGATRON_LM": str(checkouts["patched"])}
-    _, torchrun, argv = dry_run("--fp32-grad-accum", env=env)
+    _, torchrun, argv = dry_run("--data-path", "/d/x", "--tokenizer-model", "/tok/hf", env=env)
     assert torchrun[-1] == f"{checkouts['patched']}/pretrain_gpt.py"
-    assert "--accumulate-allreduce-grads-in-fp32" in argv and "--grad-reduce-in-bf16" not in argv
-    _, _, argv = dry_run("--bf16-grad-reduce", env=env)
-    assert "--grad-reduce-in-bf16" in argv and "--accumulate-allreduce-grads-in-fp32" not in argv
-
-
-def test_data_paths_and_tokenizers(checkouts):
-    _, _, argv = dry_run(checkouts["patched"], "--data-path", "/data/web_text_document",
-                         "--vocab-file", "/tok/vocab.json", "--merge-file", "/tok/merges.txt")
-    assert "--mock-data" not in argv
-    assert opt(argv, "--data-path") == "/data/web_text_document"
-    assert opt(argv, "--tokenizer-type") == "GPT2BPETokenizer" and "--vocab-size" not in argv
-    assert (opt(argv, "--vocab-file"), opt(argv, "--merge-file"), opt(argv, "--split")) == (
-        "/tok/vocab.json", "/tok/merges.txt", "949,50,1")
-
-    _, _, argv = dry_run(checkouts["patched"], "--data-path", "0.3 /d/a", "--data-path", "0.7 /d/b",
-                         "--tokenizer-model", "/tok/hf")
-    i = argv.index("--data-path")
-    assert argv[i + 1:i + 5] == ["0.3", "/d/a", "0.7", "/d/b"]  # a blend, in megatron's word form
-    assert opt(argv, "--tokenizer-type") == "HuggingFaceTokenizer"
-
-
-def test_shell_quoting_and_passthrough(checkouts):
-    assert " " in str(checkouts["patched"])
-    name = "it's a \"run\" $HOME"
-    _, torchrun, argv = dry_run(checkouts["patched"], "--", "--wandb-exp-name", name, "--log-interval", "5")
-    assert torchrun[-1] == f"{checkouts['patched']}/pretrain_gpt.py"
-    assert argv[-4:] == ["--wandb-exp-name", name, "--log-interval", "5"]  # after ours: they win
-    assert opt(argv, "--log-interval") == "5"
+    assert opt(argv, "--tokenizer-type") == "HuggingFaceTokenizer" and "--vocab-size" not in argv
 
 
 def test_unpatched_checkout_is_refused_unless_allowed(checkouts):
@@ -155,6 +203,21 @@ def test_unpatched_checkout_is_refused_unless_allowed(checkouts):
     assert "not applied" in proc.stderr and "apply_patches.sh" in proc.stderr
     proc = launch("--dry-run", "--allow-unpatched", checkouts["upstream"])
     assert proc.returncode == 0 and "warning" in proc.stderr
+
+
+@pytest.mark.parametrize(
+    "invented, upstream",
+    [
+        (["--tp", "2"], "--tensor-model-parallel-size"),
+        (["--pp", "2"], "--pipeline-model-parallel-size"),
+        (["--fp32-grad-accum"], "--accumulate-allreduce-grads-in-fp32"),
+        (["--bf16-grad-reduce"], "--grad-reduce-in-bf16"),
+    ],
+)
+def test_invented_flags_are_refused_with_the_upstream_name(checkouts, invented, upstream):
+    proc = launch("--dry-run", checkouts["patched"], *invented)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert f"use {upstream}" in proc.stderr
 
 
 @pytest.mark.parametrize(
@@ -170,18 +233,13 @@ def test_unpatched_checkout_is_refused_unless_allowed(checkouts):
         (["{patched}"], {"NNODES": "2", "NODE_RANK": "2"}, "must be less than NNODES"),
         (["{patched}"], {"MASTER_PORT": "70000"}, "MASTER_PORT"),
         (["{patched}"], {"GPUS_PER_NODE": "0"}, "GPUS_PER_NODE must be a positive integer"),
-        (["{patched}", "--hidden-size", "100"], {}, "divisible by --num-attention-heads"),
         (["{patched}", "--global-batch-size", "3"], {}, "must be a multiple"),
-        (["{patched}", "--tp", "3"], {"GPUS_PER_NODE": "4"}, "not divisible by tp x pp"),
-        (["{patched}", "--num-layers", "-1"], {}, "--num-layers must be a positive integer"),
-        (["{patched}", "--lr", "fast"], {}, "--lr must be a number"),
-        (["{patched}", "--seq-length"], {}, "needs a value"),
+        (["{patched}", "--tensor-model-parallel-size", "3"], {"GPUS_PER_NODE": "4"}, "is not divisible by"),
+        (["{patched}", "--micro-batch-size", "-1"], {}, "--micro-batch-size must be a positive integer"),
         (["{patched}", "--", "--use-distributed-optimizer"], {}, "forbidden with dist_muon"),
-        (["{patched}", "--", "--optimizer", "adam"], {}, "fixed to dist_muon"),
-        (["{patched}", "--fp32-grad-accum", "--bf16-grad-reduce"], {}, "exclude each other"),
-        (["{patched}", "--fp32-grad-accum", "--", "--grad-reduce-in-bf16"], {}, "contradicts"),
-        (["{patched}", "--bogus"], {}, "unknown option '--bogus'"),
-        (["{patched}", "{patched}"], {}, "more than one checkout"),
+        (["{patched}", "--optimizer", "adam"], {}, "--optimizer dist_muon"),
+        (["{patched}", "stray"], {}, "'stray' is not a flag"),
+        (["{patched}", "{patched}"], {}, "is not a flag"),
     ],
 )
 def test_bad_input_is_one_clear_error(checkouts, tmp_path, args, env, message):
@@ -199,9 +257,11 @@ def test_megatron_parser_accepts_the_built_flags(checkouts):
              "data_parallel_size", "global_batch_size", "tokenizer_type", "grad_reduce_in_bf16"]
     multi = {"NNODES": "2", "GPUS_PER_NODE": "4", "MASTER_ADDR": "n0"}
     # tp > 1 would make validate_args ask the GPU for its architecture; pp does not.
-    _, _, mock_argv = dry_run(checkouts["patched"], "--fp32-grad-accum", "--pp", "2", env=multi)
+    _, _, mock_argv = dry_run(
+        checkouts["patched"], "--accumulate-allreduce-grads-in-fp32", "--pipeline-model-parallel-size", "2",
+        env=multi)
     _, _, data_argv = dry_run(checkouts["patched"], "--data-path", "/d/x", "--vocab-file", "v",
-                              "--merge-file", "m", "--bf16-grad-reduce")
+                              "--merge-file", "m", "--grad-reduce-in-bf16")
     cases = [
         {"argv": mock_argv, "world_size": 8, "attrs": attrs},
         {"argv": data_argv, "world_size": 1, "attrs": attrs},
@@ -218,7 +278,7 @@ def test_megatron_parser_accepts_the_built_flags(checkouts):
         "tokenizer_type": "NullTokenizer", "grad_reduce_in_bf16": False}
     assert data["ok"], data
     assert data["attrs"]["mock_data"] is False and data["attrs"]["tokenizer_type"] == "GPT2BPETokenizer"
-    # --bf16-grad-reduce: grad_data in bf16 (megatron's bf16 default is fp32 accumulation).
+    # --grad-reduce-in-bf16: grad_data in bf16 (megatron's bf16 default is fp32 accumulation).
     assert data["attrs"]["accumulate_allreduce_grads_in_fp32"] is False
     assert data["attrs"]["grad_reduce_in_bf16"] is True
     assert not dist_opt["ok"] and "distributed optimizer" in dist_opt["error"]
