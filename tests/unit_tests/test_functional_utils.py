@@ -596,3 +596,25 @@ def test_committed_golden_data_records_source_tokenizer_and_dataset():
     assert recorded["tokenizer"]["library"].startswith("tokenizers ")
     assert all(len(recorded["dataset"][k]) == 64 for k in (".bin", ".idx"))
     assert len(recorded["corpus"]["sha256"]) == 64
+
+
+def test_every_split_of_every_case_gets_documents():
+    """megatron's GPTDataset loops forever building the indices of a split that has no
+    document but is asked for samples (eval/test iterations > 0), so the corpus must be
+    large enough for each case's --split, by megatron's own split rounding."""
+    from megatron.core.datasets.blended_megatron_dataset_config import (
+        convert_split_vector_to_split_matrix,
+        parse_and_normalize_split,
+    )
+
+    from tests.functional_tests.python_test_utils import run_case as rc
+
+    documents = json.loads(rc.GOLDEN_DATA.read_text())["corpus"]["documents"]
+    for name in rc.all_cases():
+        split = rc.load_case(rc.find_case(name)).model_args["--split"]
+        matrix = convert_split_vector_to_split_matrix(parse_and_normalize_split(split))
+        for lo_hi in matrix:
+            if lo_hi is not None and lo_hi[1] > lo_hi[0]:
+                # blended_megatron_dataset_builder._build_megatron_dataset_splits
+                count = int(round(lo_hi[1] * documents)) - int(round(lo_hi[0] * documents))
+                assert count >= 1, (name, split, lo_hi, documents)
