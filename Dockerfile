@@ -5,7 +5,7 @@
 #
 #   docker build -t megatron-layerwise-ag:core_v0.17.1 .
 #   docker run --gpus all --ipc=host --ulimit memlock=-1 --ulimit stack=67108864 --rm -it \
-#       megatron-layerwise-ag:core_v0.17.1 scripts/launch_pretrain_gpt.sh --fp32-grad-accum
+#       megatron-layerwise-ag:core_v0.17.1 scripts/launch_pretrain_gpt.sh --accumulate-allreduce-grads-in-fp32
 #   docker run --gpus all --ipc=host --rm -v "$PWD/gpu-results:/results" \
 #       megatron-layerwise-ag:core_v0.17.1 scripts/gpu_check.sh /results/run1
 #
