@@ -62,7 +62,16 @@ RUNTIME_FLAGS: Tuple[str, ...] = (
 
 
 class LaunchError(RuntimeError):
-    """A launched run failed or timed out; the message holds the command and the log tail."""
+    """A launched run failed or timed out; the message holds the command and the log tail.
+
+    Attributes:
+        stdout_path, stderr_path: the run's logs (``Path``), or None where there are none.
+    """
+
+    def __init__(self, message: str, stdout_path: Optional[Path] = None, stderr_path: Optional[Path] = None):
+        super().__init__(message)
+        self.stdout_path = stdout_path
+        self.stderr_path = stderr_path
 
 
 def tiny_gpt_args(
@@ -279,7 +288,8 @@ def run_command(
     def fail(why: str) -> LaunchError:
         return LaunchError(
             f"{what} {why}: {shlex.join(argv)}\n"
-            f"logs: {stdout_path} {stderr_path}\n--- stderr tail ---\n{_tail(stderr_path, tail_lines)}"
+            f"logs: {stdout_path} {stderr_path}\n--- stderr tail ---\n{_tail(stderr_path, tail_lines)}",
+            stdout_path, stderr_path,
         )
 
     with open(stdout_path, "w") as out, open(stderr_path, "w") as err:

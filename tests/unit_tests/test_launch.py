@@ -91,3 +91,26 @@ def test_tree_none_keeps_callers_pythonpath(monkeypatch):
     _, env = launch.torchrun_command(launch.PRETRAIN_SCRIPT, [], 1, tree=None, cpu=False)
     assert env["PYTHONPATH"].split(os.pathsep) == ["/opt/site", str(REPO_ROOT)]
     assert "MEGATRON_EXPECT_TREE" not in env and "MEGATRON_CPU_RUNTIME" not in env
+
+
+def _ticker(ticks: int, then_sleep_s: float):
+    code = (f"import time\nfor _ in range({ticks}):\n    print('UNIT done', flush=True)\n    time.sleep(0.1)\n"
+            f"time.sleep({then_sleep_s})\n")
+    return [sys.executable, "-c", code], dict(os.environ)
+
+
+def test_run_command_kills_a_stalled_run_by_its_own_pace(tmp_path):
+    """Three quick units, then 120 s of silence: killed by the stall rule (a limit from the
+    measured pace); without it the command would end normally and raise nothing."""
+    argv, env = _ticker(3, 120)
+    with pytest.raises(launch.LaunchError, match="made no progress") as info:
+        launch.run_command(argv, env, run_dir=tmp_path, timeout_s=None, progress_marker="UNIT done",
+                           stall_factor=5.0, stall_floor_s=3.0)
+    assert info.value.stderr_path == tmp_path / "stderr.log"
+
+
+def test_run_command_lets_a_progressing_run_finish(tmp_path):
+    argv, env = _ticker(30, 0)
+    launch.run_command(argv, env, run_dir=tmp_path, timeout_s=100, progress_marker="UNIT done",
+                       stall_factor=5.0, stall_floor_s=3.0)
+    assert (tmp_path / "stdout.log").read_text().count("UNIT done") == 30

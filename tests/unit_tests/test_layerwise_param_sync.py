@@ -76,7 +76,7 @@ def launch_worker(tree, nproc, out: Path, scenarios, configs=CONFIGS, expert_par
 
 def first_failure(error: LaunchError) -> str:
     """The worker's first-failing-rank block from a LaunchError's log, or the message."""
-    stderr = Path(str(error).split("logs: ", 1)[1].split()[1]).read_text(errors="replace")
+    stderr = error.stderr_path.read_text(errors="replace") if error.stderr_path else ""
     start = stderr.find(FIRST_FAILURE)
     return stderr[start : stderr.find("=== end ===", start)] if start >= 0 else str(error)
 
