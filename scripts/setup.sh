@@ -8,10 +8,29 @@
 #   pristine + patches/series --(git am, one commit per patch)--> build/series-git
 #   build/series-git HEAD --(git archive)--> megatron/                 (patched, gitignored)
 #   requirements/lock.txt --(pip install)--> .venv                     (Python >= 3.12)
+#   Megatron-LM core_v0.17.1 source --(verify, unpack, git init + tag)--> build/megatron-lm/core_v0.17.1
+#   that checkout --(git clone, scripts/apply_patches.sh = git am)--> build/megatron-lm/patched
+#   Megatron-LM core_v0.18.2 source --(same)--> build/megatron-lm/core_v0.18.2  (refusal tests only)
+#
+# Megatron-LM checkouts (requirements/megatron-lm.lock; upstream's pretrain_gpt.py and
+# tests/unit_tests/, which the wheel lacks). The source of each, first found wins:
+#   1. MEGATRON_LM_SRC (core_v0.17.1) / MEGATRON_LM_NEXT_SRC (core_v0.18.2): a git checkout
+#      (its committed HEAD is used) or a plain directory or a .tar.gz of one;
+#   2. ../shared/upstream/Megatron-LM-<tag>.tar.gz beside the repository root (for a git
+#      worktree: beside the main checkout's root);
+#   3. git clone --depth 1 --branch <tag> https://github.com/NVIDIA/Megatron-LM (network).
+# Verified by the lock's tarball sha256, or the commit (git HEAD, clone, or the commit id that
+# `git archive` writes into the tarball), and always by megatron/core/package_info.py and, for
+# core_v0.17.1, the sha256 of every file the series touches (patches/manifest.sha256). Then
+# unpacked under build/ as a git repository with one commit tagged <tag>, so that `git am`
+# runs on it as on a user's clone. A missing core_v0.17.1 is an error; a missing core_v0.18.2
+# only skips the tests that need it.
 #
 # Usage: scripts/setup.sh [--quiet]
 # Env:   PYTHON=/path/to/python3.12  use this interpreter for the venv (else python3.12,
 #        pyenv's newest 3.12/3.13, or python3 if it is >= 3.12).
+#        MEGATRON_LM_SRC, MEGATRON_LM_NEXT_SRC: see above.
+#        MEGATRON_LM_NO_CLONE=1  never try the network for the checkouts.
 # Exit:  0 ready; 1 a step failed (the message says which and what to do).
 #
 # Developer workflow for changing the series: see patches/README.md, "Editing the series".
@@ -143,6 +162,12 @@ if [[ "$(cat build/stamps/series 2>/dev/null || true)" != "$series_sha" || ! -d 
     )
     while read -r p; do
         [[ -f "patches/$p" ]] || { rm -rf "$SG.tmp"; die "patches/series names patches/$p, which does not exist"; }
+        if ! grep -E '^diff --git a/' "patches/$p" | grep -vqE '^diff --git a/tests/unit_tests/'; then
+            # The wheel has no tests/: this patch updates upstream's tests/unit_tests/ and is
+            # applied to the Megatron-LM checkout below (scripts/apply_patches.sh).
+            log "skipping patches/$p for the wheel tree: it touches only upstream's tests/unit_tests/"
+            continue
+        fi
         unset GIT_AUTHOR_NAME GIT_AUTHOR_EMAIL GIT_AUTHOR_DATE
         git -C "$SG.tmp" am -q --keep-cr "$ROOT/patches/$p" \
             || { git -C "$SG.tmp" am --abort 2>/dev/null || true; rm -rf "$SG.tmp"; die "patches/$p does not apply to megatron-core $MCORE_VERSION (git am failed). megatron/ left as it was."; }
@@ -157,4 +182,155 @@ if [[ "$(cat build/stamps/series 2>/dev/null || true)" != "$series_sha" || ! -d 
 else
     log "patched tree megatron/ up to date ($(grep -cvE '^\s*(#|$)' patches/series) patches)"
 fi
-log "ready: .venv, build/upstream/megatron (pristine), megatron/ (patched)"
+
+# ---------------------------------------------------------------- 6. Megatron-LM checkouts
+# shellcheck source=../requirements/megatron-lm.lock
+source requirements/megatron-lm.lock
+MLM=build/megatron-lm
+mkdir -p "$MLM"
+# Where ../shared/upstream may be: beside this root, and for a git worktree beside the main
+# checkout's root (git's common dir is <main root>/.git).
+shared_dirs=("$ROOT/../shared/upstream")
+if common="$(git -C "$ROOT" rev-parse --path-format=absolute --git-common-dir 2>/dev/null)"; then
+    main_root="$(dirname "$common")"
+    [[ "$main_root" != "$ROOT" ]] && shared_dirs+=("$main_root/../shared/upstream")
+fi
+pyver() { # <package_info.py>: MAJOR.MINOR.PATCH
+    sed -nE 's/^(MAJOR|MINOR|PATCH)[[:space:]]*=[[:space:]]*([0-9]+).*/\2/p' "$1" | head -n3 | paste -sd.
+}
+# The pristine sha256 of every megatron/ file the series touches ('-': absent before).
+touched_ok() { # <tree root>: every touched file is the pristine 0.17.1 one
+    local kind pri pat f
+    while read -r kind pri pat f; do
+        [[ "$kind" == file && "$f" == megatron/* ]] || continue
+        if [[ "$pri" == - ]]; then [[ ! -e "$1/$f" ]] || return 1
+        else [[ -f "$1/$f" && "$(sha "$1/$f")" == "$pri" ]] || return 1; fi
+    done < patches/manifest.sha256
+}
+
+# mlm_checkout TAG VERSION COMMIT TARBALL TARBALL_SHA256 SRC REQUIRED
+# Builds $MLM/TAG (a git repo, one commit tagged TAG) from the first source found.
+# Returns 1 (after a warning) when REQUIRED=0 and no source is usable.
+mlm_checkout() {
+    local tag="$1" version="$2" commit="$3" tarball="$4" tsha="$5" src="$6" required="$7"
+    local dest="$MLM/$tag" kind="" ident="" how="" d top got
+    local fail; if [[ $required == 1 ]]; then fail=die; else fail=warn_skip; fi
+    if [[ -n "$src" ]]; then
+        [[ -e "$src" ]] || $fail "the Megatron-LM source '$src' (MEGATRON_LM_*SRC) does not exist" || return 1
+        src="$(cd "$(dirname "$src")" && pwd -P)/$(basename "$src")"
+        if [[ -f "$src" ]]; then kind=tarball; ident="tarball $(sha "$src")"
+        elif git -C "$src" rev-parse -q --verify HEAD >/dev/null 2>&1 \
+            && [[ "$(git -C "$src" rev-parse --show-toplevel)" == "$(cd "$src" && pwd -P)" ]]; then
+            kind=git; ident="git $(git -C "$src" rev-parse HEAD)"
+        else kind=dir; ident="dir $src $(find "$src" -path "$src/.git" -prune -o -type f -newer "$dest/.git/HEAD" -print -quit 2>/dev/null)"; fi
+    else
+        for d in "${shared_dirs[@]}"; do
+            if [[ -f "$d/$tarball" ]]; then src="$(cd "$d" && pwd -P)/$tarball"; kind=tarball; ident="tarball $(sha "$src")"; break; fi
+        done
+        if [[ -z "$kind" ]]; then
+            kind=clone; ident="clone $commit"
+        fi
+    fi
+    if [[ -d "$dest/.git" && "$(cat "build/stamps/mlm-$tag" 2>/dev/null || true)" == "$ident" ]]; then
+        log "Megatron-LM checkout $dest up to date ($kind)"; return 0
+    fi
+    local tmp="$dest.tmp"
+    rm -rf "$tmp" && mkdir -p "$tmp/x"
+    case "$kind" in
+        tarball)
+            say "unpacking Megatron-LM $tag from $src"
+            if [[ "${ident#tarball }" == "$tsha" ]]; then how="tarball sha256 $tsha"
+            elif got="$(gzip -dc "$src" | git get-tar-commit-id 2>/dev/null)" && [[ "$got" == "$commit" ]]; then how="git archive commit id $got"
+            fi
+            tar -xzf "$src" -C "$tmp/x" || { rm -rf "$tmp"; $fail "cannot unpack $src (not a .tar.gz?)" || return 1; } ;;
+        git)
+            say "exporting Megatron-LM $tag from the git checkout $src (HEAD)"
+            got="$(git -C "$src" rev-parse HEAD)"; [[ "$got" == "$commit" ]] && how="commit $got"
+            git -C "$src" archive --format=tar HEAD | tar -x -C "$tmp/x" ;;
+        dir)
+            say "copying Megatron-LM $tag from $src"
+            tar -C "$src" --exclude=./.git -cf - . | tar -x -C "$tmp/x" ;;
+        clone)
+            if [[ "${MEGATRON_LM_NO_CLONE:-0}" == 1 ]]; then
+                rm -rf "$tmp"
+                $fail "no Megatron-LM $tag: put $tarball into ../shared/upstream/ beside the repository, or set MEGATRON_LM_SRC=/path/to/Megatron-LM (a checkout at $tag or its tarball)" || return 1
+            fi
+            say "cloning Megatron-LM $tag from $MLM_REPO_URL (no local source found)"
+            if ! timeout 600 git clone -q --depth 1 --branch "$tag" "$MLM_REPO_URL" "$tmp/clone" 2>"$tmp/clone.err"; then
+                local why; why="$(tail -n1 "$tmp/clone.err")"; rm -rf "$tmp"
+                $fail "could not get Megatron-LM $tag: no ../shared/upstream/$tarball and git clone failed ($why). Set MEGATRON_LM_SRC=/path/to/Megatron-LM (a checkout at $tag or its tarball)" || return 1
+            fi
+            got="$(git -C "$tmp/clone" rev-parse HEAD)"
+            [[ "$got" == "$commit" ]] || { rm -rf "$tmp"; $fail "git clone --branch $tag gave commit $got, expected $commit (requirements/megatron-lm.lock); the tag moved?" || return 1; }
+            how="commit $got"
+            git -C "$tmp/clone" archive --format=tar HEAD | tar -x -C "$tmp/x"; rm -rf "$tmp/clone" ;;
+    esac
+    # A tarball has one top folder (Megatron-LM-<tag>/); use it as the root.
+    top="$tmp/x"
+    if [[ $(find "$tmp/x" -mindepth 1 -maxdepth 1 | wc -l) == 1 ]] && [[ -d "$(find "$tmp/x" -mindepth 1 -maxdepth 1)" ]]; then
+        top="$(find "$tmp/x" -mindepth 1 -maxdepth 1)"
+    fi
+    [[ -f "$top/megatron/core/package_info.py" && -f "$top/pretrain_gpt.py" ]] \
+        || { rm -rf "$tmp"; $fail "$src is not a Megatron-LM source tree (no megatron/core/package_info.py or pretrain_gpt.py)" || return 1; }
+    got="$(pyver "$top/megatron/core/package_info.py")"
+    [[ "$got" == "$version" ]] || { rm -rf "$tmp"; $fail "$src has megatron-core $got, expected $version (tag $tag)" || return 1; }
+    if [[ "$tag" == "$MLM_TAG" ]]; then
+        touched_ok "$top" || { rm -rf "$tmp"; $fail "$src: a file the series touches differs from megatron-core $version's (patches/manifest.sha256); use an unmodified $tag" || return 1; }
+        how="${how:+$how, }touched files' sha256"
+    fi
+    [[ -n "$how" ]] || how="version $got only (unknown commit: not the lock's tarball or commit)"
+    (
+        cd "$top"
+        export GIT_AUTHOR_NAME="Megatron-LM $tag" GIT_AUTHOR_EMAIL="upstream@invalid" \
+            GIT_COMMITTER_NAME="Megatron-LM $tag" GIT_COMMITTER_EMAIL="upstream@invalid" \
+            GIT_AUTHOR_DATE="2000-01-01T00:00:00Z" GIT_COMMITTER_DATE="2000-01-01T00:00:00Z"
+        git init -q -b main . && git config core.autocrlf false && git config commit.gpgsign false
+        git config user.name "megatron-layerwise-ag setup" && git config user.email "setup@invalid"
+        git add -A . && git commit -q -m "Megatron-LM $tag (upstream commit $commit)" -m "Source: $src ($kind); verified by $how."
+        git tag "$tag"
+    )
+    rm -rf "$dest" && mv "$top" "$dest" && rm -rf "$tmp"
+    echo "$ident" > "build/stamps/mlm-$tag"
+    say "Megatron-LM $tag: $dest (verified by $how)"
+}
+warn_skip() { echo "[setup] WARNING: $*; the tests that need it are skipped" >&2; return 1; }
+
+mlm_checkout "$MLM_TAG" "$MLM_VERSION" "$MLM_COMMIT" "$MLM_TARBALL" "$MLM_TARBALL_SHA256" "${MEGATRON_LM_SRC:-}" 1
+mlm_checkout "$MLM_NEXT_TAG" "$MLM_NEXT_VERSION" "$MLM_NEXT_COMMIT" "$MLM_NEXT_TARBALL" "$MLM_NEXT_TARBALL_SHA256" "${MEGATRON_LM_NEXT_SRC:-}" 0 || true
+
+# The user's path: the series on the core_v0.17.1 checkout with scripts/apply_patches.sh
+# (git am, one commit per patch). The prebuilt dataset helpers of the wheel go next to the
+# sources in both 0.17.1 checkouts, as `make` would put them (*.so is in upstream's .gitignore).
+helpers_so=(build/upstream/megatron/core/datasets/helpers_cpp*.so)
+patched_sha="$( { cat "build/stamps/mlm-$MLM_TAG"; echo "$series_sha"; sha scripts/apply_patches.sh; } | sha256sum | awk '{print $1}')"
+PC="$MLM/patched"
+# Its top commits are the checkout-only patches (tests/unit_tests/): a developer edits them
+# here, and scripts/refresh_patches.sh writes them to patches/. Refuse to drop unwritten ones.
+if [[ -d "$PC/.git" && -n "$(cat build/stamps/mlm-patched-head 2>/dev/null || true)" \
+      && "$(git -C "$PC" rev-parse HEAD)" != "$(cat build/stamps/mlm-patched-head)" ]]; then
+    [[ -z "$(git -C "$PC" status --porcelain --untracked-files=no)" ]] \
+        || die "$PC has uncommitted edits. Commit them (git commit -a --amend) and run scripts/refresh_patches.sh, or discard them (git -C $PC checkout -- .), then rerun."
+    scripts/refresh_patches.sh --check >/dev/null \
+        || die "$PC has commits that patches/ does not have (HEAD: $(git -C "$PC" log -1 --format='%h %s')). Run scripts/refresh_patches.sh to write them to patches/, or drop them (rm -rf $PC), then rerun."
+    rm -f build/stamps/mlm-patched
+fi
+if [[ "$(cat build/stamps/mlm-patched 2>/dev/null || true)" != "$patched_sha" || ! -d "$PC/.git" ]]; then
+    say "building $PC: $MLM_TAG + scripts/apply_patches.sh (git am)"
+    rm -rf "$PC.tmp"
+    git clone -q "$MLM/$MLM_TAG" "$PC.tmp"
+    git -C "$PC.tmp" config user.name "megatron-layerwise-ag setup"
+    git -C "$PC.tmp" config user.email "setup@invalid"
+    out="$(GIT_COMMITTER_DATE="2000-01-01T00:00:00Z" scripts/apply_patches.sh "$PC.tmp" 2>&1)" \
+        || { rm -rf "$PC.tmp"; die "the series does not apply to the Megatron-LM $MLM_TAG checkout: $out"; }
+    log "$out"
+    cp -p "${helpers_so[@]}" "$PC.tmp/megatron/core/datasets/"
+    rm -rf "$PC" && mv "$PC.tmp" "$PC"
+    git -C "$PC" rev-parse HEAD > build/stamps/mlm-patched-head
+    echo "$patched_sha" > build/stamps/mlm-patched
+else
+    log "patched Megatron-LM checkout $PC up to date"
+fi
+for so in "${helpers_so[@]}"; do
+    [[ -f "$MLM/$MLM_TAG/megatron/core/datasets/$(basename "$so")" ]] || cp -p "$so" "$MLM/$MLM_TAG/megatron/core/datasets/"
+done
+log "ready: .venv, build/upstream/megatron (pristine), megatron/ (patched), $MLM/{$MLM_TAG,patched$([[ -d "$MLM/$MLM_NEXT_TAG/.git" ]] && echo ",$MLM_NEXT_TAG")}"
