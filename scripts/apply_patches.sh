@@ -1,10 +1,21 @@
 #!/usr/bin/env bash
 # scripts/apply_patches.sh: apply, check or reverse the patch series on your own megatron-core.
 #
+# The base is exactly megatron-core 0.17.1 (Megatron-LM tag core_v0.17.1): the version in
+# megatron/core/package_info.py and the sha256 of every touched file must be 0.17.1's. Other
+# versions are refused (exit 5) with one line that says what you have and what to do:
+#   0.17.0 and other 0.17.x: update to 0.17.1 first; the series is made and verified on its files.
+#   0.18 and later: do not apply. They already receive the layer-wise param all-gather into
+#     grad_data and zero it after the copy-back (upstream #3751 + #4609); the line also says
+#     what they still lack that this series fixes.
+#
 # Usage: scripts/apply_patches.sh TARGET [--check | --reverse]
 #   TARGET   a Megatron-LM git checkout (at tag core_v0.17.1), or any directory that holds
 #            megatron/core (e.g. .../site-packages of an env with megatron-core==0.17.1).
 #            Not the megatron/ package itself: pass the directory above it.
+#            A patch that touches only tests/unit_tests/ (upstream's own tests, updated for
+#            the series) applies only where TARGET has tests/unit_tests/ (a checkout); for
+#            any other TARGET it is skipped, with a note saying so.
 #   (none)     apply the whole series. On a git checkout whose top level is TARGET and that
 #              tracks megatron/: one commit per patch (git am, your identity as committer).
 #              Anywhere else: the files are rewritten in place (mode and owner kept).
@@ -25,7 +36,8 @@
 #   3  --check: not applied (every touched file is the pristine upstream one)
 #   4  partly applied or foreign changes: some touched file matches neither the pristine nor
 #      the patched sha256 in manifest.sha256, or they are mixed (all modes; nothing is changed)
-#   5  wrong base: megatron/core/package_info.py is not the version the series is for (0.17.x)
+#   5  wrong base: megatron/core/package_info.py is not exactly the version the series is for
+#      (manifest.sha256 `base`, 0.17.1)
 #   130 interrupted (INT/TERM/HUP) while writing; the touched files (git: HEAD too) were restored
 #
 # How it stays all-or-nothing:
@@ -96,7 +108,7 @@ while IFS= read -r line || [[ -n "$line" ]]; do
         *)     die 1 "$PD/manifest.sha256 has an unknown line '$line'; restore it from git or run scripts/refresh_patches.sh" ;;
     esac
 done < "$PD/manifest.sha256"
-[[ "$BASE" =~ ^[0-9]+\.[0-9]+$ ]] || die 1 "$PD/manifest.sha256 has no 'base MAJOR.MINOR' line; restore it from git or run scripts/refresh_patches.sh"
+[[ "$BASE" =~ ^[0-9]+\.[0-9]+\.[0-9]+$ ]] || die 1 "$PD/manifest.sha256 has no 'base MAJOR.MINOR.PATCH' line; restore it from git or run scripts/refresh_patches.sh"
 [[ "${PATCHES[*]}" == "${MPATCH[*]}" ]] \
     || die 1 "$PD/series and $PD/manifest.sha256 list different patches; restore patches/ from git or run scripts/refresh_patches.sh"
 for i in "${!PATCHES[@]}"; do
@@ -104,8 +116,11 @@ for i in "${!PATCHES[@]}"; do
         || die 1 "$PD/${PATCHES[$i]} is corrupt or truncated (its sha256 differs from manifest.sha256); restore it (git checkout -- patches) or, developers, run scripts/refresh_patches.sh"
 done
 for f in "${FILES[@]}"; do
-    [[ "$f" == megatron/* && "$f" != *..* ]] || die 1 "$PD/manifest.sha256 names '$f', outside megatron/; restore it from git"
+    [[ ( "$f" == megatron/* || "$f" == tests/unit_tests/* ) && "$f" != *..* ]] \
+        || die 1 "$PD/manifest.sha256 names '$f', outside megatron/ and tests/unit_tests/; restore it from git"
 done
+# A checkout-only patch touches nothing but upstream's tests/unit_tests/ (see the header).
+checkout_only() { ! grep -E '^diff --git a/' "$PD/$1" | grep -vqE '^diff --git a/tests/unit_tests/[^ ]* b/tests/unit_tests/'; }
 
 # ---------------------------------------------------------------- the target
 [[ -e "$TARGET" ]] || die 1 "target '$TARGET' does not exist; pass a Megatron-LM checkout or the directory that holds megatron/core (e.g. site-packages)"
@@ -121,8 +136,36 @@ vmaj="$(sed -nE 's/^MAJOR[[:space:]]*=[[:space:]]*([0-9]+).*/\1/p' "$PINFO" | he
 vmin="$(sed -nE 's/^MINOR[[:space:]]*=[[:space:]]*([0-9]+).*/\1/p' "$PINFO" | head -n1)"
 vpat="$(sed -nE 's/^PATCH[[:space:]]*=[[:space:]]*([0-9A-Za-z]+).*/\1/p' "$PINFO" | head -n1)"
 [[ -n "$vmaj" && -n "$vmin" ]] || die 1 "cannot read MAJOR/MINOR from $PINFO; is '$TARGET' really megatron-core?"
-[[ "$vmaj.$vmin" == "$BASE" ]] \
-    || die 5 "target '$TARGET' has megatron-core $vmaj.$vmin${vpat:+.$vpat}, but this series is for $BASE.x; use megatron-core $BASE.x (Megatron-LM tag core_v0.17.1, or pip install megatron-core==0.17.1)"
+HAVE="$vmaj.$vmin${vpat:+.$vpat}"
+IFS=. read -r bmaj bmin bpat <<<"$BASE"
+if [[ "$HAVE" != "$BASE" ]]; then
+    if (( vmaj > bmaj || (vmaj == bmaj && vmin > bmin) )); then
+        later=""
+        (( vmaj > 0 || vmin >= 19 )) && later=" 0.19 also adds full_param_layout, which gathers in place into param_data with no grad_data reuse."
+        die 5 "target '$TARGET' has megatron-core $HAVE, newer than $BASE, the exact base of this series: do not apply it. $vmaj.$vmin already receives the layer-wise param all-gather into grad_data.view(param_dtype) and zeroes grad_data after the copy-back (upstream #3751 + #4609), and skips the gather at DP size 1.$later What 0.18 still lacks, which this series fixes on $BASE: a forced sync (start_param_sync(force_sync=True)) or free_overlap_buffers() with a gather pending waits but drops the gathered params and leaves grad_data dirty; nothing guards a param sync while the grad buffers are offloaded; the local params are still flattened into a temporary; the optimizer's synchronous all-gather (no --overlap-param-gather) still allocates a receive tensor per rank every step. Keep your version (see README.md for what that means for you)"
+    elif (( vmaj == bmaj && vmin == bmin )); then
+        die 5 "target '$TARGET' has megatron-core $HAVE, not $BASE, the exact base of this series (made and verified on $BASE's files only): update to $BASE first (git checkout core_v$BASE in a Megatron-LM clone, or pip install megatron-core==$BASE), then rerun"
+    else
+        die 5 "target '$TARGET' has megatron-core $HAVE, older than $BASE, the exact base of this series: update to $BASE first (git checkout core_v$BASE in a Megatron-LM clone, or pip install megatron-core==$BASE), then rerun"
+    fi
+fi
+
+# Checkout-only patches (tests/unit_tests/) apply only where TARGET has tests/unit_tests/.
+SKIPPED=()
+if [[ ! -d "$T/tests/unit_tests" ]]; then
+    keep=()
+    for p in "${PATCHES[@]}"; do if checkout_only "$p"; then SKIPPED+=("$p"); else keep+=("$p"); fi; done
+    PATCHES=("${keep[@]}")
+    if [[ ${#SKIPPED[@]} -gt 0 ]]; then
+        kf=() kpri=() kpat=()
+        for i in "${!FILES[@]}"; do
+            [[ "${FILES[$i]}" == tests/unit_tests/* ]] && continue
+            kf+=("${FILES[$i]}"); kpri+=("${PRI[$i]}"); kpat+=("${PAT[$i]}")
+        done
+        FILES=("${kf[@]}") PRI=("${kpri[@]}") PAT=("${kpat[@]}")
+        echo "note: skipping ${SKIPPED[*]}: it updates upstream's tests/unit_tests/, which '$TARGET' does not have (not a Megatron-LM checkout)"
+    fi
+fi
 
 N=${#PATCHES[@]}
 if [[ $N -eq 0 ]]; then
@@ -159,7 +202,7 @@ else STATE=partial; fi
 partial_msg() {
     local joined
     joined="$(printf '%s; ' "${details[@]}")"
-    echo "partly applied or foreign changes in '$TARGET' (${joined%; }); restore those files to megatron-core $BASE.x upstream (git checkout / pip install --force-reinstall megatron-core==$BASE.*) or to the fully patched state, then rerun"
+    echo "partly applied or foreign changes in '$TARGET' (${joined%; }); restore those files to megatron-core $BASE (git checkout core_v$BASE -- <files> / pip install --force-reinstall megatron-core==$BASE) or to the fully patched state, then rerun"
 }
 
 case "$MODE" in
@@ -211,7 +254,7 @@ fi
 for p in "${ORDER[@]}"; do
     if ! out="$(cd "$SCRATCH/work" && gscratch apply -v --whitespace=nowarn "${RFLAG[@]}" -- "$PD/$p" 2>&1)"; then
         why="$(grep -m1 -E '^(error|fatal):' <<<"$out" | sed -E 's/^(error|fatal): //' || true)"
-        die 1 "dry run: $p does not apply${RFLAG:+ in reverse} to '$TARGET' (git apply: ${why:-failed}); nothing was changed. Restore the patch files from git, or check that TARGET is megatron-core $BASE.x"
+        die 1 "dry run: $p does not apply${RFLAG:+ in reverse} to '$TARGET' (git apply: ${why:-failed}); nothing was changed. Restore the patch files from git, or check that TARGET is megatron-core $BASE"
     fi
     if grep -qiE 'offset|fuzz' <<<"$out"; then
         die 1 "dry run: $p applies only at shifted lines ($(grep -m1 -iE 'offset|fuzz' <<<"$out")); refusing, nothing was changed. The series must apply exactly; regenerate it (scripts/refresh_patches.sh)"

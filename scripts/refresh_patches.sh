@@ -9,6 +9,11 @@
 #   --check  write nothing; say whether patches/ already equals what a refresh would write.
 # Env:   SERIES_GIT=DIR   the series repo (default build/series-git; tag `pristine` + commits)
 #        PATCHES_DIR=DIR  where the series lives (default patches/)
+#        CHECKOUT_GIT=DIR the patched Megatron-LM checkout (default: megatron-lm/patched beside
+#                         SERIES_GIT, i.e. build/megatron-lm/patched); its top commits that touch
+#                         only tests/unit_tests/ become the checkout-only patches, numbered after
+#                         the series repo's (setup.sh skips them for the wheel tree, which has no
+#                         tests/; apply_patches.sh applies them to checkouts). Absent: none.
 # Exit:  0 patches/ written or already up to date (--check: up to date)
 #        1 error: no series repo, no `pristine` tag, uncommitted edits, a merge or an empty
 #          commit in pristine..HEAD, an unreadable package_info.py (message says what to do)
@@ -22,7 +27,8 @@
 #   series                the comment/blank lines that open the existing series file (kept
 #                         verbatim; a default header if there is none), then one patch per line.
 #                         Comments placed between patch names are not kept.
-#   manifest.sha256       read by scripts/apply_patches.sh: `base MAJOR.MINOR`, the sha256 of every
+#   manifest.sha256       read by scripts/apply_patches.sh: `base MAJOR.MINOR.PATCH` (the exact
+#                         base, from package_info.py at tag `pristine`), the sha256 of every
 #                         patch file, and per touched file its pristine and patched sha256
 #                         (`-` = the file does not exist on that side).
 #
@@ -79,7 +85,7 @@ pinfo="$(g show pristine:megatron/core/package_info.py 2>/dev/null)" \
 major="$(sed -nE 's/^MAJOR[[:space:]]*=[[:space:]]*([0-9]+).*/\1/p' <<<"$pinfo" | head -n1)"
 minor="$(sed -nE 's/^MINOR[[:space:]]*=[[:space:]]*([0-9]+).*/\1/p' <<<"$pinfo" | head -n1)"
 patchv="$(sed -nE 's/^PATCH[[:space:]]*=[[:space:]]*([0-9]+).*/\1/p' <<<"$pinfo" | head -n1)"
-[[ -n "$major" && -n "$minor" ]] || die "cannot read MAJOR/MINOR from megatron/core/package_info.py at tag 'pristine'"
+[[ -n "$major" && -n "$minor" && -n "$patchv" ]] || die "cannot read MAJOR/MINOR/PATCH from megatron/core/package_info.py at tag 'pristine'"
 
 tmp="$(mktemp -d)"
 trap 'rm -rf "$tmp"' EXIT
@@ -94,6 +100,37 @@ g -c core.quotePath=true -c diff.noprefix=false -c diff.mnemonicPrefix=false \
     -o "$tmp/out" pristine..HEAD >/dev/null \
     || die "git format-patch failed in $SG (see above)"
 mapfile -t names < <(cd "$tmp/out" && LC_ALL=C ls -1 -- *.patch 2>/dev/null || true)
+
+# ---------------------------------------------------------------- checkout-only patches
+CG="${CHECKOUT_GIT:-$(dirname "$SG")/megatron-lm/patched}"
+gc() { GIT_CONFIG_NOSYSTEM=1 GIT_CONFIG_GLOBAL=/dev/null LC_ALL=C git -C "$CG" "$@"; }
+only_tests() { ! gc diff-tree --no-commit-id --name-only -r "$1" | grep -qvE '^tests/unit_tests/'; }
+test_commits=()
+if [[ -d "$CG/.git" ]]; then
+    base_tag="core_v$major.$minor.$patchv"
+    gc rev-parse -q --verify "refs/tags/$base_tag^{commit}" >/dev/null \
+        || die "$CG has no tag $base_tag; rebuild it: rm -rf $CG && scripts/setup.sh"
+    [[ -z "$(gc status --porcelain --untracked-files=no)" ]] \
+        || die "$CG has uncommitted changes; commit them (git commit -a --amend) or discard them, then rerun"
+    mapfile -t range < <(gc rev-list "$base_tag..HEAD")
+    for c in "${range[@]}"; do only_tests "$c" && test_commits=("$c" "${test_commits[@]}") || break; done
+    for c in "${range[@]:${#test_commits[@]}}"; do
+        gc diff-tree --no-commit-id --name-only -r "$c" | grep -q '^tests/' \
+            && die "commit $(gc log -1 --format='%h %s' "$c") in $CG touches tests/ but is below a megatron/ commit; checkout-only patches must come last (git rebase -i $base_tag)"
+    done
+    if [[ ${#test_commits[@]} -gt 0 ]]; then
+        gc -c core.quotePath=true -c diff.noprefix=false -c diff.mnemonicPrefix=false \
+            -c diff.relative=false -c diff.orderFile=/dev/null -c diff.context=3 -c diff.interHunkContext=0 \
+            -c diff.suppressBlankEmpty=false -c format.signature= -c format.suffix=.patch \
+            format-patch --quiet --zero-commit --no-signature --full-index -N --no-renames \
+            --diff-algorithm=myers --no-thread --no-cover-letter --no-attach --filename-max-length=64 \
+            --start-number $((${#names[@]} + 1)) -o "$tmp/out" "${test_commits[0]}^..HEAD" >/dev/null \
+            || die "git format-patch failed in $CG (see above)"
+        mapfile -t names < <(cd "$tmp/out" && LC_ALL=C ls -1 -- *.patch 2>/dev/null || true)
+    fi
+elif [[ -f "$PD/series" ]] && grep -lE '^diff --git a/tests/unit_tests/' "$PD"/*.patch >/dev/null 2>&1; then
+    die "$PD has checkout-only patches (tests/unit_tests/) but there is no checkout $CG to regenerate them from; run scripts/setup.sh"
+fi
 
 # ---------------------------------------------------------------- series
 {
@@ -117,14 +154,22 @@ blobsha() { # <rev> <path>: sha256 of the file at rev, or '-' when it does not e
 {
     echo "# manifest.sha256: generated by scripts/refresh_patches.sh; do not edit by hand."
     echo "# Read by scripts/apply_patches.sh to verify the series and to recognize a target's state."
-    echo "#   base MAJOR.MINOR                        megatron-core version the series applies to (x.y.*)"
+    echo "#   base MAJOR.MINOR.PATCH                  the exact megatron-core version the series applies to"
     echo "#   patch SHA256 FILE                       every patch file, in series order"
     echo "#   file PRISTINE-SHA256 PATCHED-SHA256 PATH every touched file; '-' = absent on that side"
-    echo "base $major.$minor"
+    echo "base $major.$minor.$patchv"
     for n in "${names[@]}"; do echo "patch $(sha256sum "$tmp/out/$n" | cut -d' ' -f1) $n"; done
     while IFS= read -r -d '' p; do
         echo "file $(blobsha pristine "$p") $(blobsha HEAD "$p") $p"
     done < <(g diff -z --name-only --no-renames pristine HEAD | LC_ALL=C sort -z)
+    if [[ ${#test_commits[@]} -gt 0 ]]; then
+        while IFS= read -r -d '' p; do
+            pri=-; pat=-
+            gc cat-file -e "$base_tag:$p" 2>/dev/null && pri="$(gc cat-file blob "$base_tag:$p" | sha256sum | cut -d' ' -f1)"
+            gc cat-file -e "HEAD:$p" 2>/dev/null && pat="$(gc cat-file blob "HEAD:$p" | sha256sum | cut -d' ' -f1)"
+            echo "file $pri $pat $p"
+        done < <(gc diff -z --name-only --no-renames "${test_commits[0]}^" HEAD | LC_ALL=C sort -z)
+    fi
 } > "$tmp/manifest.sha256"
 
 # ---------------------------------------------------------------- compare / write

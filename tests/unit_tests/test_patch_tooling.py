@@ -427,7 +427,7 @@ def test_wrong_base_version(series, tmp_path, minor):
     pinfo = target / "megatron/core/package_info.py"
     pinfo.write_text(re.sub(r"^MINOR = 17$", f"MINOR = {minor}", pinfo.read_text(), flags=re.M))
     for mode in ([], ["--check"], ["--reverse"]):
-        expect_refusal(target, mode, env, WRONG_BASE, f"0.{minor}.1", "0.17.x")
+        expect_refusal(target, mode, env, WRONG_BASE, f"0.{minor}.1", "0.17.1", "exact base")
 
 
 def test_partly_applied(synthetic, tmp_path):
@@ -679,3 +679,114 @@ def test_partly_read_only_target_changes_nothing(series, tmp_path):
     assert proc.returncode == ERROR
     one_line_error(proc, "not writable", str(last.relative_to(target)))
     assert tree_hashes(target) == before
+
+
+# ---------------------------------------------------------------------------- real checkouts
+# scripts/setup.sh builds build/megatron-lm/<tag>: upstream Megatron-LM (tarball or clone,
+# verified) as a git repository with one commit tagged <tag>, so the series is tested on the
+# tree users apply it to, with git am as they run it.
+
+MLM = ROOT / "build" / "megatron-lm"
+
+
+def clone_checkout(tag, dest):
+    """A throwaway clone of the checkout setup.sh built for `tag` (skip if there is none)."""
+    src = MLM / tag
+    if not (src / ".git").is_dir():
+        pytest.skip(f"{src} is missing (scripts/setup.sh found no Megatron-LM {tag} source)")
+    run("git", "clone", "-q", src, dest, check=True)
+    return Path(dest)
+
+
+def test_real_checkout_check_apply_reapply_reverse(tmp_path):
+    """The real series on a core_v0.17.1 checkout, as a user runs it."""
+    repo = clone_checkout("core_v0.17.1", tmp_path / "Megatron-LM")
+    names = read_series(REAL_PATCHES)
+    manifest = read_manifest(REAL_PATCHES)
+    base = git(repo, "rev-parse", "HEAD").strip()
+    assert git(repo, "describe", "--tags", "--exact-match").strip() == "core_v0.17.1"
+
+    proc = run(APPLY, repo, "--check")
+    assert proc.returncode == NOT_APPLIED and "not applied" in proc.stdout, proc.stdout + proc.stderr
+    proc = run(APPLY, repo)
+    assert proc.returncode == OK, proc.stderr
+    subjects = git(repo, "log", "--format=%s", f"{base}..HEAD").splitlines()[::-1]
+    assert len(subjects) == len(names)  # one commit per patch, checkout-only ones included
+    for name, subj in zip(names, subjects):
+        m = re.search(r"^Subject: \[PATCH[^]]*\] (.*)$", (REAL_PATCHES / name).read_text(), re.M)
+        assert subj.startswith(m.group(1)), (subj, m.group(1))
+    assert git(repo, "status", "--porcelain") == ""
+    for f, (_, patched_sha) in manifest.items():
+        assert sha256(repo / f) == patched_sha, f
+        if f.startswith("megatron/"):  # byte-identical to the generated tree of the wheel
+            assert sha256(repo / f) == sha256(ROOT / f), f
+    # Nothing outside the manifest's files changed.
+    changed = set(git(repo, "diff", "--name-only", base, "HEAD").split())
+    assert changed == set(manifest)
+
+    proc = run(APPLY, repo, "--check")
+    assert proc.returncode == OK and proc.stdout.startswith("applied"), proc.stdout
+    head = git(repo, "rev-parse", "HEAD")
+    proc = run(APPLY, repo)
+    assert proc.returncode == OK and "already applied" in proc.stdout
+    assert git(repo, "rev-parse", "HEAD") == head
+
+    proc = run(APPLY, repo, "--reverse")
+    assert proc.returncode == OK, proc.stderr
+    reverts = git(repo, "log", "--format=%s", f"{head.strip()}..HEAD").splitlines()
+    assert len(reverts) == len(names) and all(r.startswith('Revert "') for r in reverts)
+    assert git(repo, "diff", "core_v0.17.1", "HEAD") == ""
+    assert run(APPLY, repo, "--check").returncode == NOT_APPLIED
+
+
+def test_setup_patched_checkout_is_the_series_on_core_v0_17_1():
+    """build/megatron-lm/patched (setup.sh: apply_patches.sh on the checkout) holds the series."""
+    pc = MLM / "patched"
+    if not (pc / ".git").is_dir():
+        pytest.skip(f"{pc} is missing; run scripts/setup.sh")
+    subjects = git(pc, "log", "--format=%s", "core_v0.17.1..HEAD").splitlines()
+    assert len(subjects) == len(read_series(REAL_PATCHES))
+    for f, (_, patched_sha) in read_manifest(REAL_PATCHES).items():
+        assert sha256(pc / f) == patched_sha, f
+    assert run(APPLY, pc, "--check").returncode == OK
+
+
+@pytest.mark.parametrize("mode", [[], ["--check"]])
+def test_core_v0_18_2_checkout_is_refused_with_what_it_has_and_lacks(tmp_path, mode):
+    repo = clone_checkout("core_v0.18.2", tmp_path / "Megatron-LM-0.18.2")
+    head = git(repo, "rev-parse", "HEAD")
+    before = tree_hashes(repo / "megatron" / "core" / "distributed")
+    proc = run(APPLY, repo, *mode)
+    assert proc.returncode == WRONG_BASE, proc.stdout + proc.stderr
+    msg = one_line_error(
+        proc,
+        "megatron-core 0.18.2", "0.17.1", "do not apply",
+        # what 0.18 has
+        "grad_data", "#3751", "#4609", "zeroes grad_data after the copy-back",
+        # what it lacks that the series fixes
+        "force_sync=True", "free_overlap_buffers()", "offloaded", "temporary",
+    )
+    assert "full_param_layout" not in msg  # that is 0.19's, not 0.18's
+    assert git(repo, "rev-parse", "HEAD") == head
+    assert git(repo, "status", "--porcelain") == ""
+    assert tree_hashes(repo / "megatron" / "core" / "distributed") == before
+
+
+@pytest.mark.parametrize("mode", [[], ["--check"], ["--reverse"]])
+def test_core_v0_17_0_tree_gets_one_line_what_it_has_and_what_to_do(tmp_path, mode):
+    """A 0.17.0 tree (a copy of the 0.17.1 checkout with 0.17.0's version): one line."""
+    repo = clone_checkout("core_v0.17.1", tmp_path / "Megatron-LM-0.17.0")
+    pinfo = repo / "megatron/core/package_info.py"
+    pinfo.write_text(re.sub(r"^PATCH = 1$", "PATCH = 0", pinfo.read_text(), flags=re.M))
+    git(repo, "commit", "-q", "-a", "-m", "megatron-core 0.17.0")
+    msg = expect_refusal(repo, mode, {}, WRONG_BASE, "has megatron-core 0.17.0", "not 0.17.1",
+                         "exact base", "update to 0.17.1 first", "git checkout core_v0.17.1",
+                         "pip install megatron-core==0.17.1")
+    assert "#3751" not in msg  # the 0.18 story is not told to a 0.17.0 user
+
+
+def test_a_later_minor_release_hears_about_full_param_layout(tmp_path):
+    target = copy_upstream(tmp_path / "t")
+    pinfo = target / "megatron/core/package_info.py"
+    pinfo.write_text(re.sub(r"^MINOR = 17$", "MINOR = 19", pinfo.read_text(), flags=re.M))
+    expect_refusal(target, ["--check"], {}, WRONG_BASE, "0.19.1", "full_param_layout", "#4609")
