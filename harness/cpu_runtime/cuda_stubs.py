@@ -20,7 +20,6 @@ must not invent numbers (measure with ``harness.alloc_counter`` or the torch pro
 
 from __future__ import annotations
 
-import contextlib
 import time
 from typing import Any, Callable, Dict, List, Optional
 
@@ -96,16 +95,27 @@ def _set_stream(stream: Any) -> None:
     _current_stream[0] = stream if stream is not None else _default_stream
 
 
-@contextlib.contextmanager
-def _stream_ctx(stream: Any = None):
-    """``torch.cuda.stream(s)``: make ``s`` current for the block."""
-    previous = _current_stream[0]
-    if stream is not None:
-        _current_stream[0] = stream
-    try:
-        yield stream
-    finally:
-        _current_stream[0] = previous
+class _stream_ctx:
+    """``torch.cuda.stream(s)``: make ``s`` current for the block.
+
+    An object, not a generator, because megatron enters one such context more than once
+    (``param_and_grad_buffer.py:start_grad_sync`` with several distributed-optimizer
+    instances), as torch's ``StreamContext`` allows.
+    """
+
+    def __init__(self, stream: Any = None):
+        self.stream = stream
+        self._previous: List[Any] = []
+
+    def __enter__(self):
+        self._previous.append(_current_stream[0])
+        if self.stream is not None:
+            _current_stream[0] = self.stream
+        return self.stream
+
+    def __exit__(self, *exc):
+        _current_stream[0] = self._previous.pop()
+        return False
 
 
 class _DeviceCtx:

@@ -90,6 +90,11 @@ def test_cuda_stubs(runtime):
     with torch.cuda.stream(stream):
         assert torch.cuda.current_stream() is stream
     assert torch.cuda.current_stream() is not stream
+    ctx = torch.cuda.stream(stream)  # one context entered twice, as start_grad_sync does
+    for _ in range(2):
+        with ctx:
+            assert torch.cuda.current_stream() is stream
+    assert torch.cuda.current_stream() is not stream
     end.record()
     torch.cuda.synchronize()
     assert end.elapsed_time(start) <= 0.0 <= start.elapsed_time(end)
