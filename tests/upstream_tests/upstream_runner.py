@@ -1,0 +1,263 @@
+"""Run Megatron-LM's own unit tests of the touched code on CPU gloo ranks, per tree.
+
+One run = one ``torchrun --standalone --nproc-per-node N -m pytest -p cpu_gloo_plugin FILES``
+inside a Megatron-LM checkout (``scripts/setup.sh`` builds them under ``build/megatron-lm/``):
+
+    pristine  build/megatron-lm/core_v0.17.1   upstream at tag core_v0.17.1
+    patched   build/megatron-lm/patched        the same + the series (scripts/apply_patches.sh)
+
+Each rank reports ``{nodeid: passed | failed | skipped}`` (``cpu_gloo_plugin``);
+``merge_ranks`` combines them: failed on any rank -> failed, else passed on any -> passed,
+else skipped. A rank that wrote no report (crash, timeout) fails every test of the run.
+
+``python -m tests.upstream_tests.upstream_runner`` runs the whole matrix, writes
+``build/upstream_tests/results.json`` and prints the per-file table of
+``docs/upstream_tests.md``. ``tests/upstream_tests/test_upstream_unit_tests.py`` runs the same
+matrix under pytest and asserts on it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Dict, Iterable, List, Sequence
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+PLUGIN_DIR = Path(__file__).resolve().parent
+CHECKOUTS = {
+    "pristine": REPO_ROOT / "build" / "megatron-lm" / "core_v0.17.1",
+    "patched": REPO_ROOT / "build" / "megatron-lm" / "patched",
+}
+RESULTS_DIR = REPO_ROOT / "build" / "upstream_tests"
+
+#: Upstream test files of the code the series touches that run on CPU, and the rank counts
+#: each runs at. The DDP-buffer and layer-wise files test the touched code directly and run at
+#: 2 and 4 ranks (uneven shares, empty slots); the rest run at 2 ranks to keep the suite short.
+FILES_BY_NPROC: Dict[int, tuple] = {
+    2: (
+        "tests/unit_tests/distributed/test_param_and_grad_buffer.py",
+        "tests/unit_tests/test_layer_wise_optimizer.py",
+        "tests/unit_tests/test_muon_optimizer.py",
+        "tests/unit_tests/distributed/test_distributed_data_parallel.py",
+        "tests/unit_tests/distributed/test_reduce_scatter_with_fp32_accumulation.py",
+    ),
+    4: (
+        "tests/unit_tests/distributed/test_param_and_grad_buffer.py",
+        "tests/unit_tests/test_layer_wise_optimizer.py",
+    ),
+}
+
+#: Upstream files that import the touched modules but are not run, and why.
+NOT_RUN = {
+    "tests/unit_tests/distributed/test_grad_sync_with_expert_parallel.py": (
+        "builds its MoE model with get_gpt_layer_with_transformer_engine_spec: Transformer "
+        "Engine is CUDA-only (TESpecProvider is None without it); most parametrizations also "
+        "need 4 or 8 ranks"
+    ),
+    "tests/unit_tests/dist_checkpointing/test_layer_wise_optimizer.py": (
+        "runs but takes over 400 s on 2 CPU ranks (torch_dist save/load per parametrization); "
+        "the layer-wise checkpoint path is covered by the ckpt-resume functional case"
+    ),
+    "tests/unit_tests/distributed/megatron_fsdp/*": "Megatron-FSDP, not the touched code; CUDA-only",
+    "tests/unit_tests/dist_checkpointing/test_optimizer.py": (
+        "distributed-optimizer checkpointing (use_distributed_optimizer=True), not the "
+        "layer-wise path; minutes per parametrization on CPU"
+    ),
+    "tests/unit_tests/transformer/test_mup.py": "muP scaling, not the touched code",
+}
+# Run on both trees but failing on both: test_reduce_scatter_with_fp32_accumulation[False-*]
+# expects a bf16 reduce-scatter to differ from an fp32-accumulated one; with 2 ranks each
+# element is one bf16 addition, rounded once, equal to the fp32 sum rounded (docs/upstream_tests.md).
+
+#: The container version upstream's CI runs in (our Dockerfile's NGC 25.12). Upstream skips
+#: the layer-wise optimizer tests when NVIDIA_PYTORCH_VERSION <= 25.05 ("LTS").
+NVIDIA_PYTORCH_VERSION = "25.12"
+
+
+@dataclass
+class Run:
+    """The merged outcome of one torchrun over ``files`` on one tree."""
+
+    tree: str
+    nproc: int
+    files: List[str]
+    results: Dict[str, str] = field(default_factory=dict)  # nodeid -> passed/failed/skipped
+    skip_reasons: Dict[str, str] = field(default_factory=dict)
+    wall_s: float = 0.0
+    cpu_s: float = 0.0  # user + system CPU seconds of all ranks
+    returncode: int = 0
+    log: str = ""
+
+    def by_file(self) -> Dict[str, Counter]:
+        """``{file: Counter(passed=, failed=, skipped=)}`` for every file of the run."""
+        out = {f: Counter(passed=0, failed=0, skipped=0) for f in self.files}
+        for nodeid, outcome in self.results.items():
+            out.setdefault(nodeid.split("::", 1)[0], Counter())[outcome] += 1
+        return out
+
+
+def command(checkout: Path, files: Sequence[str], nproc: int, results_dir: Path):
+    """``(argv, env)`` of one run: torchrun + pytest + ``cpu_gloo_plugin`` in ``checkout``.
+
+    ``-o addopts=`` drops upstream's ``-x`` (stop at first failure) and ``-s``; every test of
+    every file is run and reported.
+    """
+    env = dict(os.environ)
+    env.update(
+        PYTHONPATH=os.pathsep.join([str(PLUGIN_DIR), str(REPO_ROOT)]),
+        MEGATRON_LM_CHECKOUT=str(checkout),
+        UPSTREAM_TESTS_RESULTS=str(results_dir),
+        NVIDIA_PYTORCH_VERSION=NVIDIA_PYTORCH_VERSION,
+        OMP_NUM_THREADS="1",
+        CUDA_DEVICE_MAX_CONNECTIONS="1",
+        PYTHONUNBUFFERED="1",
+    )
+    env.pop("MEGATRON_CPU_RUNTIME", None)  # the plugin installs the runtime itself
+    argv = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+        "-m", "pytest", "-p", "cpu_gloo_plugin", "-p", "no:cacheprovider", "-o", "addopts=",
+        "-q", "-rfE", "--tb=short", *files,
+    ]
+    return argv, env
+
+
+def merge_ranks(rank_reports: Iterable[dict]) -> tuple:
+    """Combine per-rank ``{nodeid: outcome}``: failed anywhere > passed anywhere > skipped."""
+    results: Dict[str, str] = {}
+    reasons: Dict[str, str] = {}
+    rank = {"skipped": 0, "passed": 1, "failed": 2}
+    for report in rank_reports:
+        for nodeid, outcome in report["results"].items():
+            if rank[outcome] > rank.get(results.get(nodeid, "skipped"), 0) or nodeid not in results:
+                results[nodeid] = outcome
+        reasons.update(report.get("skip_reasons", {}))
+    return results, {k: v for k, v in reasons.items() if results.get(k) == "skipped"}
+
+
+def run(tree: str, nproc: int, files: Sequence[str] | None = None, timeout_s: float = 900) -> Run:
+    """Run ``files`` (default ``FILES_BY_NPROC[nproc]``) of ``tree`` on ``nproc`` gloo ranks.
+
+    Raises:
+        FileNotFoundError: the checkout is missing (run scripts/setup.sh).
+    """
+    checkout = CHECKOUTS[tree]
+    files = list(files or FILES_BY_NPROC[nproc])
+    if not (checkout / ".git").is_dir():
+        raise FileNotFoundError(f"{checkout} is missing; run scripts/setup.sh")
+    out_dir = RESULTS_DIR / f"{tree}-np{nproc}"
+    for old in out_dir.glob("rank*.json"):
+        old.unlink()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    argv, env = command(checkout, files, nproc, out_dir)
+    log_path = out_dir / "pytest.log"
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    start = time.monotonic()
+    with open(log_path, "w") as log:
+        log.write(shlex.join(argv) + "\n")
+        log.flush()
+        proc = subprocess.Popen(argv, env=env, cwd=checkout, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        try:
+            returncode = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            returncode = 124
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    result = Run(tree=tree, nproc=nproc, files=files, returncode=returncode, log=str(log_path))
+    result.wall_s = time.monotonic() - start
+    result.cpu_s = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    reports = []
+    for r in range(nproc):
+        path = out_dir / f"rank{r}.json"
+        if path.is_file():
+            reports.append(json.loads(path.read_text()))
+    result.results, result.skip_reasons = merge_ranks(reports)
+    if len(reports) < nproc:  # a rank died: nothing it ran can count as passed
+        result.results = {k: "failed" for k in result.results} or {f: "failed" for f in files}
+    return result
+
+
+def matrix(trees: Sequence[str] = ("pristine", "patched"), nprocs: Sequence[int] = (2, 4)) -> List[Run]:
+    """Every (tree, nproc) run of ``FILES_BY_NPROC``."""
+    return [run(tree, n) for n in nprocs for tree in trees]
+
+
+def regressions(pristine: Run, patched: Run) -> List[str]:
+    """Tests that pass on pristine but do not pass on patched (nodeid: outcome)."""
+    return sorted(
+        f"{k}: {patched.results.get(k, 'not run')}"
+        for k, v in pristine.results.items()
+        if v == "passed" and patched.results.get(k) != "passed"
+    )
+
+
+def write_json(runs: Sequence[Run], path: Path = RESULTS_DIR / "results.json") -> Path:
+    """Per test outcome of every run, plus counts and timings, as JSON."""
+    data = {
+        "runs": [
+            {
+                "tree": r.tree, "nproc": r.nproc, "files": r.files, "returncode": r.returncode,
+                "wall_s": round(r.wall_s, 1), "cpu_s": round(r.cpu_s, 1),
+                "counts": {f: dict(c) for f, c in r.by_file().items()},
+                "results": dict(sorted(r.results.items())),
+                "skip_reasons": dict(sorted(r.skip_reasons.items())),
+            }
+            for r in runs
+        ]
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=1) + "\n")
+    return path
+
+
+def table(runs: Sequence[Run]) -> str:
+    """Markdown: one row per (file, ranks), pristine and patched ``passed/failed/skipped``."""
+    index = {(r.tree, r.nproc): r for r in runs}
+    lines = [
+        "| file | ranks | pristine passed / failed / skipped | patched passed / failed / skipped |",
+        "|---|---|---|---|",
+    ]
+    for nproc in sorted({r.nproc for r in runs}):
+        pri, pat = index.get(("pristine", nproc)), index.get(("patched", nproc))
+        for f in FILES_BY_NPROC[nproc]:
+            cells = []
+            for r in (pri, pat):
+                c = r.by_file().get(f, Counter()) if r else Counter()
+                cells.append(f"{c['passed']} / {c['failed']} / {c['skipped']}" if r else "not run")
+            lines.append(f"| `{f.removeprefix('tests/unit_tests/')}` | {nproc} | {cells[0]} | {cells[1]} |")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--nproc", type=int, action="append", help="rank counts (default 2 and 4)")
+    parser.add_argument("--tree", action="append", choices=sorted(CHECKOUTS), help="default both")
+    args = parser.parse_args(argv)
+    runs = matrix(args.tree or ("pristine", "patched"), args.nproc or (2, 4))
+    for r in runs:
+        print(f"{r.tree} np{r.nproc}: wall {r.wall_s:.0f} s, cpu {r.cpu_s:.0f} s, exit {r.returncode}, log {r.log}")
+    print(f"results: {write_json(runs)}")
+    print(table(runs))
+    bad = []
+    for n in sorted({r.nproc for r in runs}):
+        pair = [r for r in runs if r.nproc == n]
+        if len(pair) == 2:
+            bad += regressions(*sorted(pair, key=lambda r: r.tree != "pristine"))
+    for b in bad:
+        print(f"REGRESSION {b}")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
