@@ -5,13 +5,15 @@ harness trains through the code path users run: ``megatron.training.pretrain`` -
 ``train`` -> ``train_step`` (``zero_grad_buffer``, forward pre-hooks, ``finish_param_sync``,
 ``finish_grad_sync``, ``optimizer.step``, forced syncs at eval and checkpoint).
 
-Run (all Megatron flags pass through unchanged)::
+Run (all Megatron flags pass through unchanged) through the one torchrun builder::
 
-    MEGATRON_CPU_RUNTIME=1 torchrun --nproc-per-node 2 -m harness.pretrain_gpt \\
-        --distributed-backend gloo --transformer-impl local ... <megatron flags>
-    torchrun --nproc-per-node 2 -m harness.pretrain_gpt --distributed-backend nccl ...
+    python -m harness.launch --tree patched --nproc 2 pretrain --tiny-gpt 50      # gloo on CPU
+    python -m harness.launch --device cuda --nproc 8 pretrain -- <megatron flags>  # NCCL
+    python -m harness.launch --dry-run ... pretrain ...                           # print it
 
-``harness/launch.py`` builds these command lines for the pristine or patched tree.
+``harness/launch.py`` (``pretrain_command``) builds these command lines for the pristine or
+patched tree: the script runs by path, not with ``-m``, which would put the repo root (the
+patched megatron/) ahead of the tree PYTHONPATH selects.
 
 Environment:
     MEGATRON_CPU_RUNTIME: ``1`` installs ``harness.cpu_runtime`` before megatron is imported

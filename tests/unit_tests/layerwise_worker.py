@@ -1,10 +1,10 @@
 """Multi-rank worker for test_layerwise_param_sync.py: real megatron-core objects on gloo.
 
 Run under torchrun, one process per DP rank, with the tree under test first on
-PYTHONPATH (harness.trees.env_for_tree) and MEGATRON_CPU_RUNTIME=1 on CPU:
+PYTHONPATH and MEGATRON_CPU_RUNTIME=1 on CPU (harness.launch.torchrun_command):
 
-    torchrun --nproc-per-node 2 tests/unit_tests/layerwise_worker.py --out R.json \
-        --scenarios gather,microbatches,...
+    python -m harness.launch --tree patched --nproc 2 script tests/unit_tests/layerwise_worker.py \
+        -- --out R.json --scenarios gather,microbatches,...
 
 The model is built the way megatron.training builds it: a MegatronModule wrapped in
 megatron.core's DistributedDataParallel (so `param.main_grad` IS a view into the
