@@ -82,18 +82,20 @@ class MetricRule:
     allow_missing: bool = False
 
 
-# Tolerances from measured variation (python_test_utils/measure_variation.py, default case):
-# run to run on one machine the curves are bitwise equal; forcing PyTorch's CPU kernels to
-# another instruction set (ATEN_CPU_CAPABILITY=default / avx2, oneDNN capped at AVX2), which
-# is what differs between reviewers' machines, moved them by at most (relative, any step):
-#   lm loss 1.1e-4, grad-norm 1.6e-3, params-norm 9.4e-5, num-zeros 100 %
-# The rtol below leave a margin of about 6x (grad-norm) to 10x over that. learning-rate
-# comes from the scheduler's Python arithmetic and is exact everywhere. num-zeros (count of
-# grads that are exactly 0 in bf16) flips with any rounding change, so it is only checked
-# exactly between the variants of one run, never against the golden values.
+# Tolerances from measured variation (python_test_utils/measure_variation.py, default case,
+# 50 steps, training data of golden_data.json): run to run on one machine the curves are
+# bitwise equal; forcing PyTorch's CPU kernels to another instruction set
+# (ATEN_CPU_CAPABILITY=default / avx2, oneDNN capped at AVX2), which is what differs between
+# reviewers' machines, moved them by at most (relative, any step):
+#   lm loss 9.5e-5, grad-norm 5.7e-3, params-norm 6.7e-5, num-zeros 113 %
+# The rtol below leave a margin of about 5x (grad-norm) to 10x (lm loss) over that. A real
+# fault is far outside: without the zeroing grad-norm is about 10x too large from step 2.
+# learning-rate comes from the scheduler's Python arithmetic and is exact everywhere.
+# num-zeros (count of grads that are exactly 0 in bf16) flips with any rounding change, so
+# it is only checked exactly between the variants of one run, never against golden values.
 GOLDEN_RULES: dict[str, MetricRule] = {
     "lm loss": MetricRule(Approximate(rtol=1e-3)),
-    "grad-norm": MetricRule(Approximate(rtol=1e-2)),
+    "grad-norm": MetricRule(Approximate(rtol=3e-2)),
     "num-zeros": MetricRule(
         Informational("exactly-zero grad count: up to 113 % apart across CPU ISAs (measured)")
     ),
