@@ -389,3 +389,51 @@ def write_plot(path: Path, result: dict) -> None:
         ax3.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+
+
+# ---------------------------------------------------------------- README block
+def readme_block(result: dict) -> str:
+    """The README's benchmark tables (markdown), from the same records: the sync table at
+    real DP sizes (bucket size default), the step-memory table and the large-DP launches."""
+    trees = _trees(result)
+    recs = result["records"]
+    timing = {(t["dp_size"], t["model"], t["path"]): t for t in result["timing"] if t["bucket_size"] is None}
+    out = [
+        "| model | DP | path | shares equal | " + " | ".join(f"{SHORT.get(t, t)} MiB (+NCCL) / launches" for t in trees)
+        + " | series/up time [95 % CI] | control [95 % CI] |",
+        "|---|--:|---|---|" + "--:|" * (len(trees) + 2),
+    ]  # fmt: skip
+    for r in recs:
+        if r["pg"] != "real" or r["tree"] != "upstream" or r["path"] == "control" or r["bucket_size"] is not None:
+            continue
+        cells = []
+        for t in trees:
+            p = _find(recs, tree=t, model=r["model"], path=r["path"], dp_size=r["dp_size"], rank=0, pg="real",
+                      bucket_size=None)  # fmt: skip
+            cells.append("n/a" if p is None else
+                         f"{_mib(p['temporary_bytes'])} (+{_mib(p['nccl_model_temporary_bytes'])}) / {p['collective_launches']}")
+        t = timing.get((r["dp_size"], r["model"], r["path"]), {})
+        c = timing.get((r["dp_size"], r["model"], "control"), {})
+        out.append(f"| {r['model']} | {r['dp_size']} | {r['path']} | {'yes' if r['shares_equal'] else 'no'} | "
+                   + " | ".join(cells) + f" | {_ratio(t.get('patched_vs_upstream'))} | {_ratio(c.get('patched_vs_upstream'))} |")
+    step = result.get("step_memory") or []
+    if step:
+        phases = step[0]["phases"]
+        out += ["", "| DP | overlap | tree | " + " | ".join(phases) + " | step peak |",
+                "|--:|---|---|" + "--:|" * (len(phases) + 1)]
+        for s in step:
+            if s["tree"] == "exact_list_slots":
+                continue
+            out.append(f"| {s['dp_size']} | {'on' if s['overlap'] else 'off'} | {s['tree']} | "
+                       + " | ".join(_mib(s["phase_peak_bytes"][p]) for p in phases)
+                       + f" | **{_mib(s['step_peak_bytes'])}** ({s['peak_phase']}) |")
+    big = [r for r in recs if r["pg"] == "fake" and r["path"] == "optimizer" and r["rank"] == 0
+           and r["model"] == "gpt_unequal" and r["bucket_size"] is not None]  # fmt: skip
+    if big:
+        dps = sorted({r["dp_size"] for r in big})
+        out += ["", "| NCCL launches per step, optimizer path, gpt_unequal, 14 buckets | " + " | ".join(f"DP {d}" for d in dps) + " |",
+                "|---|" + "--:|" * len(dps)]
+        for t in trees:
+            row = [_find(big, tree=t, dp_size=d) for d in dps]
+            out.append(f"| {t} | " + " | ".join("n/a" if x is None else str(x["collective_launches"]) for x in row) + " |")
+    return "\n".join(out) + "\n"
