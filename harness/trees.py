@@ -15,6 +15,7 @@ check_expected_tree()).
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -120,11 +121,24 @@ def make_mutant_tree(mutant_patch: Path, dest: Path) -> Path:
     return _tree_with_patches(tree_parent("patched"), [mutant_patch], dest)
 
 
-def series_patches() -> list:
-    """Patch files of patches/series, in order (comments and blank lines skipped)."""
+def is_checkout_only(patch: Path) -> bool:
+    """True for a patch that touches only upstream's tests/unit_tests/ (of a Megatron-LM
+    checkout): the wheel trees have no tests/, so it is skipped for them (scripts/setup.sh)."""
+    paths = re.findall(r"^diff --git a/(\S+) b/", Path(patch).read_text(), flags=re.M)
+    return bool(paths) and all(p.startswith("tests/unit_tests/") for p in paths)
+
+
+def series_patches(checkout: bool = False) -> list:
+    """Patch files of patches/series, in order (comments and blank lines skipped).
+
+    Args:
+        checkout: include the checkout-only patches (``is_checkout_only``); by default only
+            the patches of the megatron/ trees.
+    """
     lines = (REPO_ROOT / "patches" / "series").read_text().splitlines()
     names = [ln.strip() for ln in lines if ln.strip() and not ln.lstrip().startswith("#")]
-    return [REPO_ROOT / "patches" / n for n in names]
+    patches = [REPO_ROOT / "patches" / n for n in names]
+    return patches if checkout else [p for p in patches if not is_checkout_only(p)]
 
 
 def make_prefix_tree(k: int, dest: Path) -> Path:

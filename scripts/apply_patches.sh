@@ -151,7 +151,9 @@ if [[ "$HAVE" != "$BASE" ]]; then
 fi
 
 # Checkout-only patches (tests/unit_tests/) apply only where TARGET has tests/unit_tests/.
-SKIPPED=()
+SKIPPED=() NOTE=""
+# The state/result line, then the note about skipped checkout-only patches, if any.
+report() { echo "$*"; [[ -z "$NOTE" ]] || echo "$NOTE"; }
 if [[ ! -d "$T/tests/unit_tests" ]]; then
     keep=()
     for p in "${PATCHES[@]}"; do if checkout_only "$p"; then SKIPPED+=("$p"); else keep+=("$p"); fi; done
@@ -163,14 +165,14 @@ if [[ ! -d "$T/tests/unit_tests" ]]; then
             kf+=("${FILES[$i]}"); kpri+=("${PRI[$i]}"); kpat+=("${PAT[$i]}")
         done
         FILES=("${kf[@]}") PRI=("${kpri[@]}") PAT=("${kpat[@]}")
-        echo "note: skipping ${SKIPPED[*]}: it updates upstream's tests/unit_tests/, which '$TARGET' does not have (not a Megatron-LM checkout)"
+        NOTE="note: skipped ${SKIPPED[*]}: it updates upstream's tests/unit_tests/, which '$TARGET' does not have (not a Megatron-LM checkout)"
     fi
 fi
 
 N=${#PATCHES[@]}
 if [[ $N -eq 0 ]]; then
-    [[ $MODE == check ]] && { echo "applied: the series in $PD is empty, so there is nothing to apply"; exit 0; }
-    echo "nothing to do: the series in $PD is empty"; exit 0
+    [[ $MODE == check ]] && { report "applied: the series in $PD is empty, so there is nothing to apply"; exit 0; }
+    report "nothing to do: the series in $PD is empty"; exit 0
 fi
 
 # Git mode: TARGET is the top level of a work tree that tracks megatron/.
@@ -208,14 +210,14 @@ partial_msg() {
 case "$MODE" in
     check)
         case "$STATE" in
-            applied)  echo "applied: all $N patches of the series are in '$TARGET'"; exit 0 ;;
-            pristine) echo "not applied: '$TARGET' has the pristine megatron-core $vmaj.$vmin${vpat:+.$vpat} files"; exit 3 ;;
+            applied)  report "applied: all $N patches of the series are in '$TARGET'"; exit 0 ;;
+            pristine) report "not applied: '$TARGET' has the pristine megatron-core $vmaj.$vmin${vpat:+.$vpat} files"; exit 3 ;;
             partial)  partial_msg; exit 4 ;;
         esac ;;
     apply)
-        [[ $STATE == applied ]] && { echo "already applied: all $N patches are in '$TARGET'; nothing to do"; exit 0; } ;;
+        [[ $STATE == applied ]] && { report "already applied: all $N patches are in '$TARGET'; nothing to do"; exit 0; } ;;
     reverse)
-        [[ $STATE == pristine ]] && { echo "not applied: '$TARGET' has the pristine files; nothing to reverse"; exit 0; } ;;
+        [[ $STATE == pristine ]] && { report "not applied: '$TARGET' has the pristine files; nothing to reverse"; exit 0; } ;;
 esac
 if [[ $MODE == apply ]]; then WANT=("${PAT[@]}"); else WANT=("${PRI[@]}"); fi
 
@@ -332,9 +334,9 @@ if [[ $GIT == 0 ]]; then
     STAGED=()
     verify_final || fail_plain "after writing, the touched files do not have the expected sha256"
     if [[ $MODE == apply ]]; then
-        echo "applied $N patches to '$TARGET' (${#FILES[@]} files rewritten in place)"
+        report "applied $N patches to '$TARGET' (${#FILES[@]} files rewritten in place)"
     else
-        echo "reversed $N patches in '$TARGET'; the touched files are pristine megatron-core $vmaj.$vmin${vpat:+.$vpat} again"
+        report "reversed $N patches in '$TARGET'; the touched files are pristine megatron-core $vmaj.$vmin${vpat:+.$vpat} again"
     fi
     exit 0
 fi
@@ -367,7 +369,7 @@ if [[ $MODE == apply ]]; then
         fail_git "git am failed ($(grep -m1 -vE '^\s*$' <<<"$out" || echo unknown))"
     fi
     verify_final || fail_git "after git am the touched files do not have the expected sha256 (a filter or eol setting?)"
-    echo "applied $N patches to git checkout '$TARGET' as $N commits ($(git -C "$T" rev-parse --short "$ORIG_HEAD")..$(git -C "$T" rev-parse --short HEAD))"
+    report "applied $N patches to git checkout '$TARGET' as $N commits ($(git -C "$T" rev-parse --short "$ORIG_HEAD")..$(git -C "$T" rev-parse --short HEAD))"
 else
     for p in "${ORDER[@]}"; do
         mapfile -t ppaths < <(sed -n 's#^diff --git a/\(.*\) b/.*$#\1#p' "$PD/$p")
@@ -379,5 +381,5 @@ else
             || fail_git "git commit of the revert of $p failed ($(head -n1 <<<"$out"))"
     done
     verify_final || fail_git "after reversing, the touched files are not pristine"
-    echo "reversed $N patches in git checkout '$TARGET' as $N revert commits ($(git -C "$T" rev-parse --short "$ORIG_HEAD")..$(git -C "$T" rev-parse --short HEAD))"
+    report "reversed $N patches in git checkout '$TARGET' as $N revert commits ($(git -C "$T" rev-parse --short "$ORIG_HEAD")..$(git -C "$T" rev-parse --short HEAD))"
 fi

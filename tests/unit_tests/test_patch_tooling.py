@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from harness.trees import is_checkout_only
+
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = ROOT / "scripts"
 APPLY = str(SCRIPTS / "apply_patches.sh")
@@ -82,17 +84,20 @@ def tree_hashes(root):
     return out
 
 
-def read_series(patches_dir):
+def read_series(patches_dir, checkout=False):
+    """Patch names in order; by default without the checkout-only ones (tests/unit_tests/),
+    which apply to Megatron-LM checkouts only (not to a megatron/ tree from the wheel)."""
     lines = (Path(patches_dir) / "series").read_text().splitlines()
-    return [ln.strip() for ln in lines if ln.strip() and not ln.strip().startswith("#")]
+    names = [ln.strip() for ln in lines if ln.strip() and not ln.strip().startswith("#")]
+    return names if checkout else [n for n in names if not is_checkout_only(Path(patches_dir) / n)]
 
 
-def read_manifest(patches_dir):
-    """{path: (pristine_sha, patched_sha)} from manifest.sha256."""
+def read_manifest(patches_dir, checkout=False):
+    """{path: (pristine_sha, patched_sha)} from manifest.sha256; by default megatron/ only."""
     files = {}
     for ln in (Path(patches_dir) / "manifest.sha256").read_text().splitlines():
         f = ln.split()
-        if f and f[0] == "file":
+        if f and f[0] == "file" and (checkout or f[3].startswith("megatron/")):
             files[f[3]] = (f[1], f[2])
     return files
 
@@ -701,8 +706,8 @@ def clone_checkout(tag, dest):
 def test_real_checkout_check_apply_reapply_reverse(tmp_path):
     """The real series on a core_v0.17.1 checkout, as a user runs it."""
     repo = clone_checkout("core_v0.17.1", tmp_path / "Megatron-LM")
-    names = read_series(REAL_PATCHES)
-    manifest = read_manifest(REAL_PATCHES)
+    names = read_series(REAL_PATCHES, checkout=True)
+    manifest = read_manifest(REAL_PATCHES, checkout=True)
     base = git(repo, "rev-parse", "HEAD").strip()
     assert git(repo, "describe", "--tags", "--exact-match").strip() == "core_v0.17.1"
 
@@ -745,8 +750,8 @@ def test_setup_patched_checkout_is_the_series_on_core_v0_17_1():
     if not (pc / ".git").is_dir():
         pytest.skip(f"{pc} is missing; run scripts/setup.sh")
     subjects = git(pc, "log", "--format=%s", "core_v0.17.1..HEAD").splitlines()
-    assert len(subjects) == len(read_series(REAL_PATCHES))
-    for f, (_, patched_sha) in read_manifest(REAL_PATCHES).items():
+    assert len(subjects) == len(read_series(REAL_PATCHES, checkout=True))
+    for f, (_, patched_sha) in read_manifest(REAL_PATCHES, checkout=True).items():
         assert sha256(pc / f) == patched_sha, f
     assert run(APPLY, pc, "--check").returncode == OK
 

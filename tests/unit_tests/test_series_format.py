@@ -44,7 +44,7 @@ def test_touched_files_keep_upstream_format(tree, tool):
     assert proc.returncode == 0, f"{tool} rejects {tree} files:\n{proc.stdout}{proc.stderr}"
 
 
-@pytest.mark.parametrize("patch", series_patches(), ids=lambda p: p.name[:4])
+@pytest.mark.parametrize("patch", series_patches(checkout=True), ids=lambda p: p.name[:4])
 def test_patch_header(patch):
     text = patch.read_text()
     subject = re.search(r"^Subject: \[PATCH\] (.+)$", text, flags=re.M)
