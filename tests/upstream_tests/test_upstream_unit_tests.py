@@ -11,12 +11,11 @@ What is asserted:
   on pristine (a broken plugin or an all-skipped file fails here, not silently);
 * every test that passes on pristine passes on patched, at 2 and at 4 ranks;
 * the two ``TestFreeOverlapBuffers`` tests that read ``bucket.layerwise_gather_list`` (removed
-  by the series) pass on patched through the series' own test patch.
+  by the series) pass on patched through the series' own test patch, and so do the
+  regression tests that patch adds (they are counted like every other patched test).
 """
 
 from __future__ import annotations
-
-import subprocess
 
 import pytest
 
@@ -24,8 +23,8 @@ from tests.upstream_tests import upstream_runner as ur
 
 pytestmark = [pytest.mark.slow, pytest.mark.gloo]
 
-#: Upstream tests that inspect ``bucket.layerwise_gather_list``, which patch 0004 removes. The
-#: series carries their update in its last patch (tests/unit_tests of a checkout).
+#: Upstream tests that inspect ``bucket.layerwise_gather_list``, which the series removes. The
+#: series carries their update in its last patch (tests/unit_tests/ of a checkout only).
 CHANGED_BY_SERIES = (
     "tests/unit_tests/distributed/test_param_and_grad_buffer.py::TestFreeOverlapBuffers::test_bucket_group_clears_buffers",
     "tests/unit_tests/distributed/test_param_and_grad_buffer.py::TestFreeOverlapBuffers::test_bucket_group_noop_when_no_buffers",
@@ -40,15 +39,6 @@ def _run(tree: str, nproc: int) -> ur.Run:
         _RUNS[(tree, nproc)] = ur.run(tree, nproc)
         ur.write_json(list(_RUNS.values()))
     return _RUNS[(tree, nproc)]
-
-
-def _series_has_test_patch() -> bool:
-    """True when the patched checkout's series commits touch upstream's tests/unit_tests/."""
-    out = subprocess.run(
-        ["git", "-C", str(ur.CHECKOUTS["patched"]), "log", "--format=", "--name-only", "core_v0.17.1..HEAD"],
-        capture_output=True, text=True, check=True,
-    ).stdout
-    return any(line.startswith("tests/unit_tests/") for line in out.splitlines())
 
 
 @pytest.mark.parametrize("nproc", sorted(ur.FILES_BY_NPROC))
@@ -67,16 +57,10 @@ def test_upstream_tests_ran(tree, nproc):
 def test_patched_passes_every_test_that_pristine_passes(nproc):
     pristine, patched = _run("pristine", nproc), _run("patched", nproc)
     bad = ur.regressions(pristine, patched)
-    if not _series_has_test_patch():
-        # Until the series' test patch is in patches/series, its two updated tests still read
-        # the removed attribute; nothing else may regress.
-        bad = [b for b in bad if b.rsplit(": ", 1)[0] not in CHANGED_BY_SERIES]
     assert not bad, f"pass on pristine, not on patched ({nproc} ranks): {bad}; logs {patched.log}"
 
 
 @pytest.mark.parametrize("nproc", sorted(ur.FILES_BY_NPROC))
 def test_tests_changed_by_the_series_pass_on_patched(nproc):
-    if not _series_has_test_patch():
-        pytest.skip("patches/series has no test patch for tests/unit_tests yet")
     patched = _run("patched", nproc)
     assert {t: patched.results.get(t) for t in CHANGED_BY_SERIES} == dict.fromkeys(CHANGED_BY_SERIES, "passed")
