@@ -14,8 +14,8 @@
 #            megatron/core (e.g. .../site-packages of an env with megatron-core==0.17.1).
 #            Not the megatron/ package itself: pass the directory above it.
 #            A patch that touches only tests/unit_tests/ (upstream's own tests, updated for
-#            the series) applies only where TARGET has tests/unit_tests/ (a checkout); for
-#            any other TARGET it is skipped, with a note saying so.
+#            the series) applies only to a Megatron-LM checkout (TARGET has pretrain_gpt.py
+#            and tests/unit_tests/); for any other TARGET it is skipped, with a note.
 #   (none)     apply the whole series. On a git checkout whose top level is TARGET and that
 #              tracks megatron/: one commit per patch (git am, your identity as committer).
 #              Anywhere else: the files are rewritten in place (mode and owner kept).
@@ -150,11 +150,11 @@ if [[ "$HAVE" != "$BASE" ]]; then
     fi
 fi
 
-# Checkout-only patches (tests/unit_tests/) apply only where TARGET has tests/unit_tests/.
+# Checkout-only patches (tests/unit_tests/) apply only to a Megatron-LM checkout.
 SKIPPED=() NOTE=""
 # The state/result line, then the note about skipped checkout-only patches, if any.
 report() { echo "$*"; [[ -z "$NOTE" ]] || echo "$NOTE"; }
-if [[ ! -d "$T/tests/unit_tests" ]]; then
+if [[ ! -d "$T/tests/unit_tests" || ! -f "$T/pretrain_gpt.py" ]]; then
     keep=()
     for p in "${PATCHES[@]}"; do if checkout_only "$p"; then SKIPPED+=("$p"); else keep+=("$p"); fi; done
     PATCHES=("${keep[@]}")
@@ -165,7 +165,7 @@ if [[ ! -d "$T/tests/unit_tests" ]]; then
             kf+=("${FILES[$i]}"); kpri+=("${PRI[$i]}"); kpat+=("${PAT[$i]}")
         done
         FILES=("${kf[@]}") PRI=("${kpri[@]}") PAT=("${kpat[@]}")
-        NOTE="note: skipped ${SKIPPED[*]}: it updates upstream's tests/unit_tests/, which '$TARGET' does not have (not a Megatron-LM checkout)"
+        NOTE="note: skipped ${SKIPPED[*]}: it updates upstream's tests/unit_tests/, and '$TARGET' is not a Megatron-LM checkout (no pretrain_gpt.py and tests/unit_tests/)"
     fi
 fi
 
