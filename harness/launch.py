@@ -41,8 +41,11 @@ from harness.trees import REPO_ROOT, env_for_tree
 
 #: Read by ``harness.cpu_runtime.install_if_requested`` in every rank.
 CPU_RUNTIME_ENV = "MEGATRON_CPU_RUNTIME"
-#: The training entry point that ``pretrain_command`` launches.
+#: The training entry point that ``pretrain_command`` launches by default.
 PRETRAIN_SCRIPT = Path(__file__).resolve().parent / "pretrain_gpt.py"
+#: Megatron-LM's own pretrain_gpt.py from the checkout, through the thin CPU launcher
+#: (``harness/upstream_pretrain_gpt.py``); the functional cases train through it.
+UPSTREAM_PRETRAIN_SCRIPT = Path(__file__).resolve().parent / "upstream_pretrain_gpt.py"
 
 #: Flags every harness run gets, on CPU and GPU alike (UPSTREAM_NOTES, "What the CPU prototype
 #: needed"): megatron-core's local layers, init on CPU, and none of the fused kernels that only
@@ -197,6 +200,7 @@ def pretrain_command(
     cpu: bool = True,
     runtime_flags: bool = True,
     extra_env: Optional[Dict[str, str]] = None,
+    script: Union[str, Path] = PRETRAIN_SCRIPT,
 ) -> Tuple[List[str], Dict[str, str]]:
     """The torchrun command and environment that train ``harness.pretrain_gpt`` on ``tree``.
 
@@ -211,6 +215,8 @@ def pretrain_command(
         cpu: gloo + ``MEGATRON_CPU_RUNTIME=1``; False: NCCL on GPUs.
         runtime_flags: prepend ``RUNTIME_FLAGS``.
         extra_env: merged into the environment last.
+        script: the entry point; ``UPSTREAM_PRETRAIN_SCRIPT`` runs upstream's own
+            pretrain_gpt.py (same flags).
 
     Returns:
         ``(argv, env)``, as ``torchrun_command``.
@@ -219,7 +225,7 @@ def pretrain_command(
         ValueError / FileNotFoundError: as ``torchrun_command``.
     """
     return torchrun_command(
-        PRETRAIN_SCRIPT,
+        script,
         ["--distributed-backend", "gloo" if cpu else "nccl",
          *(RUNTIME_FLAGS if runtime_flags else ()), *megatron_args],
         nproc, tree=tree, cpu=cpu, extra_env=extra_env,
@@ -340,11 +346,13 @@ def run_pretrain(
     runtime_flags: bool = True,
     extra_env: Optional[Dict[str, str]] = None,
     tail_lines: int = 40,
+    script: Union[str, Path] = PRETRAIN_SCRIPT,
 ) -> float:
     """Run one training job (``pretrain_command``) and wait for it (``run_command``).
 
     Args:
-        tree, megatron_args, nproc, cpu, runtime_flags, extra_env: see ``pretrain_command``.
+        tree, megatron_args, nproc, cpu, runtime_flags, extra_env, script: see
+            ``pretrain_command``.
         run_dir, timeout_s, tail_lines: see ``run_command``.
 
     Returns:
@@ -354,7 +362,7 @@ def run_pretrain(
         LaunchError: any rank failed, or the timeout passed (see ``run_command``).
     """
     argv, env = pretrain_command(tree, megatron_args, nproc, cpu=cpu, runtime_flags=runtime_flags,
-                                 extra_env=extra_env)
+                                 extra_env=extra_env, script=script)
     return run_command(argv, env, run_dir=run_dir, timeout_s=timeout_s, what=f"{tree} run",
                        tail_lines=tail_lines)
 

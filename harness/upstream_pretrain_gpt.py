@@ -1,0 +1,94 @@
+"""Run Megatron-LM's own ``pretrain_gpt.py`` (from a checkout) with the CPU runtime layer.
+
+The thin launcher of the functional cases: everything that trains is upstream's code, the
+entry point users launch included (``pretrain_gpt.py``, its ``model_provider.py`` and
+``gpt_builders.py``, ``megatron.training.pretrain``). This file only does what that entry
+cannot do on CPU, before it runs:
+
+1. ``harness.cpu_runtime.install_if_requested()`` (``MEGATRON_CPU_RUNTIME=1``), before megatron
+   is imported: megatron binds ``torch.compile``, the CUDA RNG helpers and device defaults
+   at import time.
+2. Import path: the megatron tree selected by ``PYTHONPATH`` (``harness.trees.env_for_tree``:
+   pristine, patched or a mutant tree) stays first; the checkout root is appended after it,
+   so that ``pretrain_gpt.py`` finds ``model_provider``/``gpt_builders`` there while
+   ``megatron`` still comes from the selected tree (the checkout's own ``megatron/`` is
+   byte-identical to the pristine wheel tree's Python files). ``MEGATRON_EXPECT_TREE`` is
+   checked (``harness.trees.check_expected_tree``): a run never trains on the wrong tree.
+3. ``torch.distributed.destroy_process_group()`` after ``pretrain`` returns: a gloo group left
+   alive at interpreter exit can abort the process.
+
+Then ``pretrain_gpt.py`` runs as ``__main__`` with the command line unchanged (upstream's
+flag names). Usage, as ``harness.launch.pretrain_command`` builds it::
+
+    MEGATRON_CPU_RUNTIME=1 PYTHONPATH=<tree>:<repo> torchrun --nproc-per-node 2 \\
+        harness/upstream_pretrain_gpt.py --distributed-backend gloo ... <megatron flags>
+
+Environment: ``MEGATRON_LM_CHECKOUT`` (the checkout whose ``pretrain_gpt.py`` runs; default
+``build/megatron-lm/core_v0.17.1``, built by ``scripts/setup.sh``, else ``$MEGATRON_LM``, the
+user's checkout that ``scripts/launch_pretrain_gpt.sh`` and the Docker image use; the series
+does not touch ``pretrain_gpt.py``, so a patched checkout serves as well),
+``MEGATRON_CPU_RUNTIME``, ``MEGATRON_EXPECT_TREE``.
+"""
+
+from __future__ import annotations
+
+import os
+import runpy
+import sys
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_CHECKOUT = REPO_ROOT / "build" / "megatron-lm" / "core_v0.17.1"
+
+
+def checkout_entry() -> Path:
+    """``pretrain_gpt.py`` of ``$MEGATRON_LM_CHECKOUT``, the default checkout or ``$MEGATRON_LM``.
+
+    Raises:
+        FileNotFoundError: none of them holds pretrain_gpt.py (run scripts/setup.sh).
+    """
+    if os.environ.get("MEGATRON_LM_CHECKOUT"):
+        candidates = [Path(os.environ["MEGATRON_LM_CHECKOUT"])]
+    else:
+        candidates = [DEFAULT_CHECKOUT] + (
+            [Path(os.environ["MEGATRON_LM"])] if os.environ.get("MEGATRON_LM") else []
+        )
+    for checkout in candidates:
+        entry = checkout.resolve() / "pretrain_gpt.py"
+        if entry.is_file():
+            return entry
+    raise FileNotFoundError(
+        f"no pretrain_gpt.py in {', '.join(map(str, candidates))}: scripts/setup.sh builds the "
+        "Megatron-LM checkout (or set MEGATRON_LM_CHECKOUT to one at core_v0.17.1)"
+    )
+
+
+def main() -> None:
+    """Install the CPU runtime, fix the import path, run upstream's entry as __main__."""
+    sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+    from harness import cpu_runtime
+
+    cpu_runtime.install_if_requested()
+    entry = checkout_entry()
+    sys.path.append(str(entry.parent))
+    from harness.trees import check_expected_tree
+
+    tree = check_expected_tree()
+    rank = os.environ.get("RANK", "0")
+    print(
+        f"[upstream_pretrain_gpt] rank {rank}: {entry} with megatron from {tree} "
+        f"(cpu runtime: {'on' if cpu_runtime.is_installed() else 'off'})",
+        flush=True,
+    )
+    sys.argv[0] = str(entry)
+    try:
+        runpy.run_path(str(entry), run_name="__main__")
+    finally:
+        import torch
+
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
