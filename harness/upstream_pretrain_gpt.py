@@ -83,11 +83,15 @@ def main() -> None:
     sys.argv[0] = str(entry)
     try:
         runpy.run_path(str(entry), run_name="__main__")
-    finally:
+    except BaseException:
         import torch
 
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
+        raise
+    from harness.ranks import end_training_rank
+
+    end_training_rank()  # writers closed, barrier, os._exit(0): no gloo teardown at exit
 
 
 if __name__ == "__main__":
