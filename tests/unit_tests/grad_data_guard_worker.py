@@ -1,0 +1,341 @@
+"""Multi-rank worker for test_grad_data_guards.py: public DDP calls while a layer-wise
+param all-gather is pending, on real megatron-core objects and gloo ranks.
+
+Run under torchrun, one process per DP rank, with the tree under test first on
+PYTHONPATH (harness.trees.env_for_tree) and MEGATRON_CPU_RUNTIME=1 on CPU:
+
+    torchrun --nproc-per-node 2 tests/unit_tests/grad_data_guard_worker.py --out DIR \
+        --scenarios zero_grad,offload,...
+
+Every scenario trains a DDP-wrapped TinyNet (tests/unit_tests/layerwise_worker.py: DDP
+built the way megatron.training builds it, `main_grad` a view into `grad_data`, and the
+LayerWiseDistributedOptimizer with overlapped param gather) for STEPS optimizer steps of
+MICROBATCHES microbatches, and injects one call sequence at a fixed point of each step
+(see SCENARIOS). After the last step one forward pass with every module (no grad)
+completes whatever gather is left, so the final params are comparable.
+
+Outputs, per scenario and config:
+    DIR/<config>.<scenario>.rank<R>.pt   torch.save of {"main_grads": [[tensor]] per
+        step (after finish_grad_sync), "params": [[tensor]] per step (after the step and
+        the injected calls; the last entry is after the final forward), "grad_norms":
+        [float], "error": "<type>: <message>" or None, "error_step", "error_phase",
+        "state_kept": whether params and grad_data equal the snapshot taken right
+        before the call that raised (None when nothing raised)}.
+    DIR/results.json (rank 0)   {"<config>/<scenario>": {"error", "error_step",
+        "error_phase", "state_kept"}} plus "_meta".
+A scenario that raises stops at that point; the error is recorded, not re-raised, so
+that the pristine tree's assertions are data. The errors are deterministic, so every
+rank raises at the same call (no rank is left waiting in a collective).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import sys
+import traceback
+import types
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+# Importing layerwise_worker installs the CPU runtime layer (MEGATRON_CPU_RUNTIME=1) and
+# imports megatron-core from the tree on PYTHONPATH.
+from layerwise_worker import DTYPES, Setup, all_ranks, parallel_state  # noqa: E402
+
+from harness.trees import check_expected_tree  # noqa: E402
+
+STEPS = 3
+MICROBATCHES = 2
+# Layers that the forward-only probe pass runs (of len(WIDTHS) - 1).
+PROBE_DEPTH = 2
+
+
+# ----------------------------------------------------------------------- forward variants
+def _forward_full(self, x):
+    for layer in self.layers:
+        x = torch.tanh(layer(x))
+    return x
+
+
+def _forward_probe(self, x):
+    """Only the first PROBE_DEPTH layers: e.g. a rollout or probe that exits early."""
+    for layer in self.layers[:PROBE_DEPTH]:
+        x = torch.tanh(layer(x))
+    return x
+
+
+def _forward_bypass_last(self, x):
+    """The last layer's params used from the parent: its forward pre-hook never fires."""
+    for layer in self.layers[:-1]:
+        x = torch.tanh(layer(x))
+    last = self.layers[-1]
+    return torch.tanh(F.linear(x, last.weight, last.bias))
+
+
+def _forward_skip_last(self, x):
+    """The last layer is not used at all in this pass (no params, no grads)."""
+    for layer in self.layers[:-1]:
+        x = torch.tanh(layer(x))
+    return x
+
+
+def set_forward(s, fn):
+    s.ddp.module.forward = types.MethodType(fn, s.ddp.module)
+
+
+# ----------------------------------------------------------------------------- snapshots
+def _pending_works(s):
+    """Wait on the work objects of every pending gather without consuming the handles,
+    so that a snapshot of grad_data is not racing a receive still in flight."""
+    for g in s.bucket_groups:
+        h = g.param_gather_handle
+        for work in getattr(h, "handles", None) or []:
+            work.wait()
+
+
+def snapshot(s):
+    _pending_works(s)
+    return (
+        [p.detach().clone() for p in s.params],
+        [gd.clone() for gd in s.grad_datas()],
+    )
+
+
+def state_equals(s, snap):
+    params, grads = snap
+    ok = all(torch.equal(p.detach(), q) for p, q in zip(s.params, params))
+    ok &= all(torch.equal(g, h) for g, h in zip(s.grad_datas(), grads))
+    return ok
+
+
+class Phase:
+    """Names the call sequence in progress; before the calls named in `snap_phases` it
+    snapshots params and grad_data (waiting on pending receives, see _pending_works)."""
+
+    def __init__(self, s, snap_phases):
+        self.s = s
+        self.snap_phases = snap_phases
+        self.name = None
+        self.snap = None
+
+    def __call__(self, name):
+        self.name = name
+        self.snap = snapshot(self.s) if name in self.snap_phases else None
+        return self
+
+
+# ----------------------------------------------------------------------------- scenarios
+class Scenario:
+    """Injection points of one training step; the base class injects nothing."""
+
+    forward = staticmethod(_forward_full)
+    # Phases before which the state is snapshotted, to check that an error left it as
+    # it was. Waiting on the receives changes timing only, so it is kept to the phases
+    # where an error is expected.
+    snap_phases = frozenset()
+
+    def after_step(self, s, k, phase):
+        """After optimizer.step() of step k (the next step's zero_grad_buffer follows)."""
+
+    def after_backward(self, s, k, phase):
+        """After the last microbatch's backward of step k, before finish_grad_sync."""
+
+
+class Baseline(Scenario):
+    """Nothing injected: the control (both trees must agree bitwise)."""
+
+
+class ZeroGradWhilePending(Scenario):
+    """(a) start_param_sync() right after the step (gathers dispatched early, e.g. to
+    overlap them with data loading); the next step's zero_grad_buffer() runs before the
+    forward pre-hooks finish them."""
+
+    def after_step(self, s, k, phase):
+        phase("start_param_sync")
+        s.ddp.start_param_sync()
+
+
+class OffloadWhilePending(Scenario):
+    """(b) offload_grad_buffers() then restore_grad_buffers() while the gathers that
+    start_param_sync() dispatched are pending (RL loops free grads between rollouts)."""
+
+    def after_step(self, s, k, phase):
+        phase("start_param_sync")
+        s.ddp.start_param_sync()
+        phase("offload_grad_buffers")
+        s.ddp.offload_grad_buffers()
+        phase("restore_grad_buffers")
+        s.ddp.restore_grad_buffers()
+
+
+class ForwardOnlyProbe(Scenario):
+    """(c) a forward-only pass (torch.no_grad(), pre-hooks left enabled) after the step
+    that runs only the first PROBE_DEPTH layers: the gather chained to the next bucket
+    group (next_param_gather_bucket_group) is left pending into the next step."""
+
+    def after_step(self, s, k, phase):
+        phase("forward_only_probe")
+        set_forward(s, _forward_probe)
+        try:
+            with torch.no_grad():
+                s.ddp(s.batch(k, 99))
+        finally:
+            set_forward(s, self.forward)
+
+
+class BypassPreHook(Scenario):
+    """(d) the last layer's params used from the parent (F.linear): its pre-hook never
+    fires, its chained gather stays pending, backward accumulates into the receive slot."""
+
+    forward = staticmethod(_forward_bypass_last)
+    snap_phases = frozenset({"backward", "finish_grad_sync"})
+
+
+class GatherAfterBackward(Scenario):
+    """(e) start_param_sync() after the last microbatch's backward and before
+    finish_grad_sync(): finish_grad_sync() finds a pending gather in bucket groups that
+    already received this step's grads."""
+
+    snap_phases = frozenset({"start_param_sync", "finish_grad_sync"})
+
+    def after_backward(self, s, k, phase):
+        phase("start_param_sync")
+        s.ddp.start_param_sync()
+
+
+class StartParamSyncReentry(Scenario):
+    """start_param_sync() twice: the second call finds the gathers of the first pending.
+    The error is caught (a caller that retries), and training goes on."""
+
+    snap_phases = frozenset({"start_param_sync_again"})
+
+    def after_step(self, s, k, phase):
+        phase("start_param_sync")
+        s.ddp.start_param_sync()
+        phase("start_param_sync_again")
+        try:
+            s.ddp.start_param_sync()
+        except Exception as exc:
+            s.reentry_errors.append(f"{type(exc).__name__}: {exc}")
+            s.reentry_state_kept.append(all_ranks(state_equals(s, phase.snap)))
+
+
+class StartGradSyncWhilePending(Scenario):
+    """start_grad_sync() called by the caller (as megatron's schedules do through
+    grad_sync_func) in a step whose forward did not use the last layer: that layer's
+    chained gather is pending when its bucket groups are reduced. Step 0 only."""
+
+    forward = staticmethod(_forward_skip_last)
+
+    def after_backward(self, s, k, phase):
+        if k == 0:
+            phase("start_grad_sync")
+            s.ddp.start_grad_sync()
+
+
+class SkipLastReference(Scenario):
+    """StartGradSyncWhilePending without the start_grad_sync() call: the reference for
+    its steps after step 0 (pristine asserts there, see the test)."""
+
+    forward = staticmethod(_forward_skip_last)
+
+
+SCENARIOS = {
+    "baseline": Baseline,
+    "zero_grad": ZeroGradWhilePending,
+    "offload": OffloadWhilePending,
+    "forward_only": ForwardOnlyProbe,
+    "bypass_prehook": BypassPreHook,
+    "gather_after_backward": GatherAfterBackward,
+    "reentry": StartParamSyncReentry,
+    "start_grad_sync": StartGradSyncWhilePending,
+    "skip_last_reference": SkipLastReference,
+}
+
+
+def run(scenario: Scenario, dtype, fp32_grad, bucket_size):
+    """Train STEPS steps with `scenario`'s injections; return the record (see module)."""
+    s = Setup(dtype, fp32_grad, overlap=True, bucket_size=bucket_size)
+    s.reentry_errors, s.reentry_state_kept = [], []
+    set_forward(s, scenario.forward)
+    phase = Phase(s, scenario.snap_phases)
+    rec = {"main_grads": [], "params": [], "grad_norms": [], "error": None}
+    rec.update(error_step=None, error_phase=None, state_kept=None)
+    k = 0
+    try:
+        for k in range(STEPS):
+            phase("zero_grad_buffer")
+            s.ddp.zero_grad_buffer()
+            s.opt.zero_grad()
+            for mb in range(MICROBATCHES):
+                last = mb == MICROBATCHES - 1
+                ctx = contextlib.nullcontext() if last else s.ddp.no_sync()
+                with ctx:
+                    phase("forward")
+                    out = s.ddp(s.batch(k, mb))
+                    phase("backward")
+                    out.float().pow(2).mean().backward()
+            scenario.after_backward(s, k, phase)
+            phase("finish_grad_sync")
+            s.ddp.finish_grad_sync()
+            rec["main_grads"].append(s.main_grads())
+            phase("optimizer_step")
+            rec["grad_norms"].append(float(s.opt.step()[1]))
+            scenario.after_step(s, k, phase)
+            rec["params"].append([p.detach().clone() for p in s.params])
+        k = STEPS
+        phase("final_forward")
+        set_forward(s, _forward_full)
+        with torch.no_grad():
+            s.ddp(s.batch(k, 0))
+        rec["params"].append([p.detach().clone() for p in s.params])
+    except Exception as exc:
+        if os.environ.get("LAYERWISE_WORKER_DEBUG"):
+            traceback.print_exc()
+        rec.update(error=f"{type(exc).__name__}: {exc}", error_step=k, error_phase=phase.name)
+        if phase.snap is not None:
+            rec["state_kept"] = all_ranks(state_equals(s, phase.snap))
+    rec["reentry_errors"] = s.reentry_errors
+    rec["reentry_state_kept"] = s.reentry_state_kept
+    return rec
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True, help="output directory")
+    ap.add_argument("--scenarios", default=",".join(SCENARIOS))
+    ap.add_argument(
+        "--configs",
+        default="bf16-fp32grad-many",
+        help="comma list of <bf16|fp32>-<fp32grad|samegrad>-<many|one> "
+        "(many: about one param per bucket group, one: a single bucket)",
+    )
+    args = ap.parse_args(argv)
+    out = Path(args.out)
+    dist.init_process_group(backend="gloo")
+    tree = check_expected_tree()
+    parallel_state.initialize_model_parallel()
+    rank = dist.get_rank()
+    summary = {"_meta": {"tree": tree, "world_size": dist.get_world_size()}}
+    for cfg in args.configs.split(","):
+        dname, gname, bname = cfg.split("-")
+        for name in args.scenarios.split(","):
+            rec = run(SCENARIOS[name](), DTYPES[dname], gname == "fp32grad", 1 if bname == "many" else None)
+            torch.save(rec, out / f"{cfg}.{name}.rank{rank}.pt")
+            keys = ("error", "error_step", "error_phase", "state_kept", "reentry_errors",
+                    "reentry_state_kept")
+            summary[f"{cfg}/{name}"] = {k: rec[k] for k in keys}
+            dist.barrier()
+    if rank == 0:
+        (out / "results.json").write_text(json.dumps(summary, indent=1, sort_keys=True))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
