@@ -19,13 +19,13 @@ from __future__ import annotations
 import json
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from harness.trees import REPO_ROOT, env_for_tree
+from harness.launch import torchrun_command
+from harness.trees import REPO_ROOT
 
 WORKER = Path(__file__).with_name("grad_data_guard_worker.py")
 MANY = "bf16-fp32grad-many"  # about one param per bucket group: chained gathers
@@ -57,12 +57,12 @@ def run_worker(tree, out: Path, scenarios: str, configs) -> dict:
     AssertionError here, not a hang; TIMEOUT_S bounds the rest.
     """
     out.mkdir(parents=True, exist_ok=True)
-    env = env_for_tree(tree)
-    env.update(MEGATRON_CPU_RUNTIME="1", OMP_NUM_THREADS="1")
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-        str(WORKER), "--out", str(out), "--scenarios", scenarios, "--configs", ",".join(configs),
-    ]  # fmt: skip
+    cmd, env = torchrun_command(
+        WORKER,
+        ["--out", str(out), "--scenarios", scenarios, "--configs", ",".join(configs)],
+        nproc=len(RANKS),
+        tree=tree,
+    )
     proc = subprocess.run(
         cmd, env=env, capture_output=True, text=True, timeout=TIMEOUT_S, cwd=REPO_ROOT
     )
