@@ -16,13 +16,16 @@ completes whatever gather is left, so the final params are comparable.
 
 Outputs, per scenario and config:
     DIR/<config>.<scenario>.rank<R>.pt   torch.save of {"main_grads": [[tensor]] per
-        step (after finish_grad_sync), "params": [[tensor]] per step (after the step and
-        the injected calls; the last entry is after the final forward), "grad_norms":
-        [float], "error": "<type>: <message>" or None, "error_step", "error_phase",
-        "state_kept": whether params and grad_data equal the snapshot taken right
-        before the call that raised (None when nothing raised)}.
-    DIR/results.json (rank 0)   {"<config>/<scenario>": {"error", "error_step",
-        "error_phase", "state_kept"}} plus "_meta".
+        step (after finish_grad_sync), "params": [[tensor]] per step (after its first
+        forward: the params it computes with; the last entry is after the final
+        forward), "grad_norms": [float], "error": "<type>: <message>" or None,
+        "error_step", "error_phase", "error_is_runtime_error", "state_kept": whether
+        params and grad_data equal the snapshot taken right before the call that
+        raised, "pending_state_kept": the same for the params and for the grad_data of
+        the bucket groups whose gather was pending then (None when nothing raised or no
+        snapshot was taken)}.
+    DIR/results.json (rank 0)   {"<config>/<scenario>": the scalar fields above, and
+        "reentry_errors", "reentry_state_kept"} plus "_meta".
 A scenario that raises stops at that point; the error is recorded, not re-raised, so
 that the pristine tree's assertions are data. The errors are deterministic, so every
 rank raises at the same call (no rank is left waiting in a collective).
@@ -99,17 +102,26 @@ def _pending_works(s):
 
 
 def snapshot(s):
+    """(params, grad_data of every bucket, whether its bucket group has a gather pending)."""
     _pending_works(s)
+    pending = [g.param_gather_handle is not None for g in s.bucket_groups for _ in g.buckets]
     return (
         [p.detach().clone() for p in s.params],
         [gd.clone() for gd in s.grad_datas()],
+        pending,
     )
 
 
-def state_equals(s, snap):
-    params, grads = snap
+def state_equals(s, snap, pending_only=False):
+    """Params and grad_data (of the buckets whose gather was pending, if pending_only)
+    bitwise equal to `snap`."""
+    params, grads, pending = snap
     ok = all(torch.equal(p.detach(), q) for p, q in zip(s.params, params))
-    ok &= all(torch.equal(g, h) for g, h in zip(s.grad_datas(), grads))
+    ok &= all(
+        torch.equal(g, h)
+        for g, h, was_pending in zip(s.grad_datas(), grads, pending)
+        if was_pending or not pending_only
+    )
     return ok
 
 
@@ -265,7 +277,8 @@ def run(scenario: Scenario, dtype, fp32_grad, bucket_size):
     set_forward(s, scenario.forward)
     phase = Phase(s, scenario.snap_phases)
     rec = {"main_grads": [], "params": [], "grad_norms": [], "error": None}
-    rec.update(error_step=None, error_phase=None, state_kept=None)
+    rec.update(error_step=None, error_phase=None, error_is_runtime_error=None)
+    rec.update(state_kept=None, pending_state_kept=None)
     k = 0
     try:
         for k in range(STEPS):
@@ -278,6 +291,8 @@ def run(scenario: Scenario, dtype, fp32_grad, bucket_size):
                 with ctx:
                     phase("forward")
                     out = s.ddp(s.batch(k, mb))
+                    if mb == 0:  # the params this step computes with
+                        rec["params"].append([p.detach().clone() for p in s.params])
                     phase("backward")
                     out.float().pow(2).mean().backward()
             scenario.after_backward(s, k, phase)
@@ -287,7 +302,6 @@ def run(scenario: Scenario, dtype, fp32_grad, bucket_size):
             phase("optimizer_step")
             rec["grad_norms"].append(float(s.opt.step()[1]))
             scenario.after_step(s, k, phase)
-            rec["params"].append([p.detach().clone() for p in s.params])
         k = STEPS
         phase("final_forward")
         set_forward(s, _forward_full)
@@ -298,8 +312,10 @@ def run(scenario: Scenario, dtype, fp32_grad, bucket_size):
         if os.environ.get("LAYERWISE_WORKER_DEBUG"):
             traceback.print_exc()
         rec.update(error=f"{type(exc).__name__}: {exc}", error_step=k, error_phase=phase.name)
+        rec["error_is_runtime_error"] = isinstance(exc, RuntimeError)
         if phase.snap is not None:
             rec["state_kept"] = all_ranks(state_equals(s, phase.snap))
+            rec["pending_state_kept"] = all_ranks(state_equals(s, phase.snap, pending_only=True))
     rec["reentry_errors"] = s.reentry_errors
     rec["reentry_state_kept"] = s.reentry_state_kept
     return rec
@@ -325,10 +341,23 @@ def main(argv=None):
     for cfg in args.configs.split(","):
         dname, gname, bname = cfg.split("-")
         for name in args.scenarios.split(","):
-            rec = run(SCENARIOS[name](), DTYPES[dname], gname == "fp32grad", 1 if bname == "many" else None)
+            rec = run(
+                SCENARIOS[name](),
+                DTYPES[dname],
+                gname == "fp32grad",
+                1 if bname == "many" else None,
+            )
             torch.save(rec, out / f"{cfg}.{name}.rank{rank}.pt")
-            keys = ("error", "error_step", "error_phase", "state_kept", "reentry_errors",
-                    "reentry_state_kept")
+            keys = (
+                "error",
+                "error_step",
+                "error_phase",
+                "error_is_runtime_error",
+                "state_kept",
+                "pending_state_kept",
+                "reentry_errors",
+                "reentry_state_kept",
+            )
             summary[f"{cfg}/{name}"] = {k: rec[k] for k in keys}
             dist.barrier()
     if rank == 0:

@@ -9,9 +9,10 @@ steps on 2 gloo ranks with real DDP and LayerWiseDistributedOptimizer, once on e
 - pristine: what it does (correct, or the assertion it trips);
 - patched, where the right result is well defined: the params after every step and the
   main_grad of every step, bitwise equal to pristine's;
-- patched, where it is not (grads accumulated into a receive slot): a RuntimeError that
-  names the bucket and the pending gather, raised before anything was changed (params
-  and grad_data equal a snapshot taken right before the call that raised).
+- patched, where it is not (grads accumulated into a receive slot): a
+  LayerwiseParamGatherPendingError (a RuntimeError) that names the bucket group, the
+  param all-gather and what to do, raised before anything was changed (params and
+  grad_data equal a snapshot taken right before the call that raised).
 """
 
 from __future__ import annotations
@@ -42,8 +43,14 @@ GROUPS = {
 }
 RANKS = (0, 1)
 TIMEOUT_S = 600
-# What a guard error must name: the bucket, the pending gather, and a way out.
-GUARD_MESSAGE = re.compile(r"bucket.*(all-gather|gather).*pending|pending.*gather.*bucket", re.S)
+# A guard error: LayerwiseParamGatherPendingError (a RuntimeError) naming the bucket
+# group and the param all-gather, what to do, and that nothing was changed.
+GUARD_ERROR = "LayerwiseParamGatherPendingError"
+GUARD_MESSAGE = re.compile(
+    r"bucket group \(buckets \[.*param all-gather.*(finish_param_sync|finish_grad_sync)"
+    r".*(left as they were|Nothing was changed)",
+    re.S,
+)
 
 pytestmark = [pytest.mark.gloo]
 
@@ -122,14 +129,16 @@ def assert_trains_like_pristine(runs, group, config, scenario):
     assert_bitwise(p, u, f"{scenario}: patched vs pristine")
 
 
-def assert_guard_error(summary, step, phases):
-    """The patched guard raised a clear RuntimeError at `step` in one of `phases`,
-    leaving params and grad_data as the snapshot before that call."""
+def assert_guard_error(summary, step, phases, kept="state_kept"):
+    """The patched guard raised a clear error at `step` in one of `phases`, leaving
+    params and grad_data (`kept`: all of it, or that of the pending bucket groups) as
+    the snapshot before that call."""
     assert summary["error"] is not None, f"no error: the scenario trained silently: {summary}"
-    assert summary["error"].startswith("RuntimeError"), summary["error"]
+    assert summary["error"].startswith(GUARD_ERROR), summary["error"]
+    assert summary["error_is_runtime_error"] is True, summary
     assert GUARD_MESSAGE.search(summary["error"]), summary["error"]
     assert summary["error_step"] == step and summary["error_phase"] in phases, summary
-    assert summary["state_kept"] is True, f"params or grad_data changed before raising: {summary}"
+    assert summary[kept] is True, f"params or grad_data changed before raising: {summary}"
 
 
 def assert_pristine_assertion(summary, step, phase):
@@ -144,8 +153,11 @@ def test_baseline_trees_agree(runs):
 
 
 # --------------------------------------------------- (a) zero_grad_buffer with a gather pending
-@pytest.mark.xfail(strict=True, reason=NEEDS_GUARDS + "zero_grad_buffer/reset completes "
-                   "the pending gather first (today non-owned params come back as zeros)")
+@pytest.mark.xfail(
+    strict=True,
+    reason=NEEDS_GUARDS + "zero_grad_buffer/reset completes "
+    "the pending gather first (today non-owned params come back as zeros)",
+)
 def test_zero_grad_buffer_with_gather_pending(runs):
     """start_param_sync() after the step, then the next step's zero_grad_buffer() before
     the pre-hooks finish the gathers. Pristine: correct. Patched: equal to pristine."""
@@ -153,8 +165,11 @@ def test_zero_grad_buffer_with_gather_pending(runs):
 
 
 # --------------------------------------- (b) offload/restore of grad buffers with a gather pending
-@pytest.mark.xfail(strict=True, reason=NEEDS_GUARDS + "offload_grad_buffers completes the "
-                   "pending gather first (today gloo writes into freed storage: SIGSEGV)")
+@pytest.mark.xfail(
+    strict=True,
+    reason=NEEDS_GUARDS + "offload_grad_buffers completes the "
+    "pending gather first (today gloo writes into freed storage: SIGSEGV)",
+)
 @pytest.mark.parametrize("config", [MANY, ONE])
 def test_offload_restore_with_gather_pending(runs, config):
     """start_param_sync(), offload_grad_buffers(), restore_grad_buffers(), next step.
@@ -170,8 +185,11 @@ def test_offload_restore_with_gather_pending_pristine(runs):
 
 
 # ------------------------------------ (c) forward-only pass leaving a chained gather pending
-@pytest.mark.xfail(strict=True, reason=NEEDS_GUARDS + "zero_grad_buffer completes the "
-                   "chained gather a forward-only pass left pending")
+@pytest.mark.xfail(
+    strict=True,
+    reason=NEEDS_GUARDS + "zero_grad_buffer completes the "
+    "chained gather a forward-only pass left pending",
+)
 def test_forward_only_pass_leaves_chained_gather_pending(runs):
     """A no_grad forward over the first layers (pre-hooks on) after each step leaves
     next_param_gather_bucket_group's gather pending into the next step.
@@ -187,14 +205,20 @@ def test_prehook_bypass_pristine(runs):
     assert_pristine_assertion(summary, step=1, phase="forward")
 
 
-@pytest.mark.xfail(strict=True, reason=NEEDS_GUARDS + "grads accumulated into a pending "
-                   "receive slot raise (today finish_grad_sync copies param+grad into params)")
+@pytest.mark.xfail(
+    strict=True,
+    reason=NEEDS_GUARDS + "grads accumulated into a pending "
+    "receive slot raise (today finish_grad_sync copies param+grad into params)",
+)
 def test_prehook_bypass_raises(runs):
     """F.linear(x, layer.weight) from the parent: backward accumulates into the receive
-    slot of a pending gather. Patched: RuntimeError in step 0 (backward or
-    finish_grad_sync), params and grad_data untouched by the guard."""
+    slot of a pending gather. Patched: the guard error in step 0 (backward or
+    finish_grad_sync); params, and the grad_data of the bucket groups whose gather is
+    pending, unchanged (other bucket groups take their grads as usual)."""
     summary, _ = record(runs, "patched", "main", MANY, "bypass_prehook")
-    assert_guard_error(summary, step=0, phases={"backward", "finish_grad_sync"})
+    assert_guard_error(
+        summary, step=0, phases={"backward", "finish_grad_sync"}, kept="pending_state_kept"
+    )
 
 
 # ------------------------------------- (e) a gather pending in bucket groups that hold grads
@@ -205,11 +229,14 @@ def test_gather_after_backward_pristine(runs):
     assert_pristine_assertion(summary, step=1, phase="forward")
 
 
-@pytest.mark.xfail(strict=True, reason=NEEDS_GUARDS + "a gather pending over this step's "
-                   "grads raises (today patch 0003 waits, copies back and zeroes the grads)")
+@pytest.mark.xfail(
+    strict=True,
+    reason=NEEDS_GUARDS + "a gather pending over this step's "
+    "grads raises (today patch 0003 waits, copies back and zeroes the grads)",
+)
 def test_gather_after_backward_raises(runs):
-    """start_param_sync() between the last backward and finish_grad_sync(). Patched:
-    RuntimeError in step 0, before the gather overwrites or zeroes the grads."""
+    """start_param_sync() between the last backward and finish_grad_sync(). Patched: the
+    guard error in step 0, before the gather overwrites or zeroes the grads."""
     summary, _ = record(runs, "patched", "main", MANY, "gather_after_backward")
     assert_guard_error(summary, step=0, phases={"start_param_sync", "finish_grad_sync"})
 
@@ -223,16 +250,19 @@ def test_start_param_sync_reentry_pristine(runs):
     assert summary["reentry_state_kept"] == [True] * 3
 
 
-@pytest.mark.xfail(strict=True, reason=NEEDS_GUARDS + "start_param_sync with a gather "
-                   "pending raises a clear error, and the retry path (zero_grad_buffer) "
-                   "completes the pending gather")
+@pytest.mark.xfail(
+    strict=True,
+    reason=NEEDS_GUARDS + "start_param_sync with a gather "
+    "pending raises a clear error, and the retry path (zero_grad_buffer) "
+    "completes the pending gather",
+)
 def test_start_param_sync_reentry(runs):
-    """Patched: the second start_param_sync() raises a RuntimeError naming the bucket
-    and the pending gather, changes nothing, and the 3 steps equal pristine's."""
+    """Patched: the second start_param_sync() raises the guard error, changes nothing,
+    and the 3 steps equal pristine's."""
     summary, _ = record(runs, "patched", "main", MANY, "reentry")
     assert len(summary["reentry_errors"]) == 3, summary
     for err in summary["reentry_errors"]:
-        assert err.startswith("RuntimeError") and GUARD_MESSAGE.search(err), err
+        assert err.startswith(GUARD_ERROR) and GUARD_MESSAGE.search(err), err
     assert summary["reentry_state_kept"] == [True] * 3
     assert_trains_like_pristine(runs, "main", MANY, "reentry")
 
@@ -247,8 +277,11 @@ def test_start_grad_sync_with_gather_pending_pristine(runs):
         assert_pristine_assertion(summary, step=1, phase="forward")
 
 
-@pytest.mark.xfail(strict=True, reason=NEEDS_GUARDS + "start_grad_sync completes the "
-                   "pending gather before reducing (today it all-reduces the receive slots)")
+@pytest.mark.xfail(
+    strict=True,
+    reason=NEEDS_GUARDS + "start_grad_sync completes the "
+    "pending gather before reducing (today it all-reduces the receive slots)",
+)
 def test_start_grad_sync_with_gather_pending(runs):
     """The last layer unused in forward, start_grad_sync() called in step 0. Patched:
     step 0 equals pristine's; all 3 steps equal the same loop without the call."""
