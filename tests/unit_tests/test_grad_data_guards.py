@@ -278,9 +278,10 @@ def test_start_grad_sync_with_gather_pending_pristine(runs):
 
 
 @pytest.mark.xfail(
-    strict=True,
+    strict=False,
     reason=NEEDS_GUARDS + "start_grad_sync completes the "
-    "pending gather before reducing (today it all-reduces the receive slots)",
+    "pending gather before reducing (today it all-reduces the receive slots; whether that shows depends on when "
+    "the collective writes them: the CPU collective model may write at wait())",
 )
 def test_start_grad_sync_with_gather_pending(runs):
     """The last layer unused in forward, start_grad_sync() called in step 0. Patched:
