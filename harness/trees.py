@@ -108,7 +108,7 @@ def _tree_with_patches(base: Path, patches: list, dest: Path) -> Path:
 def make_mutant_tree(mutant_patch: Path, dest: Path) -> Path:
     """Copy the patched tree to dest/megatron and apply a mutant patch on top of it.
 
-    Mutants (tests/functional_tests/mutants/*.patch) are deliberate bugs used to prove
+    Mutants (tests/mutants/*.patch) are deliberate bugs used to prove
     that the tests catch them; they are never part of patches/.
 
     Returns:

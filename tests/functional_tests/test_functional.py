@@ -5,7 +5,7 @@ Each case trains the pristine and the patched tree on CPU gloo ranks
 patched == upstream bit for bit on lm loss, grad-norm, num-zeros (and params-norm,
 learning-rate), and both within the golden tolerance at every step.
 
-Teeth: the mutants in tests/functional_tests/mutants (deliberate bugs on top of the
+Teeth: the mutants in tests/mutants (deliberate bugs on top of the
 series) must make the default case diverge or fail. One mutant cannot show in training
 numerics at all, see INVISIBLE_TO_TRAINING; the unit tests catch it
 (tests/unit_tests/test_layerwise_param_sync.py::test_mutants_are_caught).
@@ -21,13 +21,13 @@ import pytest
 from harness.trees import REPO_ROOT, make_mutant_tree
 from tests.functional_tests.python_test_utils import run_case as rc
 
-MUTANTS_DIR = REPO_ROOT / "tests" / "functional_tests" / "mutants"
-# zeroing_only_async leaves grad_data dirty only after a *synchronous* gather (forced
-# sync at eval/checkpoint, the optimizer's gather with overlap off). In the training
-# loop each of those is followed by zero_grad_buffer() at the start of the next step
-# before any backward, so training numerics cannot change; the unit tests check the
-# invariant "grad_data is zero after every sync" directly.
-INVISIBLE_TO_TRAINING = {"zeroing_only_async"}
+MUTANTS_DIR = REPO_ROOT / "tests" / "mutants"
+# zeroing_only_in_pre_hooks leaves grad_data dirty only after a gather that no forward
+# pre-hook completes (forced sync at eval/checkpoint, free_overlap_buffers). In the
+# training loop each of those is followed by zero_grad_buffer() at the start of the next
+# step before any backward, so training numerics cannot change; the unit tests check
+# "the written region is zero after such a sync" directly.
+INVISIBLE_TO_TRAINING = {"zeroing_only_in_pre_hooks"}
 # slot_offset_shifted sends a slot of the wrong size whenever the shares are uneven:
 # the all_gather rejects it (gloo via the CPU runtime layer, NCCL too), so the run stops
 # at the first forward-time gather (iteration 2) instead of diverging.

@@ -46,6 +46,9 @@ GARBAGE = -777.0  # what non-owned params hold before a gather ("stale")
 IN_DIM = 16
 # Linear layer widths: uneven param counts, so that per-rank shares differ.
 WIDTHS = [IN_DIM, 24, 8, 40, 12, 16]
+# Identical layers: the layer-wise optimizer's shares come out equal in a single bucket
+# (2 or 4 ranks), as for a GPT's identical transformer layers.
+EQUAL_WIDTHS = [IN_DIM] * 5
 
 
 def _megatron():
@@ -86,12 +89,12 @@ class TinyNet(MegatronModule):
     in the expert-parallel buffers (reduced over the expert-DP group).
     """
 
-    def __init__(self, config, expert: bool = False):
+    def __init__(self, config, expert: bool = False, widths=WIDTHS):
         super().__init__(config=config)
         self.layers = torch.nn.ModuleList(
-            torch.nn.Linear(a, b) for a, b in zip(WIDTHS[:-1], WIDTHS[1:])
+            torch.nn.Linear(a, b) for a, b in zip(widths[:-1], widths[1:])
         )
-        self.experts = torch.nn.Linear(WIDTHS[-1], WIDTHS[-1]) if expert else None
+        self.experts = torch.nn.Linear(widths[-1], widths[-1]) if expert else None
         if self.experts is not None:
             for p in self.experts.parameters():
                 p.allreduce = False
@@ -107,7 +110,9 @@ class TinyNet(MegatronModule):
 class Setup:
     """One DDP-wrapped TinyNet and its LayerWiseDistributedOptimizer."""
 
-    def __init__(self, dtype, fp32_grad, overlap, bucket_size=None, expert=False, seed=1234):
+    def __init__(
+        self, dtype, fp32_grad, overlap, bucket_size=None, expert=False, seed=1234, widths=WIDTHS
+    ):
         torch.manual_seed(seed)
         bf16 = dtype == torch.bfloat16
         self.config = TransformerConfig(
@@ -118,7 +123,7 @@ class Setup:
             bf16=bf16,
             use_cpu_initialization=True,
         )
-        module = TinyNet(self.config, expert=expert)
+        module = TinyNet(self.config, expert=expert, widths=widths)
         if bf16:
             module = module.bfloat16()
         self.dtype = dtype
@@ -222,6 +227,26 @@ def max_abs_diff(xs, ys):
 
 def grads_all_zero(s):
     return all_ranks(all(int(torch.count_nonzero(g)) == 0 for g in s.grad_datas()))
+
+
+def written_region_zero(s, rest):
+    """After a sync into grad_data that held `rest`: in every bucket the grad_data
+    elements the gather wrote (its plan's slots and padding) are zero and the others
+    still hold `rest`. False on a tree without a gather plan (pristine)."""
+    ok = True
+    for g in s.bucket_groups:
+        for bk in g.buckets:
+            if not hasattr(bk, "layerwise_gather_plan"):
+                return all_ranks(False)
+            plan = bk.layerwise_gather_plan
+            if plan is None:  # nothing to gather in this bucket
+                ok &= bool(torch.all(bk.grad_data == rest))
+                continue
+            nbytes = plan.written_numel * bk.params_list[0].dtype.itemsize
+            n = -(-nbytes // bk.grad_data.element_size())
+            ok &= int(torch.count_nonzero(bk.grad_data[:n])) == 0
+            ok &= bool(torch.all(bk.grad_data[n:] == rest))
+    return all_ranks(ok)
 
 
 # ---------------------------------------------------------------------------- scenarios
@@ -330,7 +355,6 @@ def sc_training(dtype, fp32_grad, bucket_size, steps=4):
         "grad_norms_overlap": na,
         "grad_norms_sync": nb,
         "params_equal_across_ranks": all_ranks(same),
-        "grad_data_zero_after_sync_step": grads_all_zero(b),
         # Bitwise fingerprints, compared by the test with the pristine tree's run.
         "params_sha256_overlap": params_sha256(a.params),
         "params_sha256_sync": params_sha256(b.params),
@@ -354,7 +378,7 @@ def sc_forced_sync(dtype, fp32_grad, bucket_size):
     s.simulate_step(step=3, grad_fill=0.5)
     s.ddp.disable_forward_pre_hook(param_sync=True)
     res["idle_params_synced"] = all_ranks(s.params_equal_targets(3))
-    res["idle_grad_data_zero"] = grads_all_zero(s)
+    res["idle_written_region_zero_rest_untouched"] = written_region_zero(s, rest=0.5)
     s.ddp.enable_forward_pre_hook()
     s.ddp.zero_grad_buffer()
     with cpu_runtime.record_collectives() as gathers:
@@ -521,6 +545,103 @@ def sc_alloc(dtype, fp32_grad, bucket_size):
     return res
 
 
+class CollectiveSpy:
+    """Records each all_gather / all_gather_into_tensor call: its name and whether its
+    output (every slot of a list output) and input lie inside `storages` (untyped
+    storages, e.g. the buckets' grad_data). The calls go through unchanged."""
+
+    NAMES = ("all_gather", "all_gather_into_tensor")
+
+    def __init__(self, storages):
+        self.ranges = [(s.data_ptr(), s.data_ptr() + s.nbytes()) for s in storages]
+        self.calls = []
+
+    def inside(self, t):
+        return any(
+            lo <= t.data_ptr() and t.data_ptr() + t.numel() * t.element_size() <= hi
+            for lo, hi in self.ranges
+        )
+
+    def __enter__(self):
+        self._orig = {n: getattr(dist, n) for n in self.NAMES}
+
+        def spy(name, orig):
+            def fn(output, inp, *a, **k):
+                outs = list(output) if isinstance(output, (list, tuple)) else [output]
+                # An empty tensor has no address (data_ptr() is 0): nothing to check.
+                aliased = all(self.inside(t) for t in outs + [inp] if t.numel())
+                self.calls.append((name, aliased))
+                return orig(output, inp, *a, **k)
+
+            return fn
+
+        for n, orig in self._orig.items():
+            setattr(dist, n, spy(n, orig))
+        return self
+
+    def __exit__(self, *exc):
+        for n, orig in self._orig.items():
+            setattr(dist, n, orig)
+
+
+def expected_collective(bucket, dp_size):
+    """The collective the series' rule gives a bucket (None: nothing to gather), from its
+    per-rank shares and grad_data size: equal shares -> all_gather_into_tensor; unequal
+    -> padded all_gather_into_tensor when dp x max(share) fits in grad_data viewed as the
+    param dtype (these models' padding is far below the (dp - 1) MiB bound), else the
+    list all_gather."""
+    if dp_size == 1 or bucket.layerwise_params_list is None:
+        return None
+    shares = [sum(p.numel() for p in ps) for ps in bucket.layerwise_params_list]
+    if sum(shares) == 0:
+        return None
+    if min(shares) == max(shares):
+        return "all_gather_into_tensor"
+    g = bucket.grad_data
+    capacity = g.numel() * g.element_size() // bucket.params_list[0].dtype.itemsize
+    return "all_gather_into_tensor" if dp_size * max(shares) <= capacity else "all_gather"
+
+
+def sc_collectives(dtype, fp32_grad, bucket_size):
+    """Which collective each path calls per bucket, and that it writes into grad_data:
+    the async (pre-hook) path, the forced sync and the optimizer's synchronous gather, on
+    the uneven model and on one of identical layers (equal shares)."""
+    res = {}
+    dp = parallel_state.get_data_parallel_world_size()
+    for model, widths in (("uneven", WIDTHS), ("equal", EQUAL_WIDTHS)):
+        for path in ("async", "forced", "optimizer"):
+            s = Setup(
+                dtype,
+                fp32_grad,
+                overlap=path != "optimizer",
+                bucket_size=bucket_size,
+                widths=widths,
+            )
+            s.ddp.zero_grad_buffer()
+            s.simulate_step(step=11)
+            buckets = [b for g in s.ddp.bucket_groups for b in g.buckets]
+            expected = [e for e in (expected_collective(b, dp) for b in buckets) if e]
+            storages = {id(st): st for st in (g.untyped_storage() for g in s.grad_datas())}
+            with CollectiveSpy(storages.values()) as spy:
+                if path == "optimizer":
+                    s.opt.allgather_params()
+                else:
+                    for g in s.ddp.bucket_groups:
+                        if path == "async":
+                            g.start_param_sync()
+                            g.finish_param_sync(skip_next_bucket_dispatch=True)
+                        else:
+                            g.start_param_sync(force_sync=True)
+            key = f"{model}_{path}"
+            names = [n for n, _ in spy.calls]
+            res[f"{key}_collectives_as_rule"] = all_ranks(names == expected)
+            res[f"{key}_outputs_alias_grad_data"] = all_ranks(all(a for _, a in spy.calls))
+            res[f"{key}_params_synced"] = all_ranks(s.params_equal_targets(11))
+            res[f"{key}_calls"] = names
+            res[f"{key}_buckets"] = len(buckets)
+    return res
+
+
 def sc_small_dp(dtype, fp32_grad, bucket_size, expert=False):
     """DP size 1 (run with one rank) or expert-DP size 1 (expert=True, EP = world): the
     optimizer builds, training runs, params match the synchronous path."""
@@ -540,6 +661,7 @@ SCENARIOS = {
     "free_overlap_buffers": sc_free_overlap_buffers,
     "offload": sc_offload,
     "alloc": sc_alloc,
+    "collectives": sc_collectives,
     "small_dp": sc_small_dp,
     "expert_dp1": lambda *a: sc_small_dp(*a, expert=True),
 }

@@ -8,12 +8,13 @@ tests below assert on its JSON results.
 
 Every check runs on the patched tree. Where the behaviour differs, the pristine tree is
 run too and the test pins what it does (marked "pristine:" in the docstring): a crash,
-stale params, or the temporaries the series removes. tests/functional_tests/mutants
+stale params, or the temporaries the series removes. tests/mutants
 holds deliberate bugs; test_mutants_are_caught shows that these tests catch them.
 """
 
 from __future__ import annotations
 
+import difflib
 import json
 import time
 from pathlib import Path
@@ -31,7 +32,7 @@ from harness.trees import (
 
 WORKER = Path(__file__).with_name("layerwise_worker.py")
 PROGRESS = "[layerwise_worker] done"  # the worker's per-scenario progress line
-MUTANTS = REPO_ROOT / "tests" / "functional_tests" / "mutants"
+MUTANTS = REPO_ROOT / "tests" / "mutants"
 CONFIGS = ("bf16-fp32grad-many", "fp32-fp32grad-one")
 MAIN_SCENARIOS = "gather,microbatches,training,forced_sync,free_overlap_buffers,offload,alloc"
 
@@ -161,7 +162,6 @@ def test_training_steps_equal_the_pristine_tree(runs, world, config):
         assert r[f"grad_norms_{path}"] == u[f"grad_norms_{path}"], (path, r[f"grad_norms_{path}"], u)
     assert r["params_overlap_equal_sync"], r["params_max_abs_diff"]
     assert r["params_equal_across_ranks"]
-    assert r["grad_data_zero_after_sync_step"]
 
 
 @pytest.mark.parametrize("world,config", CASES)
@@ -261,13 +261,84 @@ def _failed_checks(results):
     return failed
 
 
-@pytest.mark.parametrize("mutant", sorted(p.stem for p in MUTANTS.glob("*.patch")))
+# The checks each mutant must fail, by "scenario.check" (2 ranks, CONFIGS[0]), and no
+# others: a mutant that fails something else (a crash, an import error) fails the test.
+MUTANT_SCENARIOS = "gather,microbatches,training,forced_sync,free_overlap_buffers"
+_PARAMS_STALE = {
+    "gather.params_equal_owner_values",
+    "forced_sync.idle_params_synced",
+    "forced_sync.params_still_synced_after_forward",
+    "forced_sync.next_step_gathers_fresh_values",
+    "forced_sync.pending_params_synced",
+    "forced_sync.pending_params_synced_after_forward",
+    "free_overlap_buffers.params_synced",
+    "free_overlap_buffers.params_synced_after_forward",
+}
+_GRADS_WRONG = {"gather.main_grad_equals_overlap_off"} | {
+    f"microbatches.mb{n}_{c}"
+    for n in (1, 2, 4)
+    for c in ("equals_overlap_off", "equals_sum_of_microbatches")
+}
+_TRAINING_DIVERGES = {"training.params_overlap_equal_sync", "training.grad_norms_equal"}
+_DIRTY_AFTER_SYNC = {
+    "forced_sync.idle_written_region_zero_rest_untouched",
+    "forced_sync.pending_grad_data_zero",
+    "free_overlap_buffers.grad_data_zero",
+}
+_RANKS_DIFFER = {"training.params_equal_across_ranks"}
+MUTANT_MUST_FAIL = {
+    # Backward accumulates onto the gathered bytes; every sync leaves grad_data dirty.
+    "no_zeroing": {"gather.grad_data_zero_after_gather"}
+    | _DIRTY_AFTER_SYNC
+    | _GRADS_WRONG
+    | _TRAINING_DIVERGES,
+    # Only syncs that no pre-hook completes leave grad_data dirty; numerics unchanged.
+    "zeroing_only_in_pre_hooks": _DIRTY_AFTER_SYNC,
+    # Rank 1's params stay stale everywhere; both training paths skip them alike, so
+    # overlap == sync still holds, but the ranks disagree.
+    "copy_back_skips_rank1": _PARAMS_STALE | _GRADS_WRONG | _RANKS_DIFFER,
+    # Wrong data in the params (equal-width padded slots, so no size error).
+    "slot_offset_shifted": _PARAMS_STALE | _GRADS_WRONG | _TRAINING_DIVERGES | _RANKS_DIFFER,
+    "padded_slots_at_exact_offsets": _PARAMS_STALE
+    | _GRADS_WRONG
+    | _TRAINING_DIVERGES
+    | _RANKS_DIFFER,
+}
+
+
+def assert_mutant_fails_exactly(runs, tree, must_fail):
+    """Run the mutant tree's checks; AssertionError unless exactly `must_fail` fail
+    (a worker that cannot start, e.g. a broken import, raises from run_worker)."""
+    res = runs(tree, 2, MUTANT_SCENARIOS, CONFIGS[:1])
+    failed = {f.split("/", 1)[1] for f in _failed_checks(res)}
+    missed, extra = must_fail - failed, failed - must_fail
+    assert (
+        not missed and not extra
+    ), f"mutant checks differ: not failed {sorted(missed)}; failed unexpectedly {sorted(extra)}"
+
+
+def test_every_mutant_has_its_checks():
+    assert set(MUTANT_MUST_FAIL) == {p.stem for p in MUTANTS.glob("*.patch")}
+
+
+@pytest.mark.parametrize("mutant", sorted(MUTANT_MUST_FAIL))
 def test_mutants_are_caught(runs, tmp_path, mutant):
-    """Each planted bug makes at least one of the checks above fail (2 ranks)."""
+    """Each planted bug fails exactly the checks named for it (2 ranks)."""
     tree = make_mutant_tree(MUTANTS / f"{mutant}.patch", tmp_path / "tree")
-    res = runs(tree, 2, "gather,microbatches,training,forced_sync", CONFIGS[:1])
-    failed = _failed_checks(res)
-    assert failed, f"mutant {mutant} was not caught by any check"
+    assert_mutant_fails_exactly(runs, tree, MUTANT_MUST_FAIL[mutant])
+
+
+def test_mutant_with_a_broken_import_fails_the_mutant_check(runs, tmp_path):
+    """A mutant that breaks the import must not count as caught."""
+    rel = "megatron/core/distributed/param_and_grad_buffer.py"
+    old = (REPO_ROOT / rel).read_text().splitlines(keepends=True)
+    i = old.index("import torch\n") + 1
+    new = old[:i] + ["import megatron.core.no_such_module  # deliberately broken\n"] + old[i:]
+    patch = tmp_path / "broken_import.patch"
+    patch.write_text("".join(difflib.unified_diff(old, new, f"a/{rel}", f"b/{rel}")))
+    tree = make_mutant_tree(patch, tmp_path / "tree")
+    with pytest.raises(AssertionError, match="no_such_module"):
+        assert_mutant_fails_exactly(runs, tree, MUTANT_MUST_FAIL["no_zeroing"])
 
 
 @pytest.mark.parametrize("k", range(1, len(series_patches())))
@@ -277,7 +348,7 @@ def test_every_prefix_of_the_series_keeps_numerics(runs, tmp_path, k):
     steps overlap == sync, on 2 ranks."""
     tree = make_prefix_tree(k, tmp_path / "tree")
     res = runs(tree, 2, "gather,microbatches,training", CONFIGS[:1])
-    failed = [f for f in _failed_checks(res) if not f.endswith("grad_data_zero_after_sync_step")]
+    failed = _failed_checks(res)
     assert not failed, f"prefix of {k} patches fails: {failed}"
 
 
@@ -291,3 +362,31 @@ def test_bf16_grad_buffer_is_an_exact_fit(runs):
     assert g["main_grad_equals_overlap_off"], g["main_grad_max_abs_diff"]
     assert all(m[f"mb{n}_equals_overlap_off"] for n in (1, 2, 4)), m
     assert a["async_bytes"] == a["forced_bytes"] == a["optimizer_bytes"] == 0, a
+
+
+COLLECTIVE_CONFIGS = ("bf16-fp32grad-many", "fp32-fp32grad-one", "bf16-samegrad-one")
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_each_path_calls_the_planned_collective_into_grad_data(runs, world):
+    """Async (pre-hook), forced and optimizer paths, on an uneven model and on identical
+    layers: one collective per bucket, the one the rule gives (all_gather_into_tensor for
+    equal shares; padded all_gather_into_tensor where dp x max share fits in grad_data,
+    else the exact-size list all_gather), with output and input inside grad_data's
+    storage; params synced. Every form is exercised somewhere."""
+    res = runs("patched", world, "collectives", COLLECTIVE_CONFIGS)
+    seen = set()
+    for cfg in COLLECTIVE_CONFIGS:
+        r = result(res, cfg, "collectives")
+        bad = [k for k, v in r.items() if v is False]
+        assert not bad, f"{cfg}: failed checks {bad}"
+        for path in ("async", "forced", "optimizer"):
+            equal_calls = r[f"equal_{path}_calls"]
+            if cfg.endswith("one"):  # a single bucket of identical layers: equal shares
+                assert equal_calls == ["all_gather_into_tensor"], (cfg, path, equal_calls)
+            seen.update((cfg, n) for n in r[f"uneven_{path}_calls"] + equal_calls)
+    assert ("fp32-fp32grad-one", "all_gather") in seen  # unequal, padding does not fit
+    # One param per bucket, one owner: padding needs world x numel; fp32 grad_data holds
+    # 2 x numel bf16 elements, so it fits at 2 ranks (padded) and not at 4 (list).
+    many = "all_gather_into_tensor" if world == 2 else "all_gather"
+    assert {n for c, n in seen if c == "bf16-fp32grad-many"} == {many}, seen

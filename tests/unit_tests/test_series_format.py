@@ -6,8 +6,10 @@ length 100); its CI rejects anything else. Every file the series touches must st
 both, in the patched tree. The pristine versions are checked too, as a control that the
 settings are upstream's (a wrong setting would fail them as well).
 
-Each patch carries a subject of at most ~75 characters, a body that says why, and
-DEP-3-style provenance lines (Origin, Forwarded, Last-Update).
+Each patch carries a real author (a name and a mail address that is not a placeholder),
+a subject of at most ~75 characters, a body that says why, DEP-3-style provenance lines
+(Origin, Forwarded, Last-Update) in the body and a Developer Certificate of Origin
+trailer (`Signed-off-by:`) as its last line.
 """
 
 from __future__ import annotations
@@ -53,7 +55,15 @@ def test_patch_header(patch):
     body = text.split("\n\n", 1)[1].split("\n---\n", 1)[0]
     assert len(body.split()) >= 40, f"{patch.name}: the message must say why (body too short)"
     for field in ("Origin:", "Forwarded:", "Last-Update:"):
-        assert field in body, f"{patch.name}: missing provenance line {field!r}"
+        assert re.search(rf"^{field} \S", body, flags=re.M), f"{patch.name}: no {field!r} line"
+    headers = re.sub(r"\n[ \t]+", " ", text.split("\n\n", 1)[0])  # unfold (RFC 5322)
+    author = re.search(r"^From: (.+) <([^>]+)>$", headers, flags=re.M)
+    assert author, f"{patch.name}: no 'From: Name <mail>' author line"
+    assert not author.group(2).endswith(".invalid") and not author.group(2).endswith("@invalid")
+    trailers = body.rstrip().splitlines()
+    signed = re.fullmatch(r"Signed-off-by: (.+) <([^>]+)>", trailers[-1])
+    assert signed, f"{patch.name}: the message must end with a Signed-off-by: trailer"
+    assert signed.groups() == author.groups(), f"{patch.name}: Signed-off-by differs from author"
 
 
 def test_series_header_names_the_base():
