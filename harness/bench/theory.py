@@ -10,7 +10,7 @@ Three designs of the receive side of the layer-wise param sync (--optimizer dist
 * **NVIDIA/Megatron-LM#3751**: receives into `grad_data` but still flattens the local
   params: only the local flatten is a temporary. It changed the overlapped (bucket) path
   only; the optimizer's synchronous `allgather_params()` stayed upstream's.
-* **this series** (patches 0004, 0005): the local params are copied straight into their
+* **this series** (patches 0004, 0007): the local params are copied straight into their
   slot of `grad_data.view(param_dtype)`: zero bytes on every path.
 
 `_flatten_dense_tensors` of exactly ONE tensor returns a view of it (no copy, 0 bytes;

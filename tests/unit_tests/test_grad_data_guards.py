@@ -54,9 +54,6 @@ GUARD_MESSAGE = re.compile(
 
 pytestmark = [pytest.mark.gloo]
 
-NEEDS_GUARDS = "the grad_data guards are not in the series yet: "
-
-
 def run_worker(tree, out: Path, scenarios: str, configs) -> dict:
     """Run the worker on 2 gloo ranks importing `tree`; return results.json.
 
@@ -153,11 +150,6 @@ def test_baseline_trees_agree(runs):
 
 
 # --------------------------------------------------- (a) zero_grad_buffer with a gather pending
-@pytest.mark.xfail(
-    strict=True,
-    reason=NEEDS_GUARDS + "zero_grad_buffer/reset completes "
-    "the pending gather first (today non-owned params come back as zeros)",
-)
 def test_zero_grad_buffer_with_gather_pending(runs):
     """start_param_sync() after the step, then the next step's zero_grad_buffer() before
     the pre-hooks finish the gathers. Pristine: correct. Patched: equal to pristine."""
@@ -165,11 +157,6 @@ def test_zero_grad_buffer_with_gather_pending(runs):
 
 
 # --------------------------------------- (b) offload/restore of grad buffers with a gather pending
-@pytest.mark.xfail(
-    strict=True,
-    reason=NEEDS_GUARDS + "offload_grad_buffers completes the "
-    "pending gather first (today gloo writes into freed storage: SIGSEGV)",
-)
 @pytest.mark.parametrize("config", [MANY, ONE])
 def test_offload_restore_with_gather_pending(runs, config):
     """start_param_sync(), offload_grad_buffers(), restore_grad_buffers(), next step.
@@ -185,11 +172,6 @@ def test_offload_restore_with_gather_pending_pristine(runs):
 
 
 # ------------------------------------ (c) forward-only pass leaving a chained gather pending
-@pytest.mark.xfail(
-    strict=True,
-    reason=NEEDS_GUARDS + "zero_grad_buffer completes the "
-    "chained gather a forward-only pass left pending",
-)
 def test_forward_only_pass_leaves_chained_gather_pending(runs):
     """A no_grad forward over the first layers (pre-hooks on) after each step leaves
     next_param_gather_bucket_group's gather pending into the next step.
@@ -205,11 +187,6 @@ def test_prehook_bypass_pristine(runs):
     assert_pristine_assertion(summary, step=1, phase="forward")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=NEEDS_GUARDS + "grads accumulated into a pending "
-    "receive slot raise (today finish_grad_sync copies param+grad into params)",
-)
 def test_prehook_bypass_raises(runs):
     """F.linear(x, layer.weight) from the parent: backward accumulates into the receive
     slot of a pending gather. Patched: the guard error in step 0 (backward or
@@ -229,11 +206,6 @@ def test_gather_after_backward_pristine(runs):
     assert_pristine_assertion(summary, step=1, phase="forward")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=NEEDS_GUARDS + "a gather pending over this step's "
-    "grads raises (today patch 0003 waits, copies back and zeroes the grads)",
-)
 def test_gather_after_backward_raises(runs):
     """start_param_sync() between the last backward and finish_grad_sync(). Patched: the
     guard error in step 0, before the gather overwrites or zeroes the grads."""
@@ -250,12 +222,6 @@ def test_start_param_sync_reentry_pristine(runs):
     assert summary["reentry_state_kept"] == [True] * 3
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=NEEDS_GUARDS + "start_param_sync with a gather "
-    "pending raises a clear error, and the retry path (zero_grad_buffer) "
-    "completes the pending gather",
-)
 def test_start_param_sync_reentry(runs):
     """Patched: the second start_param_sync() raises the guard error, changes nothing,
     and the 3 steps equal pristine's."""
@@ -277,12 +243,6 @@ def test_start_grad_sync_with_gather_pending_pristine(runs):
         assert_pristine_assertion(summary, step=1, phase="forward")
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason=NEEDS_GUARDS + "start_grad_sync completes the "
-    "pending gather before reducing (today it all-reduces the receive slots; whether that shows depends on when "
-    "the collective writes them: the CPU collective model may write at wait())",
-)
 def test_start_grad_sync_with_gather_pending(runs):
     """The last layer unused in forward, start_grad_sync() called in step 0. Patched:
     step 0 equals pristine's; all 3 steps equal the same loop without the call."""
