@@ -7,7 +7,7 @@
 #   wheel --(unzip megatron/)--> build/upstream/megatron               (pristine, read-only use)
 #   pristine + patches/series --(git am, one commit per patch)--> build/series-git
 #   build/series-git HEAD --(git archive)--> megatron/                 (patched, gitignored)
-#   requirements/lock.txt --(pip install)--> .venv                     (Python >= 3.12)
+#   requirements/lock.txt --(pip install)--> .venv                     (CPython 3.12.x)
 #   Megatron-LM core_v0.17.1 source --(verify, unpack, git init + tag)--> build/megatron-lm/core_v0.17.1
 #   that checkout --(git clone, scripts/apply_patches.sh = git am)--> build/megatron-lm/patched
 #   Megatron-LM core_v0.18.2 source --(same)--> build/megatron-lm/core_v0.18.2  (refusal tests only)
@@ -28,7 +28,8 @@
 #
 # Usage: scripts/setup.sh [--quiet]
 # Env:   PYTHON=/path/to/python3.12  use this interpreter for the venv (else python3.12,
-#        pyenv's newest 3.12/3.13, or python3 if it is >= 3.12).
+#        pyenv's oldest 3.12.x, or python3 if it is 3.12). Only 3.12: the
+#        pinned wheel's prebuilt extension (helpers_cpp) is cp312.
 #        MEGATRON_LM_SRC, MEGATRON_LM_NEXT_SRC: see above.
 #        MEGATRON_LM_NO_CLONE=1  never try the network for the checkouts.
 # Exit:  0 ready; 1 a step failed (the message says which and what to do).
@@ -55,13 +56,13 @@ mkdir -p build/stamps build/wheels
 find_python() {
     local cand
     if [[ -n "${PYTHON:-}" ]]; then echo "$PYTHON"; return; fi
-    for cand in python3.12 python3.13; do
+    for cand in python3.12; do
         if command -v "$cand" >/dev/null 2>&1 && "$cand" -c '' 2>/dev/null; then
             command -v "$cand"; return
         fi
     done
     if command -v pyenv >/dev/null 2>&1; then
-        cand="$(pyenv versions --bare 2>/dev/null | grep -E '^3\.1[2-9]\.[0-9]+$' | sort -V | head -n1 || true)"
+        cand="$(pyenv versions --bare 2>/dev/null | grep -E '^3\.12\.[0-9]+$' | sort -V | head -n1 || true)"
         if [[ -n "$cand" ]]; then echo "$(pyenv root)/versions/$cand/bin/python"; return; fi
     fi
     if command -v python3 >/dev/null 2>&1; then command -v python3; return; fi
@@ -70,9 +71,9 @@ find_python() {
 
 if [[ ! -x .venv/bin/python ]]; then
     PY="$(find_python)"
-    [[ -n "$PY" ]] || die "no Python found. Install Python >= 3.12 (e.g. 'pyenv install 3.12') or set PYTHON=/path/to/python3.12"
-    "$PY" -c 'import sys; sys.exit(0 if sys.version_info >= (3, 12) else 1)' \
-        || die "$PY is Python $("$PY" -c 'import sys; print(sys.version.split()[0])'); megatron-core $MCORE_VERSION needs >= 3.12. Set PYTHON=/path/to/python3.12"
+    [[ -n "$PY" ]] || die "no Python 3.12 found. Install it (e.g. 'pyenv install 3.12') or set PYTHON=/path/to/python3.12"
+    "$PY" -c 'import sys; sys.exit(0 if sys.version_info[:2] == (3, 12) else 1)' \
+        || die "$PY is Python $("$PY" -c 'import sys; print(sys.version.split()[0])'); the megatron-core $MCORE_VERSION wheel is cp312 (its helpers_cpp extension loads only on 3.12). Set PYTHON=/path/to/python3.12"
     "$PY" -c 'import venv, ensurepip' 2>/dev/null || die "$PY lacks venv/ensurepip (Debian: apt-get install python3.12-venv)"
     say "creating .venv from $PY"
     "$PY" -m venv .venv
