@@ -15,7 +15,7 @@ same run:
   every case, then serves timing blocks; this script asks the groups for blocks in ABBA
   order (trees in order in even rounds, reversed in odd ones) and forms the
   patched/upstream ratio per round (harness/bench/stats.py). The "control" path
-  (DDP.zero_grad_buffer, code no tree changes) is the negative control.
+  (every grad buffer's reset(), code no tree changes) is the negative control.
 * fake process group, DP 8, 64 and 512 (one process per tree, rank 0 and DP/2): counts
   only; nothing moves, so no time is measured there.
 * step memory (--step-memory DPs, "" to skip): peak memory per phase of a real training

@@ -235,7 +235,7 @@ def _timing_table(result) -> List[str]:
         "(the slowest rank's time per sync, median over the block), trees in order in even "
         "rounds and reversed in odd ones (ABBA); the ratio is the median over rounds of the "
         "per-round ratios, the CI the percentile bootstrap of that median. *control* is "
-        "`DDP.zero_grad_buffer()`, whose code is identical in every tree (source hash "
+        "every grad buffer's `reset()` (`grad_data.zero_()`), whose code is identical in every tree (source hash "
         "checked): its ratio measures the method's own bias and noise.",
         "",
     ]

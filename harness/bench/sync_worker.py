@@ -20,7 +20,7 @@ Cases: model x bucket size x path (real megatron-core objects):
   in forward order, then finish_param_sync() of every group, --overlap-param-gather);
   "forced", DistributedDataParallel.start_param_sync(force_sync=True) (eval, checkpoint
   save); "optimizer", LayerWiseDistributedOptimizer.allgather_params() (the synchronous
-  gather at the end of step() without overlap); "control", DDP.zero_grad_buffer(): code
+  gather at the end of step() without overlap); "control", every grad buffer's reset(): code
   that no tree changes (its source hash is recorded), the negative control of the timing.
 
 Per case and rank, ONE sync is counted (harness/bench/counters.py): tensor storages the
@@ -109,10 +109,10 @@ def _megatron():
 
 
 def control_code_sha(mc) -> str:
-    """sha256 of the source of what the "control" path runs: DDP.zero_grad_buffer and the
-    buffer and bucket-group reset() it calls. Equal across trees = a valid negative control."""
-    fns = (mc["DDP"].zero_grad_buffer, mc["pgb"]._ParamAndGradBuffer.reset,
-           mc["pgb"]._ParamAndGradBucketGroup.reset)  # fmt: skip
+    """sha256 of the source of what the "control" path runs: _ParamAndGradBuffer.reset().
+    Equal across trees = a valid negative control. (DDP.zero_grad_buffer() and the bucket
+    group's reset() are not: the series' guards change them.)"""
+    fns = (mc["pgb"]._ParamAndGradBuffer.reset,)
     return hashlib.sha256("".join(inspect.getsource(f) for f in fns).encode()).hexdigest()
 
 
@@ -200,8 +200,14 @@ class Setup:
         if path == "optimizer":
             return self.opt.allgather_params
         if path == CONTROL:
-            return self.ddp.zero_grad_buffer
+            return self.reset_grad_buffers
         raise ValueError(f"unknown path {path!r}; expected one of {PATHS + (CONTROL,)}")
+
+    def reset_grad_buffers(self):
+        """The negative control: every grad buffer's reset() (grad_data.zero_()), the
+        memset at the heart of DDP.zero_grad_buffer(), whose source no tree changes."""
+        for buffer in self.ddp.buffers + self.ddp.expert_parallel_buffers:
+            buffer.reset()
 
     def shares(self):
         """Per-rank shares (elements, rank order) of what each design gathers at once.
