@@ -439,5 +439,9 @@ def test_memory_worker_on_cpu_ranks_gives_equal_losses_on_both_trees(tmp_path):
     assert summary["ok"], summary["problems"]
     assert summary["losses_bitwise_equal"] and len(summary["trees"]["upstream"]["losses_hex"]) == 2
     calls = summary["trees"]["patched"]["sync_gather_calls"]
-    own = sum(b["shares"][0] for b in doc["ranks"][0]["buckets"]) * 2  # rank 0's bf16 share
-    assert calls["calls"] >= 1 and calls["wire_bytes"] == summary["trees"]["patched"]["param_bytes"] - own
+    buckets = doc["ranks"][0]["buckets"]
+    own = sum(b["shares"][0] for b in buckets) * 2  # rank 0's bf16 share
+    exact = summary["trees"]["patched"]["param_bytes"] - own
+    # The series may pad unequal shares (one all_gather_into_tensor of max share per rank).
+    padded = sum((len(b["shares"]) - 1) * max(b["shares"]) for b in buckets) * 2
+    assert calls["calls"] >= 1 and calls["wire_bytes"] in (exact, padded), (calls, exact, padded)
