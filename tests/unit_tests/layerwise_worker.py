@@ -495,6 +495,17 @@ def _collective_summary(path, calls):
     }
 
 
+def sync_bucket_groups(s, path: str) -> None:
+    """One layer-wise param sync of every bucket group of `s.ddp`: "async" is the forward
+    pre-hook pair (start_param_sync, then finish_param_sync without chaining), "forced"
+    is start_param_sync(force_sync=True) as at eval and checkpoint save."""
+    for g in s.ddp.bucket_groups:
+        if path == "async":
+            g.start_param_sync()
+            g.finish_param_sync(skip_next_bucket_dispatch=True)
+        else:
+            g.start_param_sync(force_sync=True)
+
 def sc_alloc(dtype, fp32_grad, bucket_size):
     """Bytes allocated by the layer-wise param sync (TorchDispatchMode counter)."""
     res = {}
@@ -513,12 +524,7 @@ def sc_alloc(dtype, fp32_grad, bucket_size):
         s.ddp.zero_grad_buffer()
         s.simulate_step(step=8)
         with AllocationCounter() as c, cpu_runtime.record_collectives() as calls:
-            for g in s.ddp.bucket_groups:
-                if path == "async":
-                    g.start_param_sync()
-                    g.finish_param_sync(skip_next_bucket_dispatch=True)
-                else:
-                    g.start_param_sync(force_sync=True)
+            sync_bucket_groups(s, path)
         res[f"{path}_bytes"] = c.temporary_bytes
         res[f"{path}_alloc_calls"] = c.alloc_calls
         res.update(_collective_summary(path, calls))
@@ -626,12 +632,7 @@ def sc_collectives(dtype, fp32_grad, bucket_size):
                 if path == "optimizer":
                     s.opt.allgather_params()
                 else:
-                    for g in s.ddp.bucket_groups:
-                        if path == "async":
-                            g.start_param_sync()
-                            g.finish_param_sync(skip_next_bucket_dispatch=True)
-                        else:
-                            g.start_param_sync(force_sync=True)
+                    sync_bucket_groups(s, path)
             key = f"{model}_{path}"
             names = [n for n, _ in spy.calls]
             res[f"{key}_collectives_as_rule"] = all_ranks(names == expected)
