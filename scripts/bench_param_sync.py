@@ -79,17 +79,7 @@ DEFAULTS = dict(
     block=4,
     step_memory="2,4",
 )
-QUICK = dict(
-    real_dp="2",
-    fake_dp="8",
-    fake_ranks="0",
-    models="gpt_equal,gpt_unequal",
-    real_bucket_sizes="default",
-    fake_bucket_sizes="default,250000",
-    rounds=3,
-    block=2,
-    step_memory="",
-)
+QUICK = dict(DEFAULTS, real_dp="2", fake_dp="8", fake_ranks="0", rounds=3, block=2, step_memory="")
 
 
 class WorkerError(RuntimeError):

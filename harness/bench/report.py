@@ -15,6 +15,11 @@ PATHS = ("async", "forced", "optimizer", "control")
 SHORT = {"upstream": "up", "exact_list_slots": "exact", "patched": "series", "mcore_0.19": "0.19"}
 
 
+
+def _legend(text: str) -> List[str]:
+    """A table's legend paragraph, with the blank lines around it."""
+    return ["", text, ""]
+
 def _mib(b) -> str:
     return "n/a" if b is None else ("0" if b == 0 else f"{b / 2**20:.2f}")
 
@@ -196,15 +201,12 @@ def _real_table(result) -> List[str]:
             f"{'yes' if r['shares_equal'] else 'no'} | " + " | ".join(mem) + " | "
             + " | ".join(la) + f" | {wire} |"
         )
-    lines += [
-        "",
+    return lines + _legend(
         "*MiB*: tensor storages the sync's ATen ops allocate (dispatch level); *(+NCCL)*: what "
         "ProcessGroupNCCL allocates on top (the flat output of a list `all_gather` with equal "
         "slots). *launches*: NCCL calls per sync (one per all-gather, one per broadcast of a "
-        "list `all_gather` with unequal slots). *wire*: bytes this rank receives, padding included.",
-        "",
-    ]
-    return lines
+        "list `all_gather` with unequal slots). *wire*: bytes this rank receives, padding included."
+    )
 
 
 def _timing_table(result) -> List[str]:
@@ -229,17 +231,14 @@ def _timing_table(result) -> List[str]:
             f"| {row['model']} | {row['dp_size']} | {name} | "
             f"{row['median_s'].get('upstream', float('nan')) * 1e3:.2f} | " + " | ".join(cells) + extra + " |"
         )
-    lines += [
-        "",
+    return lines + _legend(
         f"{cfg['rounds']} rounds; each round times one block of {cfg['block']} syncs per tree "
         "(the slowest rank's time per sync, median over the block), trees in order in even "
         "rounds and reversed in odd ones (ABBA); the ratio is the median over rounds of the "
         "per-round ratios, the CI the percentile bootstrap of that median. *control* is "
         "every grad buffer's `reset()` (`grad_data.zero_()`), whose code is identical in every tree (source hash "
-        "checked): its ratio measures the method's own bias and noise.",
-        "",
-    ]
-    return lines
+        "checked): its ratio measures the method's own bias and noise."
+    )
 
 
 def _fake_table(result) -> List[str]:
@@ -286,15 +285,12 @@ def _allocator_table(result) -> List[str]:
         cells = [f"{_mib(p['temporary_bytes'])} / {_mib(p['profiler_alloc_bytes'])} / {_mib(p['profiler_caller_thread_bytes'])}"
                  if p else "n/a" for p in peers]  # fmt: skip
         lines.append(f"| {r['model']} | {r['dp_size']} | {r['path']} | " + " | ".join(cells) + " |")
-    lines += [
-        "",
+    return lines + _legend(
         "*profiler*: every C++ allocation during the sync on every thread "
         "(`torch.profiler`, `profile_memory=True`); on gloo that includes gloo's own buffers "
         "(its list and flat all-gathers stage through internal tensors), which NCCL does not "
-        "have; *caller thread*: those made on the thread that ran the sync.",
-        "",
-    ]
-    return lines
+        "have; *caller thread*: those made on the thread that ran the sync."
+    )
 
 
 def _method(meta) -> List[str]:

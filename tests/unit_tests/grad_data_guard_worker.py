@@ -33,7 +33,6 @@ rank raises at the same call (no rank is left waiting in a collective).
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import os
@@ -48,7 +47,7 @@ import torch.nn.functional as F
 
 # Importing layerwise_worker installs the CPU runtime layer (MEGATRON_CPU_RUNTIME=1) and
 # imports megatron-core from the tree on PYTHONPATH.
-from layerwise_worker import DTYPES, Setup, all_ranks, parallel_state  # noqa: E402
+from layerwise_worker import DTYPES, Setup, all_ranks, parallel_state, worker_arg_parser  # noqa: E402
 
 from harness.trees import check_expected_tree  # noqa: E402
 
@@ -322,16 +321,7 @@ def run(scenario: Scenario, dtype, fp32_grad, bucket_size):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", required=True, help="output directory")
-    ap.add_argument("--scenarios", default=",".join(SCENARIOS))
-    ap.add_argument(
-        "--configs",
-        default="bf16-fp32grad-many",
-        help="comma list of <bf16|fp32>-<fp32grad|samegrad>-<many|one> "
-        "(many: about one param per bucket group, one: a single bucket)",
-    )
-    args = ap.parse_args(argv)
+    args = worker_arg_parser(__doc__, "output directory", SCENARIOS, "bf16-fp32grad-many").parse_args(argv)
     out = Path(args.out)
     dist.init_process_group(backend="gloo")
     tree = check_expected_tree()

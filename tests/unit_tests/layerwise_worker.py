@@ -684,16 +684,20 @@ def _forced_failure():
     return name, int(rank)
 
 
+def worker_arg_parser(doc: str, out_help: str, scenarios, default_configs: str) -> argparse.ArgumentParser:
+    """The command line shared by the rank workers: --out, --scenarios, --configs."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
+    ap.add_argument("--out", required=True, help=out_help)
+    ap.add_argument("--scenarios", default=",".join(scenarios))
+    ap.add_argument("--configs", default=default_configs,
+                    help="comma list of <bf16|fp32>-<fp32grad|samegrad>-<many|one> "
+                    "(many: about one param per bucket, one: a single bucket)")
+    return ap
+
+
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", required=True, help="JSON results path (written by rank 0)")
-    ap.add_argument("--scenarios", default=",".join(SCENARIOS))
-    ap.add_argument(
-        "--configs",
-        default="bf16-fp32grad-many,fp32-fp32grad-one",
-        help="comma list of <bf16|fp32>-<fp32grad|samegrad>-<many|one> "
-        "(many: small buckets, one: a single bucket)",
-    )
+    ap = worker_arg_parser(__doc__, "JSON results path (written by rank 0)", SCENARIOS,
+                           "bf16-fp32grad-many,fp32-fp32grad-one")
     ap.add_argument("--expert-parallel", type=int, default=1)
     args = ap.parse_args(argv)
 

@@ -141,24 +141,7 @@ def test_wire_bytes_are_the_other_ranks_shares(bench):
             assert r["wire_bytes"] == want, r
 
 
-def _series_is_the_exact_list_slot_design() -> bool:
-    """True while megatron/ (the series) is byte-identical to the exact_list_slots tree in
-    the files the series touches: the collective choice has not landed in patches/ yet."""
-    import filecmp
-
-    from harness.bench.trees import comparison_tree
-
-    exact = comparison_tree("exact_list_slots") / "megatron"
-    files = ("core/distributed/param_and_grad_buffer.py", "core/optimizer/layer_wise_optimizer.py")
-    return all(filecmp.cmp(REPO_ROOT / "megatron" / f, exact / f, shallow=False) for f in files)
-
-
 @pytest.mark.gloo
-@pytest.mark.xfail(
-    condition=_series_is_the_exact_list_slot_design(),
-    reason="the series still receives equal shares through a list all_gather (NCCL flat temporary)",
-    strict=True,
-)
 def test_series_receives_without_temporaries(bench):
     """The series: no tensor allocated and nothing NCCL would allocate, in every record;
     one launch per bucket wherever the shares are equal; wire bytes at least the exact
