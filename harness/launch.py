@@ -41,11 +41,10 @@ from harness.trees import REPO_ROOT, env_for_tree
 
 #: Read by ``harness.cpu_runtime.install_if_requested`` in every rank.
 CPU_RUNTIME_ENV = "MEGATRON_CPU_RUNTIME"
-#: The training entry point that ``pretrain_command`` launches by default.
-PRETRAIN_SCRIPT = Path(__file__).resolve().parent / "pretrain_gpt.py"
-#: Megatron-LM's own pretrain_gpt.py from the checkout, through the thin CPU launcher
-#: (``harness/upstream_pretrain_gpt.py``); the functional cases train through it.
-UPSTREAM_PRETRAIN_SCRIPT = Path(__file__).resolve().parent / "upstream_pretrain_gpt.py"
+#: The training entry point that ``pretrain_command`` launches: Megatron-LM's own
+#: ``pretrain_gpt.py`` from the checkout, through the thin launcher
+#: ``harness/upstream_pretrain_gpt.py`` (CPU runtime layer, tree check, clean rank exit).
+PRETRAIN_SCRIPT = Path(__file__).resolve().parent / "upstream_pretrain_gpt.py"
 
 #: Flags every harness run gets, on CPU and GPU alike (UPSTREAM_NOTES, "What the CPU prototype
 #: needed"): megatron-core's local layers, init on CPU, and none of the fused kernels that only
@@ -202,9 +201,9 @@ def pretrain_command(
     extra_env: Optional[Dict[str, str]] = None,
     script: Union[str, Path] = PRETRAIN_SCRIPT,
 ) -> Tuple[List[str], Dict[str, str]]:
-    """The torchrun command and environment that train ``harness.pretrain_gpt`` on ``tree``.
+    """The torchrun command and environment that train upstream's ``pretrain_gpt.py`` on ``tree``.
 
-    ``torchrun_command`` of ``harness/pretrain_gpt.py`` with ``--distributed-backend``
+    ``torchrun_command`` of ``PRETRAIN_SCRIPT`` with ``--distributed-backend``
     (gloo on CPU, nccl on GPUs), then ``RUNTIME_FLAGS``, then ``megatron_args``.
 
     Args:
@@ -215,8 +214,7 @@ def pretrain_command(
         cpu: gloo + ``MEGATRON_CPU_RUNTIME=1``; False: NCCL on GPUs.
         runtime_flags: prepend ``RUNTIME_FLAGS``.
         extra_env: merged into the environment last.
-        script: the entry point; ``UPSTREAM_PRETRAIN_SCRIPT`` runs upstream's own
-            pretrain_gpt.py (same flags).
+        script: the entry point (default ``PRETRAIN_SCRIPT``).
 
     Returns:
         ``(argv, env)``, as ``torchrun_command``.
@@ -375,7 +373,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         python -m harness.launch [opts] pretrain [--tiny-gpt ITERS] [-- MEGATRON_ARGS...]
         python -m harness.launch [opts] script PATH [-- SCRIPT_ARGS...]
 
-    ``pretrain`` trains harness/pretrain_gpt.py; ``--tiny-gpt ITERS`` puts
+    ``pretrain`` trains upstream's pretrain_gpt.py (``PRETRAIN_SCRIPT``); ``--tiny-gpt ITERS`` puts
     ``tiny_gpt_args(ITERS)`` before MEGATRON_ARGS (later flags win). ``--dry-run`` prints
     the command (``format_command``: ``env VAR=... python -m torch.distributed.run ...``,
     runnable as is from any directory) and exits 0; otherwise the command runs in the
@@ -395,7 +393,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                     help="extra environment for the ranks (repeatable)")
     ap.add_argument("--dry-run", action="store_true", help="print the command instead of running it")
     sub = ap.add_subparsers(dest="what", required=True)
-    pp = sub.add_parser("pretrain", help="train harness/pretrain_gpt.py")
+    pp = sub.add_parser("pretrain", help="train Megatron-LM's pretrain_gpt.py")
     pp.add_argument("--tiny-gpt", type=int, metavar="ITERS", help="start from tiny_gpt_args(ITERS)")
     pp.add_argument("args", nargs="*")
     sp = sub.add_parser("script", help="run a Python file on every rank")

@@ -1,21 +1,24 @@
 """Run Megatron-LM's own ``pretrain_gpt.py`` (from a checkout) with the CPU runtime layer.
 
-The thin launcher of the functional cases: everything that trains is upstream's code, the
+The harness's one training entry (``harness.launch.PRETRAIN_SCRIPT``: functional cases, the
+GPU check, ``python -m harness.launch pretrain``): everything that trains is upstream's code, the
 entry point users launch included (``pretrain_gpt.py``, its ``model_provider.py`` and
 ``gpt_builders.py``, ``megatron.training.pretrain``). This file only does what that entry
 cannot do on CPU, before it runs:
 
 1. ``harness.cpu_runtime.install_if_requested()`` (``MEGATRON_CPU_RUNTIME=1``), before megatron
    is imported: megatron binds ``torch.compile``, the CUDA RNG helpers and device defaults
-   at import time.
+   at import time. ``MEGATRON_SHARED_GPU=1`` (the GPU check on one GPU) installs
+   ``harness.gpu_check.shared_gpu``: several gloo ranks on one GPU.
 2. Import path: the megatron tree selected by ``PYTHONPATH`` (``harness.trees.env_for_tree``:
    pristine, patched or a mutant tree) stays first; the checkout root is appended after it,
    so that ``pretrain_gpt.py`` finds ``model_provider``/``gpt_builders`` there while
    ``megatron`` still comes from the selected tree (the checkout's own ``megatron/`` is
    byte-identical to the pristine wheel tree's Python files). ``MEGATRON_EXPECT_TREE`` is
    checked (``harness.trees.check_expected_tree``): a run never trains on the wrong tree.
-3. ``torch.distributed.destroy_process_group()`` after ``pretrain`` returns: a gloo group left
-   alive at interpreter exit can abort the process.
+3. After ``pretrain`` returns, ``harness.ranks.end_training_rank()``: writers closed, a
+   barrier, ``os._exit(0)``; a gloo group torn down at interpreter exit can abort the process.
+   On an exception the process group is destroyed and the exception re-raised.
 
 Then ``pretrain_gpt.py`` runs as ``__main__`` with the command line unchanged (upstream's
 flag names). Usage, as ``harness.launch.pretrain_command`` builds it::
@@ -27,7 +30,7 @@ Environment: ``MEGATRON_LM_CHECKOUT`` (the checkout whose ``pretrain_gpt.py`` ru
 ``build/megatron-lm/core_v0.17.1``, built by ``scripts/setup.sh``, else ``$MEGATRON_LM``, the
 user's checkout that ``scripts/launch_pretrain_gpt.sh`` and the Docker image use; the series
 does not touch ``pretrain_gpt.py``, so a patched checkout serves as well),
-``MEGATRON_CPU_RUNTIME``, ``MEGATRON_EXPECT_TREE``.
+``MEGATRON_CPU_RUNTIME``, ``MEGATRON_SHARED_GPU``, ``MEGATRON_EXPECT_TREE``.
 """
 
 from __future__ import annotations
@@ -69,6 +72,9 @@ def main() -> None:
     from harness import cpu_runtime
 
     cpu_runtime.install_if_requested()
+    from harness.gpu_check import shared_gpu
+
+    shared_gpu.install_if_requested()
     entry = checkout_entry()
     sys.path.append(str(entry.parent))
     from harness.trees import check_expected_tree

@@ -26,7 +26,7 @@ Two gloo ranks on one GPU need three things megatron does not do by itself:
   are done when the block ends. NCCL groups keep torch's manager. megatron binds the name at
   import; modules imported earlier are rebound.
 
-``harness/pretrain_gpt.py`` calls ``install_if_requested()``, which acts when
+``harness/upstream_pretrain_gpt.py`` calls ``install_if_requested()``, which acts when
 ``MEGATRON_SHARED_GPU=1``; the GPU check's memory worker calls ``install_collectives()``.
 """
 

@@ -1,7 +1,7 @@
 """Check megatron command lines with megatron.training's own parser, on CPU.
 
 `megatron.training.arguments.parse_args` + `validate_args` are what upstream's pretrain_gpt.py
-(and our harness.pretrain_gpt) run first, and `validate_args` holds the cross-flag rules that
+runs first, and `validate_args` holds the cross-flag rules that
 matter here: `--overlap-param-gather` needs `--overlap-grad-reduce` and a layer-wise or
 distributed optimizer, Muon forbids `--use-distributed-optimizer`, and so on. Neither needs a
 GPU. All cases run in one long-lived subprocess per tree (importing megatron.training takes

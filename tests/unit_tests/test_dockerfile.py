@@ -176,7 +176,7 @@ def test_the_image_ships_the_gpu_check_and_what_it_runs(df):
     repo_copy = [s for s in instructions(df, "COPY") if s["value"].split()[0] == "."]
     assert repo_copy, "the repo is copied into the image"
     needed = ["scripts/gpu_check.sh", "harness/gpu_check/__main__.py", "harness/gpu_check/memory_worker.py",
-              "harness/pretrain_gpt.py", "harness/launch.py", "tests/functional_tests/python_test_utils/run_case.py",
+              "harness/upstream_pretrain_gpt.py", "harness/launch.py", "tests/functional_tests/python_test_utils/run_case.py",
               "scripts/launch_pretrain_gpt.sh", "scripts/apply_patches.sh"]
     for rel in needed:
         assert (ROOT / rel).is_file() and in_context(rel), rel

@@ -119,7 +119,7 @@ def test_one_gpu_runs_dp2_on_cuda0_with_gloo_on_both_trees(one_gpu):
                 assert args[args.index("--backend") + 1] == "gloo"
                 assert Path(args[args.index("--out") + 1]).name == f"{x['tree']}.json"
             else:
-                assert script.name == "pretrain_gpt.py"
+                assert script.name == "upstream_pretrain_gpt.py"
 
 
 def test_functional_launch_is_the_default_case_on_gloo_for_megatron(one_gpu, two_gpus):

@@ -41,7 +41,7 @@ def test_cli_pretrain_upstream_four_ranks():
                                  "--", "--seed", "7")
     assert rc == 0, err
     assert argv[1:7] == ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
-                         str(REPO_ROOT / "harness" / "pretrain_gpt.py")]
+                         str(REPO_ROOT / "harness" / "upstream_pretrain_gpt.py")]
     assert env["PYTHONPATH"].split(os.pathsep)[0] == str(REPO_ROOT / "build" / "upstream")
     assert env["MEGATRON_EXPECT_TREE"] == str(REPO_ROOT / "build" / "upstream" / "megatron")
     assert env["MEGATRON_CPU_RUNTIME"] == "1"

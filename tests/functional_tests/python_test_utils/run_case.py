@@ -4,10 +4,10 @@ The main job of the harness (scripts/run_functional_test.sh calls this module). 
 test case folder ``tests/functional_tests/test_cases/<model>/<case>/``:
 
 1. ``model_config.yaml`` (Megatron's layout: ENV_VARS, MODEL_ARGS, METRICS, TEST_TYPE;
-   ours adds NPROC_PER_NODE) becomes a ``harness.pretrain_gpt`` command line, or with
-   ``--entry upstream`` one of Megatron-LM's own ``pretrain_gpt.py`` (from the checkout
-   ``scripts/setup.sh`` builds, through ``harness/upstream_pretrain_gpt.py``, which only
-   installs the CPU runtime layer and selects the megatron tree); ``${VAR}``
+   ours adds NPROC_PER_NODE) becomes a command line of Megatron-LM's own
+   ``pretrain_gpt.py`` (from the checkout ``scripts/setup.sh`` builds, through
+   ``harness/upstream_pretrain_gpt.py``, which only installs the CPU runtime layer and
+   selects the megatron tree); ``${VAR}``
    in MODEL_ARGS expands to DATA_PATH, TENSORBOARD_PATH, CHECKPOINT_SAVE_PATH,
    CHECKPOINT_LOAD_PATH.
 2. Both variants train with torchrun: CPU gloo ranks by default (``--device cpu``), NCCL
@@ -223,13 +223,6 @@ def failure_cause(stderr_log: Path) -> str:
     return "no error line in stderr"
 
 
-#: Training entry points (``--entry``): ours (``harness/pretrain_gpt.py``, the default while
-#: the golden values come from it) or Megatron-LM's own ``pretrain_gpt.py`` from the checkout
-#: through the thin CPU launcher ``harness/upstream_pretrain_gpt.py``.
-ENTRY_SCRIPTS = {"harness": launch.PRETRAIN_SCRIPT, "upstream": launch.UPSTREAM_PRETRAIN_SCRIPT}
-ENTRY = ["harness"]  # the entry of this process's runs (main() sets it from --entry)
-
-
 def run_variant(
     case: Case,
     variant,
@@ -265,7 +258,6 @@ def run_variant(
             res.wall_s = launch.run_pretrain(
                 variant, args, case.nproc, run_dir=out_dir, cpu=cpu, timeout_s=timeout_s,
                 extra_env={**case.env_vars, **(extra_env or {})},
-                script=ENTRY_SCRIPTS[ENTRY[0]],
             )
         print(f"  [{label}] done in {res.wall_s:.1f} s", flush=True)
         res.metrics = tbr.write_run_metrics(
@@ -305,7 +297,7 @@ def resume_check(case, variant, out_dir, variables, cpu, timeout_s, straight) ->
     with Progress(f"{label} (resume)", resume_dir / "stdout.log"):
         straight.wall_s += launch.run_pretrain(
             variant, args, case.nproc, run_dir=resume_dir, cpu=cpu, timeout_s=timeout_s,
-            extra_env=case.env_vars, script=ENTRY_SCRIPTS[ENTRY[0]],
+            extra_env=case.env_vars,
         )
     resumed = tbr.read_run_metrics(
         resume_dir / "tensorboard", tags=case.metrics, start_step=k + 1, end_step=case.train_iters
@@ -489,11 +481,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                     help="rewrite golden values from this run (refused unless patched == upstream)")
     ap.add_argument("--timeout", type=float, default=900, help="seconds per training run")
     ap.add_argument("--list", action="store_true", help="list the cases and exit")
-    ap.add_argument("--entry", choices=sorted(ENTRY_SCRIPTS), default="harness",
-                    help="training entry: harness/pretrain_gpt.py (default) or Megatron-LM's own "
-                    "pretrain_gpt.py from the checkout (upstream)")
     args = ap.parse_args(argv)
-    ENTRY[0] = args.entry
     if args.list:
         print("\n".join(all_cases()))
         return 0
