@@ -406,7 +406,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if not sep or not key:
             ap.error(f"--env wants VAR=VALUE, got {item!r}")
         extra[key] = value
-    tree = None if ns.tree == "none" else ns.tree
+    tree = None if ns.tree == "none" else ns.tree if ns.tree in ("upstream", "patched") else Path(ns.tree)
     cpu = ns.device == "cpu"
     try:
         if ns.what == "pretrain":

@@ -9,7 +9,8 @@ Each sync is profiled on its own (``torch.profiler.profile`` around the sync onl
 unprofiled ``reset()`` and a barrier), so the reset's ``zero_`` is not counted. Times are
 the ops' self CPU time summed over every thread of the process: gloo runs collectives on
 its own threads, so the ``collective`` row is the work of those threads plus the caller's
-wait, and rows can add up to more than the wall time.
+wait, and rows can add up to more than the wall time. Waiting on a transfer that gloo's
+threads run outside any op shows up only as *wall - ops*.
 """
 
 from __future__ import annotations
@@ -83,7 +84,10 @@ def table(records: List[dict]) -> str:
         labels = [c for c, _ in CATEGORIES] + ["other"]
         for label in labels:
             out.append(f"| {label} | " + " | ".join(f"{by_tree[t]['categories'].get(label, 0.0):.2f}" for t in trees) + " |")
+        out.append("| **ops, all categories** | " + " | ".join(f"{sum(by_tree[t]['categories'].values()):.2f}" for t in trees) + " |")
         out.append("| wall (median) | " + " | ".join(f"{by_tree[t]['wall_ms']:.2f}" for t in trees) + " |")
+        out.append("| wall - ops: waiting on the transfer | " + " | ".join(
+            f"{by_tree[t]['wall_ms'] - sum(by_tree[t]['categories'].values()):.2f}" for t in trees) + " |")
         tops = []
         for t in trees:
             ops = sorted(by_tree[t]["ops"].items(), key=lambda kv: -kv[1]["self_ms"])[:4]

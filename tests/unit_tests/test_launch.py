@@ -69,6 +69,15 @@ def test_cli_script_keeps_its_arguments():
                                                      "--scenarios", "gather"]
 
 
+def test_cli_tree_directory_selects_that_tree():
+    """``--tree DIR`` (a directory holding megatron/, e.g. the pristine tree's parent)."""
+    tree = REPO_ROOT / "build" / "upstream"
+    rc, env, _, err = dry_run("--tree", str(tree), "pretrain", "--tiny-gpt", "10")
+    assert rc == 0, err
+    assert env["PYTHONPATH"].split(os.pathsep)[0] == str(tree)
+    assert env["MEGATRON_EXPECT_TREE"] == str(tree / "megatron")
+
+
 @pytest.mark.parametrize("bad", [("--nproc", "0", "pretrain"), ("script", "no/such/file.py"),
                                  ("--tree", "no-such-tree", "pretrain"), ("--env", "NOEQUALS", "pretrain")])
 def test_cli_bad_input_exits_2_with_a_message(bad):
