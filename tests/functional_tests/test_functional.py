@@ -28,11 +28,12 @@ MUTANTS_DIR = REPO_ROOT / "tests" / "mutants"
 # step before any backward, so training numerics cannot change; the unit tests check
 # "the written region is zero after such a sync" directly.
 INVISIBLE_TO_TRAINING = {"zeroing_only_in_pre_hooks"}
-# These two may stop the run at the first forward-time gather (iteration 2) instead of
-# diverging: slot_offset_shifted sends a slot of the wrong size to the exact-size list
-# all_gather wherever a bucket uses it (the collective rejects it); with padded or equal
-# slots it only gathers wrong values. padded_slots_at_exact_offsets makes a rank fail
-# in iteration 2 on this case (measured). Either outcome is a failure during training.
+# These two may stop the run instead of only diverging: slot_offset_shifted sends a slot of
+# the wrong size to the exact-size list all_gather wherever a bucket uses it (the collective
+# rejects it); with padded or equal slots it gathers wrong values, training diverges and
+# upstream's loss function finds NaN in the final evaluation (measured: the run fails after
+# iteration 50, verdict "diverged" from step 2). padded_slots_at_exact_offsets makes a rank
+# fail in iteration 2 on this case (measured). Either outcome is a failure during training.
 CRASHES_IN_TRAINING = {"slot_offset_shifted", "padded_slots_at_exact_offsets"}
 MUTANTS = sorted(p.stem for p in MUTANTS_DIR.glob("*.patch"))
 

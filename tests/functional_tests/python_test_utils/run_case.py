@@ -274,6 +274,17 @@ def run_variant(
             f"{label} run failed after iteration {res.iterations_completed}: "
             f"{failure_cause(log_dir / 'stderr.log')} (logs in {log_dir})"
         )
+        if log_dir == out_dir and res.iterations_completed == case.train_iters:
+            # Every training step was logged and the failure came after them (e.g. the
+            # final evaluation's NaN check in upstream's loss function): compare those steps
+            # too, so that a divergence during training is reported as such. The failure
+            # stays: such a run is never "identical".
+            try:
+                res.metrics = tbr.write_run_metrics(
+                    out_dir / "tensorboard", out_dir, tags=case.metrics, end_step=case.train_iters
+                )
+            except tbr.TensorboardReadError:
+                pass
     except tbr.TensorboardReadError as e:
         res.failures.append(f"{label}: no metrics: {e}")
     return res
