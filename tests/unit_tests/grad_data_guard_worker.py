@@ -92,12 +92,15 @@ def set_forward(s, fn):
 
 # ----------------------------------------------------------------------------- snapshots
 def _pending_works(s):
-    """Wait on the work objects of every pending gather without consuming the handles,
-    so that a snapshot of grad_data is not racing a receive still in flight."""
+    """Wait on the work objects of every pending gather and of every grad reduction in
+    flight (backward starts them with --overlap-grad-reduce) without consuming the handles,
+    so that a snapshot of grad_data is not racing a collective that still writes there."""
     for g in s.bucket_groups:
         h = g.param_gather_handle
         for work in getattr(h, "handles", None) or []:
             work.wait()
+        if g.grad_reduce_handle is not None:
+            g.grad_reduce_handle.wait()
 
 
 def snapshot(s):
