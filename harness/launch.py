@@ -37,7 +37,7 @@ import time
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple, Union
 
-from harness.trees import REPO_ROOT, env_for_tree
+from harness.trees import REPO_ROOT, TREES, env_for_tree
 
 #: Read by ``harness.cpu_runtime.install_if_requested`` in every rank.
 CPU_RUNTIME_ENV = "MEGATRON_CPU_RUNTIME"
@@ -199,7 +199,6 @@ def pretrain_command(
     cpu: bool = True,
     runtime_flags: bool = True,
     extra_env: Optional[Dict[str, str]] = None,
-    script: Union[str, Path] = PRETRAIN_SCRIPT,
 ) -> Tuple[List[str], Dict[str, str]]:
     """The torchrun command and environment that train upstream's ``pretrain_gpt.py`` on ``tree``.
 
@@ -214,7 +213,6 @@ def pretrain_command(
         cpu: gloo + ``MEGATRON_CPU_RUNTIME=1``; False: NCCL on GPUs.
         runtime_flags: prepend ``RUNTIME_FLAGS``.
         extra_env: merged into the environment last.
-        script: the entry point (default ``PRETRAIN_SCRIPT``).
 
     Returns:
         ``(argv, env)``, as ``torchrun_command``.
@@ -223,7 +221,7 @@ def pretrain_command(
         ValueError / FileNotFoundError: as ``torchrun_command``.
     """
     return torchrun_command(
-        script,
+        PRETRAIN_SCRIPT,
         ["--distributed-backend", "gloo" if cpu else "nccl",
          *(RUNTIME_FLAGS if runtime_flags else ()), *megatron_args],
         nproc, tree=tree, cpu=cpu, extra_env=extra_env,
@@ -344,12 +342,11 @@ def run_pretrain(
     runtime_flags: bool = True,
     extra_env: Optional[Dict[str, str]] = None,
     tail_lines: int = 40,
-    script: Union[str, Path] = PRETRAIN_SCRIPT,
 ) -> float:
     """Run one training job (``pretrain_command``) and wait for it (``run_command``).
 
     Args:
-        tree, megatron_args, nproc, cpu, runtime_flags, extra_env, script: see
+        tree, megatron_args, nproc, cpu, runtime_flags, extra_env: see
             ``pretrain_command``.
         run_dir, timeout_s, tail_lines: see ``run_command``.
 
@@ -360,7 +357,7 @@ def run_pretrain(
         LaunchError: any rank failed, or the timeout passed (see ``run_command``).
     """
     argv, env = pretrain_command(tree, megatron_args, nproc, cpu=cpu, runtime_flags=runtime_flags,
-                                 extra_env=extra_env, script=script)
+                                 extra_env=extra_env)
     return run_command(argv, env, run_dir=run_dir, timeout_s=timeout_s, what=f"{tree} run",
                        tail_lines=tail_lines)
 
@@ -406,7 +403,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if not sep or not key:
             ap.error(f"--env wants VAR=VALUE, got {item!r}")
         extra[key] = value
-    tree = None if ns.tree == "none" else ns.tree if ns.tree in ("upstream", "patched") else Path(ns.tree)
+    tree = None if ns.tree == "none" else ns.tree if ns.tree in TREES else Path(ns.tree)
     cpu = ns.device == "cpu"
     try:
         if ns.what == "pretrain":

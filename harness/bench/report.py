@@ -15,10 +15,10 @@ PATHS = ("async", "forced", "optimizer", "control")
 SHORT = {"upstream": "up", "exact_list_slots": "exact", "patched": "series", "mcore_0.19": "0.19"}
 
 
-
 def _legend(text: str) -> List[str]:
     """A table's legend paragraph, with the blank lines around it."""
     return ["", text, ""]
+
 
 def _mib(b) -> str:
     return "n/a" if b is None else ("0" if b == 0 else f"{b / 2**20:.2f}")

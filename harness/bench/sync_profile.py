@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 import time
 from collections import defaultdict
 from typing import Dict, List
@@ -75,19 +76,20 @@ def table(records: List[dict]) -> str:
     groups: Dict[tuple, Dict[str, dict]] = defaultdict(dict)
     for rec in records:
         groups[(rec["model"], rec["dp_size"], rec["path"])][rec["tree"]] = rec["profile"]
+    labels = [c for c, _ in CATEGORIES] + ["other"]
     out = []
     for (model, dp, path), by_tree in sorted(groups.items()):
         trees = list(by_tree)
+        ops_ms = {t: sum(by_tree[t]["categories"].values()) for t in trees}
         out.append(f"\n**{model}, DP {dp}, {path}** (ms per sync, rank 0, self CPU time of all threads)\n")
         out.append("| category | " + " | ".join(trees) + " |")
         out.append("|---|" + "--:|" * len(trees))
-        labels = [c for c, _ in CATEGORIES] + ["other"]
         for label in labels:
             out.append(f"| {label} | " + " | ".join(f"{by_tree[t]['categories'].get(label, 0.0):.2f}" for t in trees) + " |")
-        out.append("| **ops, all categories** | " + " | ".join(f"{sum(by_tree[t]['categories'].values()):.2f}" for t in trees) + " |")
+        out.append("| **ops, all categories** | " + " | ".join(f"{ops_ms[t]:.2f}" for t in trees) + " |")
         out.append("| wall (median) | " + " | ".join(f"{by_tree[t]['wall_ms']:.2f}" for t in trees) + " |")
         out.append("| wall - ops: waiting on the transfer | " + " | ".join(
-            f"{by_tree[t]['wall_ms'] - sum(by_tree[t]['categories'].values()):.2f}" for t in trees) + " |")
+            f"{by_tree[t]['wall_ms'] - ops_ms[t]:.2f}" for t in trees) + " |")
         tops = []
         for t in trees:
             ops = sorted(by_tree[t]["ops"].items(), key=lambda kv: -kv[1]["self_ms"])[:4]
@@ -102,7 +104,7 @@ def main(argv=None) -> int:
     if not files:
         print("usage: python -m harness.bench.sync_profile PROFILE.json [PROFILE.json ...]", file=sys.stderr)
         return 2
-    records = [rec for f in files for rec in json.loads(open(f).read())]
+    records = [rec for f in files for rec in json.loads(Path(f).read_text())]
     print(table(records))
     return 0
 

@@ -252,6 +252,12 @@ def run_variant(
     }
     args = expand_args(case.model_args, variables)
     cpu = device == "cpu"
+
+    def read_metrics():
+        return tbr.write_run_metrics(
+            out_dir / "tensorboard", out_dir, tags=case.metrics, end_step=case.train_iters
+        )
+
     try:
         print(f"  [{label}] training {case.train_iters} iterations on {case.nproc} ranks", flush=True)
         with Progress(label, out_dir / "stdout.log"):
@@ -260,9 +266,7 @@ def run_variant(
                 extra_env={**case.env_vars, **(extra_env or {})},
             )
         print(f"  [{label}] done in {res.wall_s:.1f} s", flush=True)
-        res.metrics = tbr.write_run_metrics(
-            out_dir / "tensorboard", out_dir, tags=case.metrics, end_step=case.train_iters
-        )
+        res.metrics = read_metrics()
         if case.test_type == "ckpt-resume":
             res.failures += resume_check(case, variant, out_dir, variables, cpu, timeout_s, res)
     except launch.LaunchError as e:
@@ -280,9 +284,7 @@ def run_variant(
             # too, so that a divergence during training is reported as such. The failure
             # stays: such a run is never "identical".
             try:
-                res.metrics = tbr.write_run_metrics(
-                    out_dir / "tensorboard", out_dir, tags=case.metrics, end_step=case.train_iters
-                )
+                res.metrics = read_metrics()
             except tbr.TensorboardReadError:
                 pass
     except tbr.TensorboardReadError as e:
