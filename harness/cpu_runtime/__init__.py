@@ -18,8 +18,9 @@ module              job
 ``rng``             CUDA RNG on the CPU generator; megatron's RNG helpers;
                     DataLoaders that keep the generator state
 ``compilation``     ``torch.compile`` and megatron's ``compile_helpers`` off
-``collectives``     the all-gather model: ProcessGroupNCCL's temporaries and
-                    launches, executed on gloo; ``record_collectives``
+``collectives``     the all-gather and broadcast model: ProcessGroupNCCL's
+                    temporaries, ops and group launches, executed on gloo;
+                    ``record_collectives``, ``summarize``
 ==================  ===========================================================
 
 Usage::
@@ -34,12 +35,14 @@ Usage::
 """
 
 from harness.cpu_runtime.collectives import (
+    FORM_BROADCAST,
     FORM_INTO_TENSOR,
     FORM_LIST_EQUAL,
     FORM_LIST_UNEQUAL,
     CollectiveRecord,
     model_call,
     record_collectives,
+    summarize,
 )
 from harness.cpu_runtime.device import device_mapping_suspended
 from harness.cpu_runtime.installer import (
@@ -62,6 +65,8 @@ __all__ = [
     "record_collectives",
     "CollectiveRecord",
     "model_call",
+    "summarize",
+    "FORM_BROADCAST",
     "FORM_LIST_EQUAL",
     "FORM_LIST_UNEQUAL",
     "FORM_INTO_TENSOR",

@@ -15,23 +15,34 @@ the ``torch.distributed`` and the ``distributed_c10d`` names). For each call it
 
 Per call form (torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp, torch 2.x):
 
-=========================  ===================================  ==================  ========
-call                       ProcessGroupNCCL                     NCCL temporary      NCCL
-                                                                                    calls
-=========================  ===================================  ==================  ========
-all_gather, equal shapes   ``allgather``: ``newLikeFlat`` flat  world x numel x     1
+=========================  ===================================  ==================  =====  ========
+call                       ProcessGroupNCCL                     NCCL temporary      ops    launches
+=========================  ===================================  ==================  =====  ========
+all_gather, equal shapes   ``allgather``: ``newLikeFlat`` flat  world x numel x     1      1
                            output, one ``ncclAllGather`` into   itemsize bytes
                            it, then ``copy_`` of each slice
                            into the list (on the NCCL stream)
-all_gather, unequal        ``allgather``: ``startCoalescing``,  0                   world
-                           one ``_broadcast_oop`` per rank
-                           (root i into every ``list[i]``),
+all_gather, unequal        ``allgather``: ``startCoalescing``,  0                   world  1
+                           one ``_broadcast_oop`` per rank      (zero-size slots
+                           (root i into every ``list[i]``),     included)
                            ``endCoalescing``
-all_gather_into_tensor /   ``_allgather_base``: one             0                   1
+all_gather_into_tensor /   ``_allgather_base``: one             0                   1      1
 _all_gather_base           ``ncclAllGather`` straight into the
                            output (inside ``_coalescing_manager``:
-                           ``allgather_into_tensor_coalesced``)
-=========================  ===================================  ==================  ========
+                           ``allgather_into_tensor_coalesced``,
+                           one launch for the manager)
+broadcast                  ``broadcast``: one ``ncclBroadcast`` 0                   1      1
+                           in place; inside
+                           ``_coalescing_manager(group, device)``
+                           (``startCoalescing`` ..
+                           ``endCoalescing``) one NCCL group,
+                           one launch for the manager
+=========================  ===================================  ==================  =====  ========
+
+*ops* are NCCL collective calls (``ncclAllGather`` / ``ncclBroadcast``), *zero-size ops* those of
+them that move no byte (NCCL still issues them), *launches* NCCL group launches: every call is
+one, except that the calls made inside one ``_coalescing_manager`` block share one (each record
+carries its ``launch_id``; ``summarize()`` counts distinct ids).
 
 Units: bytes and element counts are per rank. ``wire_bytes`` is what this rank receives from
 the other ranks (every slot but its own; padding included, since padded slots travel).
@@ -42,8 +53,12 @@ Invariants:
   alive until then, as NCCL stashes it on the work object).
 - Zero-element slots are not broadcast: gloo aborts the process on empty tensors
   (pytorch #85234). NCCL still gets a (zero-byte) call for them; the record counts it.
-- Inside ``torch.distributed._coalescing_manager`` a call runs to completion at once and
-  returns a completed handle; the manager's own ``wait()`` then has nothing left to do.
+- Inside ``torch.distributed._coalescing_manager`` without ``device`` (the fast path of
+  ``all_gather_into_tensor``) a call runs to completion at once and returns a completed
+  handle; the manager's own ``wait()`` then has nothing left to do. With ``device`` (how a
+  caller groups broadcasts into one NCCL group) gloo has no ``startCoalescing``: the model
+  replaces the manager for gloo and fake groups, runs each broadcast as an async gloo work
+  and hands them to the manager, whose ``wait()`` (async) or exit (sync) waits on them all.
 - Calls on gloo groups run as described on any device (gloo stages CUDA tensors through
   host memory; the flat temporary is allocated on the tensors' device, so on a GPU the
   CUDA caching allocator sees it). Calls on the "fake" test backend run the same way
@@ -54,6 +69,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
@@ -64,6 +80,7 @@ from torch.distributed import distributed_c10d as c10d
 FORM_LIST_EQUAL = "all_gather/equal"
 FORM_LIST_UNEQUAL = "all_gather/unequal"
 FORM_INTO_TENSOR = "all_gather_into_tensor"
+FORM_BROADCAST = "broadcast"
 
 
 @dataclass(frozen=True)
@@ -71,16 +88,21 @@ class CollectiveRecord:
     """One modelled all-gather call on one rank (see the module docstring's table).
 
     Attributes:
-        form: ``FORM_LIST_EQUAL``, ``FORM_LIST_UNEQUAL`` or ``FORM_INTO_TENSOR``.
+        form: ``FORM_LIST_EQUAL``, ``FORM_LIST_UNEQUAL``, ``FORM_INTO_TENSOR`` or
+            ``FORM_BROADCAST``.
         nccl_function: the ProcessGroupNCCL path it mirrors.
         rank, world: this rank within the call's group, and the group size.
         dtype: e.g. ``"torch.bfloat16"``.
-        slot_numels: elements per rank slot (the list entries, or ``world`` equal chunks).
+        slot_numels: elements per rank slot (the list entries, or ``world`` equal chunks);
+            for a broadcast, the one tensor's numel.
         nccl_temporary_bytes: bytes ProcessGroupNCCL allocates for the call.
-        launches: NCCL collective calls issued (``ncclAllGather`` or ``ncclBroadcast``).
+        ops: NCCL collective calls issued (``ncclAllGather`` or ``ncclBroadcast``).
+        zero_size_ops: of those, the ones that move no byte.
         wire_bytes: bytes this rank receives from the other ranks.
         async_op: the caller asked for a work handle.
         coalesced: issued inside ``_coalescing_manager``.
+        launch_id: records with the same id went to NCCL as one group launch.
+        src: group rank of a broadcast's root (None for the all-gathers).
     """
 
     form: str
@@ -90,10 +112,13 @@ class CollectiveRecord:
     dtype: str
     slot_numels: Tuple[int, ...]
     nccl_temporary_bytes: int
-    launches: int
+    ops: int
+    zero_size_ops: int
     wire_bytes: int
     async_op: bool
     coalesced: bool
+    launch_id: int = -1
+    src: Optional[int] = None
 
     def as_dict(self) -> Dict[str, Any]:
         """JSON-ready fields (``slot_numels`` as a list)."""
@@ -103,36 +128,103 @@ class CollectiveRecord:
 
 
 def model_call(form: str, slot_numels: Sequence[int], rank: int, dtype: torch.dtype,
-               *, async_op: bool = False, coalesced: bool = False) -> CollectiveRecord:
+               *, async_op: bool = False, coalesced: bool = False, launch_id: Optional[int] = None,
+               world: Optional[int] = None, src: Optional[int] = None) -> CollectiveRecord:
     """The record of one call, from shapes alone (no tensor is touched).
 
     Args:
-        form: one of the three ``FORM_*`` names.
-        slot_numels: elements per rank slot, in rank order (``len`` = world size).
+        form: one of the ``FORM_*`` names.
+        slot_numels: elements per rank slot, in rank order (``len`` = world size); for
+            ``FORM_BROADCAST`` the one tensor's numel, as a 1-sequence.
         rank: this rank in the group.
         dtype: element type of the slots.
+        launch_id: the NCCL group launch the call belongs to (see ``summarize``); None: a
+            launch of its own.
+        world, src: group size and root's group rank, for ``FORM_BROADCAST`` only.
 
     Raises:
-        ValueError: unknown form, or ``rank`` outside the group.
+        ValueError: unknown form, ``rank`` (or ``src``) outside the group, or a broadcast
+            without ``world`` and ``src``.
     """
+    itemsize = dtype.itemsize
+    if launch_id is None:
+        launch_id = next(_launch_ids)
+    if form == FORM_BROADCAST:
+        if world is None or src is None or len(slot_numels) != 1:
+            raise ValueError("collective model: a broadcast record needs world, src and one numel")
+        if not (0 <= rank < world and 0 <= src < world):
+            raise ValueError(f"collective model: {rank=} or {src=} outside a group of {world}")
+        n = int(slot_numels[0])
+        return CollectiveRecord(form, "ProcessGroupNCCL::broadcast (ncclBroadcast)", rank, world,
+                                str(dtype), (n,), 0, 1, int(n == 0), 0 if rank == src else n * itemsize,
+                                bool(async_op), bool(coalesced), launch_id, src)
     world = len(slot_numels)
     if not 0 <= rank < world:
         raise ValueError(f"collective model: {rank=} outside a group of {world}")
-    itemsize = dtype.itemsize
     received = sum(n for r, n in enumerate(slot_numels) if r != rank) * itemsize
     if form == FORM_LIST_EQUAL:
-        fn, temp, launches = "ProcessGroupNCCL::allgather (newLikeFlat + ncclAllGather + copy_)", \
+        fn, temp, ops = "ProcessGroupNCCL::allgather (newLikeFlat + ncclAllGather + copy_)", \
             world * slot_numels[0] * itemsize, 1
+        zero = int(slot_numels[0] == 0)
     elif form == FORM_LIST_UNEQUAL:
-        fn, temp, launches = "ProcessGroupNCCL::allgather (coalesced _broadcast_oop per rank)", 0, world
+        fn, temp, ops = "ProcessGroupNCCL::allgather (coalesced _broadcast_oop per rank)", 0, world
+        zero = sum(1 for n in slot_numels if n == 0)
     elif form == FORM_INTO_TENSOR:
         fn = ("ProcessGroupNCCL::allgather_into_tensor_coalesced" if coalesced
               else "ProcessGroupNCCL::_allgather_base")
-        temp, launches = 0, 1
+        temp, ops, zero = 0, 1, int(slot_numels[0] == 0)
     else:
         raise ValueError(f"collective model: unknown form {form!r}")
     return CollectiveRecord(form, fn, rank, world, str(dtype), tuple(int(n) for n in slot_numels),
-                            int(temp), launches, int(received), bool(async_op), bool(coalesced))
+                            int(temp), ops, zero, int(received), bool(async_op), bool(coalesced),
+                            launch_id)
+
+
+def summarize(records: Sequence[CollectiveRecord]) -> Dict[str, int]:
+    """Totals of a list of records (one rank's calls).
+
+    Returns:
+        ``calls`` (c10d calls), ``ops`` (NCCL collective calls), ``zero_size_ops``,
+        ``launches`` (NCCL group launches: distinct ``launch_id``), ``nccl_temporary_bytes``
+        and ``wire_bytes`` (bytes received).
+    """
+    return {
+        "calls": len(records),
+        "ops": sum(r.ops for r in records),
+        "zero_size_ops": sum(r.zero_size_ops for r in records),
+        "launches": len({r.launch_id for r in records}),
+        "nccl_temporary_bytes": sum(r.nccl_temporary_bytes for r in records),
+        "wire_bytes": sum(r.wire_bytes for r in records),
+    }
+
+
+_launch_ids = itertools.count()
+
+
+@dataclass
+class _OpenGroup:
+    """A ``_coalescing_manager(group, device)`` block the model runs on a gloo/fake group."""
+
+    launch_id: int
+    works: List[Any] = field(default_factory=list)  # gloo works of the broadcasts inside
+
+
+#: group -> the modelled device-coalescing block open on it.
+_open_groups: Dict[Any, _OpenGroup] = {}
+#: group -> launch id of torch's own (fast-path) ``_coalescing_manager`` block open on it.
+_fast_path_ids: Dict[Any, int] = {}
+
+
+def _launch_id(group: Any) -> int:
+    """The launch id of a call on ``group``: the open coalescing block's, or a new one."""
+    pg = group if group is not None else c10d._get_default_group()
+    open_group = _open_groups.get(pg)
+    if open_group is not None:
+        return open_group.launch_id
+    fast_path = _fast_path_ids.get(pg)
+    if fast_path is not None:
+        return fast_path
+    return next(_launch_ids)
 
 
 # ---------------------------------------------------------------- recording
@@ -178,6 +270,8 @@ def _record(record: CollectiveRecord) -> None:
 _real_all_gather = dist.all_gather
 _real_all_gather_into_tensor = dist.all_gather_into_tensor
 _real_all_gather_base = dist._all_gather_base
+_real_broadcast = dist.broadcast
+_real_coalescing_manager = c10d._coalescing_manager
 
 
 class ModelWork:
@@ -244,7 +338,7 @@ def _broadcast_slots(slots: Sequence[torch.Tensor], inp: torch.Tensor, rank: int
     for slot, out in enumerate(slots):
         if out.numel() == 0:  # gloo aborts on empty tensors (pytorch #85234)
             continue
-        work = dist.broadcast(inp if slot == rank else out, group_src=slot, group=group, async_op=async_op)
+        work = _real_broadcast(inp if slot == rank else out, group_src=slot, group=group, async_op=async_op)
         if async_op:
             works.append(work)
     own = slots[rank]
@@ -310,7 +404,7 @@ def all_gather(tensor_list: List[torch.Tensor], tensor: torch.Tensor, group: Any
             equal = all(t.shape == tensor_list[0].shape for t in tensor_list)
             _record(model_call(FORM_LIST_EQUAL if equal else FORM_LIST_UNEQUAL,
                                [t.numel() for t in tensor_list], dist.get_rank(group), tensor.dtype,
-                               async_op=async_op))
+                               async_op=async_op, launch_id=_launch_id(group)))
         with torch._C.DisableTorchFunction():  # no re-dispatch to this wrapper
             return _real_all_gather(tensor_list, tensor, group=group, async_op=async_op)
     rank, world = dist.get_rank(group), dist.get_world_size(group)
@@ -318,7 +412,8 @@ def all_gather(tensor_list: List[torch.Tensor], tensor: torch.Tensor, group: Any
     coalesced = _coalescing(group)
     equal = all(t.shape == tensor_list[0].shape for t in tensor_list)
     _record(model_call(FORM_LIST_EQUAL if equal else FORM_LIST_UNEQUAL, [t.numel() for t in tensor_list],
-                       rank, tensor.dtype, async_op=async_op, coalesced=coalesced))
+                       rank, tensor.dtype, async_op=async_op, coalesced=coalesced,
+                       launch_id=_launch_id(group)))
     if not equal:
         works = _broadcast_slots(tensor_list, tensor, rank, group, async_op and not coalesced)
         return _finish_sync(works, None, async_op, coalesced)
@@ -355,7 +450,8 @@ def all_gather_into_tensor(output_tensor: torch.Tensor, input_tensor: torch.Tens
             world = dist.get_world_size(group)
             _record(model_call(FORM_INTO_TENSOR, [input_tensor.numel()] * world, dist.get_rank(group),
                                input_tensor.dtype, async_op=async_op,
-                               coalesced=group in c10d._world.pg_coalesce_state))
+                               coalesced=group in c10d._world.pg_coalesce_state,
+                               launch_id=_launch_id(group)))
         with torch._C.DisableTorchFunction():
             return _real_all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
     rank, world = dist.get_rank(group), dist.get_world_size(group)
@@ -370,7 +466,7 @@ def all_gather_into_tensor(output_tensor: torch.Tensor, input_tensor: torch.Tens
         raise ValueError(f"all_gather_into_tensor: {rank=} output and input must be contiguous")
     coalesced = _coalescing(group)
     _record(model_call(FORM_INTO_TENSOR, [n] * world, rank, input_tensor.dtype, async_op=async_op,
-                       coalesced=coalesced))
+                       coalesced=coalesced, launch_id=_launch_id(group)))
     chunks = list(output_tensor.view(-1).split(n)) if n else [output_tensor.view(-1)] * world
     works = _broadcast_slots(chunks, input_tensor.view(-1), rank, group, async_op and not coalesced)
     return _finish_sync(works, None, async_op, coalesced)
@@ -382,14 +478,100 @@ def _all_gather_base(output_tensor, input_tensor, group=None, async_op=False):
     return all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
 
 
+def broadcast(tensor: torch.Tensor, src: Optional[int] = None, group: Any = None,
+              async_op: bool = False, group_src: Optional[int] = None) -> Optional[ModelWork]:
+    """``torch.distributed.broadcast`` as ProcessGroupNCCL::broadcast runs it: one ncclBroadcast.
+
+    Args:
+        tensor: contiguous; the root's is sent, every other rank's is overwritten in place.
+        src: the root's global rank; or ``group_src``, its rank in ``group``.
+        group, async_op: as ``all_gather``. Inside a modelled
+            ``_coalescing_manager(group, device)`` block the broadcast joins that block's
+            NCCL group: it runs as an async gloo work that the block waits on, and the
+            handle returned here has nothing of its own to wait for.
+
+    Returns:
+        None, or a ``ModelWork`` when ``async_op``.
+
+    Raises:
+        ValueError: a non-contiguous tensor (NCCL would need a staging copy), naming the rank.
+    """
+    if _passes_through(group):
+        if group is None or group != dist.GroupMember.NON_GROUP_MEMBER:
+            root = group_src if group_src is not None else dist.get_group_rank(
+                group if group is not None else c10d._get_default_group(), src)
+            _record(model_call(FORM_BROADCAST, [tensor.numel()], dist.get_rank(group), tensor.dtype,
+                               world=dist.get_world_size(group), src=root, async_op=async_op,
+                               coalesced=_coalescing(group), launch_id=_launch_id(group)))
+        with torch._C.DisableTorchFunction():
+            return _real_broadcast(tensor, src=src, group=group, async_op=async_op, group_src=group_src)
+    pg = group if group is not None else c10d._get_default_group()
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    root = group_src if group_src is not None else dist.get_group_rank(pg, src)
+    if tensor.numel() and not tensor.is_contiguous():
+        raise ValueError(f"broadcast: {rank=} tensor is not contiguous")
+    open_group = _open_groups.get(pg)
+    _record(model_call(FORM_BROADCAST, [tensor.numel()], rank, tensor.dtype, world=world, src=root,
+                       async_op=async_op, coalesced=open_group is not None or _coalescing(group),
+                       launch_id=_launch_id(group)))
+    work = None
+    if tensor.numel():  # gloo aborts on empty tensors (pytorch #85234)
+        work = _real_broadcast(tensor, group_src=root, group=group,
+                               async_op=async_op or open_group is not None)
+    if open_group is not None:
+        if work is not None:
+            open_group.works.append(work)
+        return ModelWork([]) if async_op else None
+    return ModelWork([work] if work is not None else []) if async_op else None
+
+
+@contextlib.contextmanager
+def _coalescing_manager(group: Any = None, device: Optional[torch.device] = None,
+                        async_ops: bool = False) -> Iterator[Any]:
+    """``torch.distributed._coalescing_manager`` with one launch id per block.
+
+    With ``device`` on a gloo or fake group (gloo has no ``startCoalescing``), the block is
+    modelled: broadcasts inside it run as async gloo works; at exit one ``ModelWork`` waits
+    on all of them, appended to the manager (``async_ops``) or waited on at once, as
+    ProcessGroupNCCL's ``endCoalescing`` work would be. Otherwise torch's own manager runs
+    the block (fast-path coalescing of ``all_gather_into_tensor``, ``all_reduce``, ...).
+    """
+    pg = group if group is not None else c10d._get_default_group()
+    launch_id = next(_launch_ids)
+    if device is None or _passes_through(pg):
+        _fast_path_ids[pg] = launch_id
+        try:
+            with _real_coalescing_manager(group, device, async_ops) as cm:
+                yield cm
+        finally:
+            _fast_path_ids.pop(pg, None)
+        return
+    if pg in _open_groups:
+        raise ValueError("ProcessGroup has non-empty op list at the start of coalescing")
+    _open_groups[pg] = open_group = _OpenGroup(launch_id)
+    cm = c10d._CoalescingManager()
+    try:
+        yield cm
+    finally:
+        del _open_groups[pg]
+    work = ModelWork(open_group.works)
+    if async_ops:
+        cm.append(work)
+    else:
+        work.wait()
+
+
 # ---------------------------------------------------------------- install
 _NAMES: Tuple[Tuple[str, Callable], ...] = (
     ("all_gather", all_gather),
     ("all_gather_into_tensor", all_gather_into_tensor),
     ("_all_gather_base", _all_gather_base),
+    ("broadcast", broadcast),
+    ("_coalescing_manager", _coalescing_manager),
 )
 _REAL = {"all_gather": _real_all_gather, "all_gather_into_tensor": _real_all_gather_into_tensor,
-         "_all_gather_base": _real_all_gather_base}
+         "_all_gather_base": _real_all_gather_base, "broadcast": _real_broadcast,
+         "_coalescing_manager": _real_coalescing_manager}
 
 
 def _set_model_functions(setter: Callable[[Any, str, Any], None]) -> None:

@@ -97,7 +97,7 @@ def summarize_records(records) -> dict:
         "list_equal": sum(r.form == collectives.FORM_LIST_EQUAL for r in records),
         "list_unequal": sum(r.form == collectives.FORM_LIST_UNEQUAL for r in records),
         "into_tensor": sum(r.form == collectives.FORM_INTO_TENSOR for r in records),
-        "launches": sum(r.launches for r in records),
+        "launches": sum(r.ops for r in records),
         "wire_bytes": sum(r.wire_bytes for r in records),
         "nccl_temporary_bytes": sum(r.nccl_temporary_bytes for r in records),
     }

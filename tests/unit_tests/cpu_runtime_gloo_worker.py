@@ -211,6 +211,32 @@ def main(out_dir: str) -> None:
         "records": [c.as_dict() for c in calls],
     }
 
+    # 4b. broadcasts from the non-empty owners only, grouped into one NCCL group by
+    #     _coalescing_manager(group, device): the way a caller sends only what exists.
+    for async_op in (False, True):
+        slots = slots_of(sizes, torch.float32, False, None)
+        slots[rank].copy_(rank_values(rank, sizes[rank], torch.float32))
+        with cpu_runtime.record_collectives() as calls:
+            with dist._coalescing_manager(dist.group.WORLD, device=torch.device("cpu"),
+                                          async_ops=async_op) as cm:
+                for owner, slot in enumerate(slots):
+                    if slot.numel():
+                        dist.broadcast(slot, src=owner, async_op=async_op)
+            if async_op:
+                cm.wait()
+        facts[f"broadcast_group_{'async' if async_op else 'sync'}"] = {
+            "equal": gathered_right(slots, sizes, torch.float32),
+            "records": [c.as_dict() for c in calls],
+            "summary": collectives.summarize(calls),
+        }
+    # A broadcast on its own, and one of zero elements (gloo would abort on it).
+    t = rank_values(rank, 4, torch.float32) if rank == 0 else torch.zeros(4)
+    with cpu_runtime.record_collectives() as calls:
+        dist.broadcast(t, src=0)
+        dist.broadcast(torch.empty(0), src=0)
+    facts["broadcast_alone"] = {"equal": torch.equal(t, rank_values(0, 4, torch.float32)),
+                                "summary": collectives.summarize(calls)}
+
     # 5. allocations inside the unequal gather, at the allocator level (torch profiler).
     inp = rank_values(rank, sizes[rank], torch.bfloat16)
     outs = slots_of(sizes, torch.bfloat16, False, inp)

@@ -490,7 +490,7 @@ def _collective_summary(path, calls):
     """The collective model's numbers for one path (harness.cpu_runtime.collectives)."""
     return {
         f"{path}_nccl_model_temporary_bytes": sum(c.nccl_temporary_bytes for c in calls),
-        f"{path}_collective_launches": sum(c.launches for c in calls),
+        f"{path}_collective_launches": sum(c.ops for c in calls),
         f"{path}_collective_forms": sorted({c.form for c in calls}),
     }
 

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 import harness.cpu_runtime as cpu_runtime
+from harness.cpu_runtime import collectives
 from harness.cpu_runtime import installer
 from harness.launch import torchrun_command
 
@@ -246,7 +247,7 @@ def test_equal_list_gather_allocates_the_nccl_flat_temporary(gloo_facts):
                 case = facts[f"list_equal_{dtype}_{own}"]
                 rec = _only_record(case)
                 expected = world * EQUAL_NUMEL * itemsize
-                assert rec["form"] == cpu_runtime.FORM_LIST_EQUAL and rec["launches"] == 1, rec
+                assert rec["form"] == cpu_runtime.FORM_LIST_EQUAL and rec["ops"] == 1, rec
                 assert rec["nccl_temporary_bytes"] == expected, rec
                 assert case["alloc_bytes"] == expected, f"the allocation counter must see it: {case}"
                 assert rec["wire_bytes"] == (world - 1) * EQUAL_NUMEL * itemsize, rec
@@ -258,7 +259,7 @@ def test_unequal_list_gather_is_one_broadcast_per_rank(gloo_facts):
         world, rank, sizes = facts["world"], facts["rank"], facts["sizes"]
         case = facts["list_unequal_torch.bfloat16_sep"]
         rec = _only_record(case)
-        assert rec["form"] == cpu_runtime.FORM_LIST_UNEQUAL and rec["launches"] == world, rec
+        assert rec["form"] == cpu_runtime.FORM_LIST_UNEQUAL and rec["ops"] == world, rec
         assert rec["nccl_temporary_bytes"] == 0 and case["alloc_bytes"] == 0, case
         assert rec["slot_numels"] == sizes
         assert rec["wire_bytes"] == 2 * (sum(sizes) - sizes[rank]), rec
@@ -276,7 +277,7 @@ def test_all_gather_into_tensor_allocates_nothing(gloo_facts):
             case = facts[key]
             rec = _only_record(case)
             assert case["equal"], f"rank {facts['rank']} {key}"
-            assert rec["form"] == cpu_runtime.FORM_INTO_TENSOR and rec["launches"] == 1, rec
+            assert rec["form"] == cpu_runtime.FORM_INTO_TENSOR and rec["ops"] == 1, rec
             assert rec["nccl_temporary_bytes"] == 0 and case["alloc_bytes"] == 0, case
             assert rec["wire_bytes"] == (world - 1) * EQUAL_NUMEL * 2, rec
 
@@ -299,6 +300,28 @@ def test_coalescing_manager(gloo_facts):
         assert case["equal"], facts["rank"]
         assert [(r["form"], r["coalesced"], r["nccl_temporary_bytes"]) for r in case["records"]] == [
             (cpu_runtime.FORM_INTO_TENSOR, True, 0)] * 2, case
+
+
+@pytest.mark.gloo
+def test_coalesced_broadcasts_from_owners_are_one_launch(gloo_facts):
+    """Broadcasts grouped by _coalescing_manager(group, device): one NCCL launch, one op per
+    broadcast, nothing of the zero-size slot; sync and async; every slot right."""
+    for facts in gloo_facts:
+        rank, world, sizes = facts["rank"], facts["world"], facts["sizes"]
+        owners = [r for r, n in enumerate(sizes) if n]
+        for key in ("broadcast_group_sync", "broadcast_group_async"):
+            case = facts[key]
+            assert case["equal"], f"rank {rank} {key}"
+            assert [(r["form"], r["src"], r["coalesced"]) for r in case["records"]] == [
+                (cpu_runtime.FORM_BROADCAST, o, True) for o in owners], case
+            assert case["summary"] == {
+                "calls": len(owners), "ops": len(owners), "zero_size_ops": 0, "launches": 1,
+                "nccl_temporary_bytes": 0,
+                "wire_bytes": 4 * sum(n for r, n in enumerate(sizes) if r != rank)}, case
+        alone = facts["broadcast_alone"]
+        assert alone["equal"], rank
+        assert alone["summary"] == {"calls": 2, "ops": 2, "zero_size_ops": 1, "launches": 2,
+                                    "nccl_temporary_bytes": 0, "wire_bytes": 0 if rank == 0 else 16}, alone
 
 
 @pytest.mark.gloo
@@ -330,10 +353,29 @@ def test_model_counts_world_times_numel_for_equal_list_and_nothing_for_into_tens
     into = cpu_runtime.model_call(cpu_runtime.FORM_INTO_TENSOR, [n] * world, 0, torch.bfloat16)
     unequal = cpu_runtime.model_call(cpu_runtime.FORM_LIST_UNEQUAL, [n, 0] + [n + 1] * (world - 2), 1,
                                      torch.float32)
-    assert equal.nccl_temporary_bytes == world * n * 2 and equal.launches == 1
-    assert into.nccl_temporary_bytes == 0 and into.launches == 1
+    assert equal.nccl_temporary_bytes == world * n * 2 and equal.ops == 1
+    assert into.nccl_temporary_bytes == 0 and into.ops == 1
     assert equal.wire_bytes == into.wire_bytes == (world - 1) * n * 2
-    assert unequal.nccl_temporary_bytes == 0 and unequal.launches == world
+    assert unequal.nccl_temporary_bytes == 0 and unequal.ops == world
     assert unequal.wire_bytes == (n + (world - 2) * (n + 1)) * 4
     with pytest.raises(ValueError, match="rank=4 outside a group of 4"):
         cpu_runtime.model_call(cpu_runtime.FORM_INTO_TENSOR, [1] * 4, 4, torch.float32)
+
+
+def test_summary_counts_zero_size_broadcasts_and_group_launches():
+    """The unequal list all_gather is one launch of `world` broadcasts, zero-size ones
+    included (ProcessGroupNCCL issues them); calls sharing a launch id are one launch."""
+    unequal = cpu_runtime.model_call(cpu_runtime.FORM_LIST_UNEQUAL, [3, 0, 0, 5], 1, torch.bfloat16)
+    b0 = cpu_runtime.model_call(cpu_runtime.FORM_BROADCAST, [3], 1, torch.bfloat16, world=4, src=0,
+                                launch_id=7)
+    b3 = cpu_runtime.model_call(cpu_runtime.FORM_BROADCAST, [5], 1, torch.bfloat16, world=4, src=3,
+                                launch_id=7)
+    assert (unequal.ops, unequal.zero_size_ops) == (4, 2)
+    assert collectives.summarize([unequal]) == {"calls": 1, "ops": 4, "zero_size_ops": 2, "launches": 1,
+                                                "nccl_temporary_bytes": 0, "wire_bytes": 16}
+    assert collectives.summarize([b0, b3]) == {"calls": 2, "ops": 2, "zero_size_ops": 0, "launches": 1,
+                                               "nccl_temporary_bytes": 0, "wire_bytes": 16}
+    own = cpu_runtime.model_call(cpu_runtime.FORM_BROADCAST, [5], 3, torch.bfloat16, world=4, src=3)
+    assert own.wire_bytes == 0 and own.launch_id not in (7, unequal.launch_id)
+    with pytest.raises(ValueError, match="src=4"):
+        cpu_runtime.model_call(cpu_runtime.FORM_BROADCAST, [1], 0, torch.bfloat16, world=4, src=4)
