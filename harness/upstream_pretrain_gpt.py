@@ -10,6 +10,8 @@ cannot do on CPU, before it runs:
    is imported: megatron binds ``torch.compile``, the CUDA RNG helpers and device defaults
    at import time. ``MEGATRON_SHARED_GPU=1`` (the GPU check on one GPU) installs
    ``harness.gpu_check.shared_gpu``: several gloo ranks on one GPU.
+   ``MEGATRON_PARAM_SYNC_TRACE=1`` installs ``harness.param_sync_trace`` (param all-gathers
+   counted per model chunk and dispatch path; one summary line per rank at the end).
 2. Import path: the megatron tree selected by ``PYTHONPATH`` (``harness.trees.env_for_tree``:
    pristine, patched or a mutant tree) stays first; the checkout root is appended after it,
    so that ``pretrain_gpt.py`` finds ``model_provider``/``gpt_builders`` there while
@@ -30,7 +32,8 @@ Environment: ``MEGATRON_LM_CHECKOUT`` (the checkout whose ``pretrain_gpt.py`` ru
 ``build/megatron-lm/core_v0.17.1``, built by ``scripts/setup.sh``, else ``$MEGATRON_LM``, the
 user's checkout that ``scripts/launch_pretrain_gpt.sh`` and the Docker image use; the series
 does not touch ``pretrain_gpt.py``, so a patched checkout serves as well),
-``MEGATRON_CPU_RUNTIME``, ``MEGATRON_SHARED_GPU``, ``MEGATRON_EXPECT_TREE``.
+``MEGATRON_CPU_RUNTIME``, ``MEGATRON_SHARED_GPU``, ``MEGATRON_PARAM_SYNC_TRACE``,
+``MEGATRON_EXPECT_TREE``.
 """
 
 from __future__ import annotations
@@ -75,6 +78,9 @@ def main() -> None:
     from harness.gpu_check import shared_gpu
 
     shared_gpu.install_if_requested()
+    from harness import param_sync_trace
+
+    param_sync_trace.install_if_requested()
     entry = checkout_entry()
     sys.path.append(str(entry.parent))
     from harness.trees import check_expected_tree
@@ -95,6 +101,7 @@ def main() -> None:
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
         raise
+    param_sync_trace.report()
     from harness.ranks import end_training_rank
 
     end_training_rank()  # writers closed, barrier, os._exit(0): no gloo teardown at exit

@@ -21,6 +21,8 @@ module              job
 ``collectives``     the all-gather and broadcast model: ProcessGroupNCCL's
                     temporaries, ops and group launches, executed on gloo;
                     ``record_collectives``, ``summarize``
+``p2p``             a pipeline send keeps its storage until it completes, as
+                    the CUDA caching allocator guarantees under NCCL
 ==================  ===========================================================
 
 Usage::

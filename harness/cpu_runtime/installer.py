@@ -19,7 +19,7 @@ from typing import Callable, List, Optional
 
 import torch
 
-from harness.cpu_runtime import collectives, compilation, cuda_stubs, device, rng
+from harness.cpu_runtime import collectives, compilation, cuda_stubs, device, p2p, rng
 from harness.cpu_runtime.patching import replace, restore_all
 
 #: Environment variable read by ``install_if_requested``: "1" installs, "force" installs even
@@ -76,6 +76,9 @@ def _patch_torch() -> None:
 
     collectives.install(replace)
     _installed_items.append("all-gather collective model (ProcessGroupNCCL semantics on gloo)")
+
+    p2p.install(replace)
+    _installed_items.append("p2p sends keep their storage until complete (NCCL allocator semantics)")
 
     device.enter_mode()
     _installed_items.append("cuda->cpu TorchFunctionMode")
@@ -158,6 +161,7 @@ def uninstall() -> None:
         return
     device.exit_mode()
     restore_all()
+    p2p.clear()
     if _log_filter is not None:
         logging.getLogger("megatron.core.tensor_parallel.random").removeFilter(_log_filter)
         _log_filter = None

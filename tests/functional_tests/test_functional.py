@@ -14,10 +14,12 @@ numerics at all, see INVISIBLE_TO_TRAINING; the unit tests catch it
 from __future__ import annotations
 
 import json
+from collections import Counter
 from pathlib import Path
 
 import pytest
 
+from harness import param_sync_trace
 from harness.trees import REPO_ROOT, make_mutant_tree
 from tests.functional_tests.python_test_utils import run_case as rc
 
@@ -36,6 +38,7 @@ INVISIBLE_TO_TRAINING = {"zeroing_only_in_pre_hooks"}
 # fail in iteration 2 on this case (measured). Either outcome is a failure during training.
 CRASHES_IN_TRAINING = {"slot_offset_shifted", "padded_slots_at_exact_offsets"}
 MUTANTS = sorted(p.stem for p in MUTANTS_DIR.glob("*.patch"))
+VPP_CASE = "gpt_pp2_vpp2_dp2_bf16_fp32grad_overlap_layerwise"
 
 pytestmark = [pytest.mark.slow, pytest.mark.gloo]
 
@@ -72,6 +75,40 @@ def test_default_case_learns(case_results):
     loss = metrics["lm loss"]["values"]
     first, last = loss["1"], loss[str(metrics["lm loss"]["end_step"])]
     assert last < 0.9 * first, (first, last)
+
+
+def test_vpp_case_gathers_every_chunk_through_the_schedule(case_results):
+    """The interleaved case really chains the param gathers across model chunks.
+
+    Every rank of both trees prints its gathers (``harness/param_sync_trace.py``,
+    ``MEGATRON_PARAM_SYNC_TRACE=1`` in the case). Expected from megatron's code: training
+    step 1 runs with the pre-hooks and ``config.param_sync_func`` removed
+    (``training.py:train``), so each bucket group of each chunk is dispatched once per
+    step 2..N by the interleaved schedule's ``param_sync_func[chunk]`` and waited once by a
+    forward pre-hook; ``disable_forward_pre_hook`` forces a sync before each eval (every
+    --eval-interval) and once at the end of training. Both chunks' gathers are pending at
+    the same time, and chunk 0 of the first stage has several bucket groups.
+    """
+    case_results(VPP_CASE)
+    case = rc.load_case(rc.find_case(VPP_CASE))
+    steps = case.train_iters - 1
+    forced = case.train_iters // int(case.model_args["--eval-interval"]) + 1
+    for variant in rc.VARIANTS:
+        log = (rc.OUT_ROOT / VPP_CASE / variant / "stdout.log").read_text()
+        ranks = param_sync_trace.parse_log(log)
+        assert [r["rank"] for r in ranks] == list(range(case.nproc)), f"{variant}: no trace from some rank"
+        for r in ranks:
+            where = f"{variant} rank {r['rank']}"
+            assert r["chunks"] == 2, where
+            groups = Counter(g["chunk"] for g in r["bucket_groups"])
+            for chunk in (0, 1):
+                n = groups[chunk]
+                assert n >= 1, where
+                assert r["dispatch"][str(chunk)] == {"forced": n * forced, "schedule_param_sync_func": n * steps}, (
+                    where, chunk, r["dispatch"])
+                assert r["waited_in_pre_hooks"][str(chunk)] == n * steps, (where, chunk)
+            assert r["max_chunks_in_flight"] == 2, where
+        assert max(Counter(g["chunk"] for g in r["bucket_groups"])[0] for r in ranks) >= 2, variant
 
 
 def test_every_mutant_is_classified():
