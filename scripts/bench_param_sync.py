@@ -26,7 +26,8 @@ Outputs in --out-dir (default build/bench): param_sync.json ({"meta", "records",
 README's tables) (harness/bench/report.py).
 Per record (tree, model, path, dp_size, rank, pg, bucket_size): temporary_bytes,
 alloc_calls, peak_extra_bytes (dispatch level), nccl_model_temporary_bytes,
-collective_launches, wire_bytes (received by this rank, padding included), shares_equal,
+collective_ops (NCCL calls), collective_launches (NCCL group launches), zero_size_ops,
+wire_bytes (received by this rank), shares_equal,
 bucket_shares, profiler_alloc_bytes / _calls / _peak_bytes / _caller_thread_bytes
 (torch.profiler, all threads), theory_* and their matches, params_synced. "timing" holds,
 per (dp_size, model, bucket_size, path), the per-round block medians of every tree and
@@ -210,7 +211,7 @@ def gathers(rec: dict) -> list:
 
 
 def expected_nccl(rec: dict) -> tuple:
-    """(launches, NCCL temporary bytes) of one sync if every gather is a list all_gather on
+    """(NCCL ops, NCCL temporary bytes) of one sync if every gather is a list all_gather on
     ProcessGroupNCCL, as upstream and exact_list_slots issue them (theory.py)."""
     total = [nccl_list_all_gather(s, rec["param_itemsize"]) for s in gathers(rec)]
     return sum(t[0] for t in total), sum(t[1] for t in total)
@@ -227,12 +228,12 @@ def merge(records: list, timing: dict, labels) -> list:
         r["peak_theory_match"] = r.get("model_standin_bytes", 0) > 0 or r["peak_extra_bytes"] == (
             r["theory_upstream_peak_bytes"] if r["tree"] == "upstream" else 0
         )
-        launches, temp = expected_nccl(r)
-        r["list_gather_launches"], r["list_gather_nccl_temporary_bytes"] = launches, temp
+        ops, temp = expected_nccl(r)
+        r["list_gather_ops"], r["list_gather_nccl_temporary_bytes"] = ops, temp
         g = gathers(r)
         r["num_gathers"] = len(g)
         r["shares_equal"] = bool(g) and all(len(set(x)) == 1 for x in g)
-        r["launches_per_gather"] = r["collective_launches"] / max(1, len(g))
+        r["ops_per_gather"] = r["collective_ops"] / max(1, len(g))
         if r["pg"] == "real":
             blocks = timing.get((r["dp_size"], r["model"], r["bucket_size"], r["path"]), {})
             mine = blocks.get(r["tree"], [])
@@ -266,9 +267,18 @@ def checks(records: list) -> dict:
         "patched_zero_nccl_model_temporary_bytes": [
             key(r) for r in sync if r["tree"] == "patched" and r["nccl_model_temporary_bytes"] != 0
         ],
-        "patched_one_launch_per_gather_where_shares_equal": [
+        "patched_one_op_per_gather_where_shares_equal": [
             key(r) for r in sync
-            if r["tree"] == "patched" and r["shares_equal"] and r["launches_per_gather"] != 1
+            if r["tree"] == "patched" and r["shares_equal"] and r["ops_per_gather"] != 1
+        ],  # fmt: skip
+        "patched_no_zero_size_ops": [
+            key(r) for r in sync if r["tree"] == "patched" and r["zero_size_ops"] != 0
+        ],
+        "patched_ops_and_launches_at_most_upstream": [
+            key(r) for r in sync if r["tree"] == "patched"
+            for u in sync if u["tree"] == "upstream" and all(u[k] == r[k] for k in KEY)
+            if r["collective_ops"] > u["collective_ops"]
+            or r["collective_launches"] > u["collective_launches"]
         ],  # fmt: skip
         "upstream_equals_theory": [
             key(r) for r in sync if r["tree"] == "upstream" and not (r["theory_match"] and r["peak_theory_match"])
@@ -276,8 +286,8 @@ def checks(records: list) -> dict:
         "list_designs_nccl_equals_theory": [
             key(r) for r in sync
             if r["tree"] in ("upstream", "exact_list_slots")
-            and (r["collective_launches"], r["nccl_model_temporary_bytes"])
-            != (r["list_gather_launches"], r["list_gather_nccl_temporary_bytes"])
+            and (r["collective_ops"], r["nccl_model_temporary_bytes"])
+            != (r["list_gather_ops"], r["list_gather_nccl_temporary_bytes"])
         ],  # fmt: skip
         "real_params_synced": [
             key(r) for r in ours if r["path"] != "control" and r["pg"] == "real" and r["params_synced"] is not True

@@ -122,10 +122,10 @@ def _headline(result) -> List[str]:
         nccl = max(r["nccl_model_temporary_bytes"] for r in rs)
         disp = max(r["temporary_bytes"] for r in rs)
         eq = [r for r in rs if r["shares_equal"]]
-        lpb = sorted({r["launches_per_gather"] for r in eq})
+        lpb = sorted({r["ops_per_gather"] for r in eq})
         lines.append(
             f"- **{tree}**: per sync up to {_mib(disp)} MiB of tensors plus up to {_mib(nccl)} MiB "
-            f"inside ProcessGroupNCCL ({len(rs)} records); launches per gather where shares are "
+            f"inside ProcessGroupNCCL ({len(rs)} records); NCCL ops per gather where shares are "
             f"equal: {', '.join(f'{x:g}' for x in lpb) or 'n/a'}."
         )
     big = [r for r in records if r["pg"] == "fake" and r["path"] == "optimizer" and r["rank"] == 0]
@@ -135,9 +135,9 @@ def _headline(result) -> List[str]:
         for tree in _trees(result):
             rs = [r for r in big if r["tree"] == tree and r["dp_size"] == dp and r["model"] == "gpt_unequal"]
             if rs:
-                worst = max(rs, key=lambda r: r["collective_launches"])
-                cells.append(f"{tree} {worst['collective_launches']} ({worst['num_buckets']} buckets)")
-        lines.append(f"- **Host cost at DP {dp}, optimizer path, gpt_unequal**: NCCL launches per step: " + ", ".join(cells) + ".")
+                worst = max(rs, key=lambda r: r["collective_ops"])
+                cells.append(f"{tree} {worst['collective_ops']} ({worst['num_buckets']} buckets)")
+        lines.append(f"- **Host cost at DP {dp}, optimizer path, gpt_unequal**: NCCL ops per step: " + ", ".join(cells) + ".")
     for row in timing:
         if row["bucket_size"] is None:
             r = row.get("patched_vs_upstream")
@@ -180,11 +180,11 @@ def _step_memory_section(step) -> List[str]:
 def _real_table(result) -> List[str]:
     trees = _trees(result)
     lines = [
-        "## Real ranks: bytes, launches, wire bytes (rank 0, one sync)",
+        "## Real ranks: bytes, NCCL ops, wire bytes (rank 0, one sync)",
         "",
         "| model | DP | path | buckets | shares equal | "
         + " | ".join(f"{SHORT.get(t, t)} MiB (+NCCL)" for t in trees)
-        + " | " + " | ".join(f"{SHORT.get(t, t)} launches" for t in trees)
+        + " | " + " | ".join(f"{SHORT.get(t, t)} ops" for t in trees)
         + " | wire MiB " + "/".join(SHORT.get(t, t) for t in trees) + " |",
         "|---|--:|---|--:|---|" + "--:|" * (2 * len(trees) + 1),
     ]  # fmt: skip
@@ -194,7 +194,7 @@ def _real_table(result) -> List[str]:
         peers = [_find(result["records"], tree=t, **{k: r[k] for k in
                  ("model", "path", "dp_size", "rank", "bucket_size", "pg")}) for t in trees]  # fmt: skip
         mem = [f"{_mib(p['temporary_bytes'])} (+{_mib(p['nccl_model_temporary_bytes'])})" if p else "n/a" for p in peers]
-        la = [str(p["collective_launches"]) if p else "n/a" for p in peers]
+        la = [str(p["collective_ops"]) if p else "n/a" for p in peers]
         wire = "/".join(_mib(p["wire_bytes"]) if p else "n/a" for p in peers)
         lines.append(
             f"| {r['model']} | {r['dp_size']} | {r['path']} | {r['num_buckets']} | "
@@ -204,7 +204,7 @@ def _real_table(result) -> List[str]:
     return lines + _legend(
         "*MiB*: tensor storages the sync's ATen ops allocate (dispatch level); *(+NCCL)*: what "
         "ProcessGroupNCCL allocates on top (the flat output of a list `all_gather` with equal "
-        "slots). *launches*: NCCL calls per sync (one per all-gather, one per broadcast of a "
+        "slots). *ops*: NCCL calls per sync (one per all-gather, one per broadcast of a "
         "list `all_gather` with unequal slots). *wire*: bytes this rank receives, padding included."
     )
 
@@ -247,17 +247,17 @@ def _fake_table(result) -> List[str]:
     if not recs:
         return []
     lines = [
-        "## Large DP (fake process group, counts only): launches and temporaries per sync",
+        "## Large DP (fake process group, counts only): NCCL ops and temporaries per sync",
         "",
         "| model | DP | rank | bucket | path | buckets | shares equal | "
-        + " | ".join(f"{SHORT.get(t, t)} launches" for t in trees)
+        + " | ".join(f"{SHORT.get(t, t)} ops" for t in trees)
         + " | " + " | ".join(f"{SHORT.get(t, t)} MiB (+NCCL)" for t in trees) + " |",
         "|---|--:|--:|--:|---|--:|---|" + "--:|" * (2 * len(trees)),
     ]  # fmt: skip
     for r in recs:
         peers = [_find(result["records"], tree=t, **{k: r[k] for k in
                  ("model", "path", "dp_size", "rank", "bucket_size", "pg")}) for t in trees]  # fmt: skip
-        la = [str(p["collective_launches"]) if p else "n/a" for p in peers]
+        la = [str(p["collective_ops"]) if p else "n/a" for p in peers]
         mem = [f"{_mib(p['temporary_bytes'])} (+{_mib(p['nccl_model_temporary_bytes'])})" if p else "n/a" for p in peers]
         lines.append(
             f"| {r['model']} | {r['dp_size']} | {r['rank']} | {_bucket(r['bucket_size'])} | {r['path']} | "
@@ -320,7 +320,7 @@ def _method(meta) -> List[str]:
 # ---------------------------------------------------------------- plot
 def write_plot(path: Path, result: dict) -> None:
     """Three panels: (a) NCCL-model + dispatch temporaries vs DP (gpt_equal, async);
-    (b) NCCL launches per sync vs DP (optimizer path, gpt_unequal, smallest bucket size);
+    (b) NCCL ops per sync vs DP (optimizer path, gpt_unequal, smallest bucket size);
     (c) wall-time ratio vs upstream with CIs, per DP and path, incl. the negative control."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
@@ -356,14 +356,14 @@ def write_plot(path: Path, result: dict) -> None:
 
     buckets = sorted({r["bucket_size"] for r in records if r["model"] == "gpt_unequal" and r["bucket_size"]})
     bucket = buckets[0] if buckets else None
-    for t, pts in series("gpt_unequal", "optimizer", lambda r: r["collective_launches"], bucket).items():
+    for t, pts in series("gpt_unequal", "optimizer", lambda r: r["collective_ops"], bucket).items():
         if pts:
             ax2.plot([p[0] for p in pts], [p[1] for p in pts], marker=markers[t], label=t)
     ax2.set_xscale("log", base=2)
     ax2.set_yscale("log")
     ax2.set_xlabel("DP size")
-    ax2.set_ylabel("NCCL launches per sync")
-    ax2.set_title(f"(b) launches, gpt_unequal, optimizer path, bucket {_bucket(bucket)}")
+    ax2.set_ylabel("NCCL ops per sync")
+    ax2.set_title(f"(b) NCCL ops, gpt_unequal, optimizer path, bucket {_bucket(bucket)}")
     ax2.legend(fontsize=8)
 
     rows = [r for r in result["timing"] if r["bucket_size"] is None]
@@ -390,12 +390,12 @@ def write_plot(path: Path, result: dict) -> None:
 # ---------------------------------------------------------------- README block
 def readme_block(result: dict) -> str:
     """The README's benchmark tables (markdown), from the same records: the sync table at
-    real DP sizes (bucket size default), the step-memory table and the large-DP launches."""
+    real DP sizes (bucket size default), the step-memory table and the large-DP NCCL ops."""
     trees = _trees(result)
     recs = result["records"]
     timing = {(t["dp_size"], t["model"], t["path"]): t for t in result["timing"] if t["bucket_size"] is None}
     out = [
-        "| model | DP | path | shares equal | " + " | ".join(f"{SHORT.get(t, t)} MiB (+NCCL) / launches" for t in trees)
+        "| model | DP | path | shares equal | " + " | ".join(f"{SHORT.get(t, t)} MiB (+NCCL) / ops" for t in trees)
         + " | series/up time [95 % CI] | control [95 % CI] |",
         "|---|--:|---|---|" + "--:|" * (len(trees) + 2),
     ]  # fmt: skip
@@ -407,7 +407,7 @@ def readme_block(result: dict) -> str:
             p = _find(recs, tree=t, model=r["model"], path=r["path"], dp_size=r["dp_size"], rank=0, pg="real",
                       bucket_size=None)  # fmt: skip
             cells.append("n/a" if p is None else
-                         f"{_mib(p['temporary_bytes'])} (+{_mib(p['nccl_model_temporary_bytes'])}) / {p['collective_launches']}")
+                         f"{_mib(p['temporary_bytes'])} (+{_mib(p['nccl_model_temporary_bytes'])}) / {p['collective_ops']}")
         t = timing.get((r["dp_size"], r["model"], r["path"]), {})
         c = timing.get((r["dp_size"], r["model"], "control"), {})
         out.append(f"| {r['model']} | {r['dp_size']} | {r['path']} | {'yes' if r['shares_equal'] else 'no'} | "
@@ -427,9 +427,9 @@ def readme_block(result: dict) -> str:
            and r["model"] == "gpt_unequal" and r["bucket_size"] is not None]  # fmt: skip
     if big:
         dps = sorted({r["dp_size"] for r in big})
-        out += ["", "| NCCL launches per step, optimizer path, gpt_unequal, 14 buckets | " + " | ".join(f"DP {d}" for d in dps) + " |",
+        out += ["", "| NCCL ops per step, optimizer path, gpt_unequal, 14 buckets | " + " | ".join(f"DP {d}" for d in dps) + " |",
                 "|---|" + "--:|" * len(dps)]
         for t in trees:
             row = [_find(big, tree=t, dp_size=d) for d in dps]
-            out.append(f"| {t} | " + " | ".join("n/a" if x is None else str(x["collective_launches"]) for x in row) + " |")
+            out.append(f"| {t} | " + " | ".join("n/a" if x is None else str(x["collective_ops"]) for x in row) + " |")
     return "\n".join(out) + "\n"

@@ -24,7 +24,7 @@ Cases: model x bucket size x path (real megatron-core objects):
   that no tree changes (its source hash is recorded), the negative control of the timing.
 
 Per case and rank, ONE sync is counted (harness/bench/counters.py): tensor storages the
-ATen ops allocate (dispatch level), the collectives issued (NCCL launches, bytes received,
+ATen ops allocate (dispatch level), the collectives issued (NCCL calls and group launches, bytes received,
 what ProcessGroupNCCL would allocate), every C++ allocation seen by torch.profiler, and
 (real ranks) that every param afterwards holds its owner's value. Shares per bucket come
 from bucket.layerwise_params_list. Timing is done only on real ranks, in blocks the driver
@@ -127,7 +127,7 @@ class Setup:
             (max(40M, 1M * dp_size): one bucket for these models).
         device: "cpu" or "cuda".
 
-    Weights are torch.empty (no init): values do not matter for bytes, launches or time,
+    Weights are torch.empty (no init): values do not matter for bytes, NCCL calls or time,
     and scramble()/synced() write and check known values.
     """
 
@@ -358,8 +358,9 @@ def count_one_sync(s: Setup, path: str, rank: int, device: str, real: bool) -> d
         temporary_bytes, alloc_calls (dispatch level, bytes: megatron's own tensors, without
         model_standin_bytes, the NCCL temporaries the collective model allocates through
         torch on gloo), peak_extra_bytes (stand-ins included), dispatch_total_bytes, alloc_ops;
-        collective_launches, wire_bytes, nccl_model_temporary_bytes, collectives (one
-        [op, launches, wire bytes, NCCL temporary bytes] per c10d op);
+        collective_ops (NCCL calls), collective_launches (NCCL group launches),
+        zero_size_ops, wire_bytes, nccl_model_temporary_bytes, collectives (one
+        [op, NCCL calls, wire bytes, NCCL temporary bytes] per c10d op);
         profiler_alloc_bytes, profiler_alloc_calls, profiler_peak_bytes,
         profiler_caller_thread_bytes (torch.profiler, all threads);
         cuda_peak_extra_bytes (torch.cuda.max_memory_allocated delta; None on CPU);
@@ -400,7 +401,9 @@ def count_one_sync(s: Setup, path: str, rank: int, device: str, real: bool) -> d
         dispatch_total_bytes=c.temporary_bytes,
         model_standin_bytes=standin,
         alloc_ops=sorted({name for name, _ in c.events}),
-        collective_launches=sum(k.ops for k in calls),
+        collective_ops=sum(k.ops for k in calls),
+        collective_launches=cpu_runtime.summarize(calls)["launches"],
+        zero_size_ops=sum(k.zero_size_ops for k in calls),
         wire_bytes=sum(k.wire_bytes for k in calls),
         nccl_model_temporary_bytes=sum(k.nccl_temporary_bytes for k in calls),
         collectives=[[k.form, k.ops, k.wire_bytes, k.nccl_temporary_bytes] for k in calls],
@@ -488,7 +491,7 @@ def _merge_ranks(records: list) -> list:
         rec = dict(rec)
         rec["params_synced"] = all(p["params_synced"] for p in peers)
         for key in ("temporary_bytes", "alloc_calls", "peak_extra_bytes", "theory_upstream_bytes",
-                    "collective_launches", "wire_bytes", "nccl_model_temporary_bytes",
+                    "collective_ops", "wire_bytes", "nccl_model_temporary_bytes",
                     "profiler_alloc_bytes"):  # fmt: skip
             rec[f"all_ranks_{key}"] = [p[key] for p in peers]
         out.append(rec)

@@ -120,7 +120,7 @@ def async_chain_peak_bytes(group_bytes_in_forward_order: Sequence[int]) -> int:
 
 # ---------------------------------------------------------------- collectives on NCCL
 def nccl_list_all_gather(slot_numels: Sequence[int], itemsize: int) -> tuple:
-    """(launches, temporary bytes) of ``torch.distributed.all_gather(list, input)`` on
+    """(NCCL ops, temporary bytes) of ``torch.distributed.all_gather(list, input)`` on
     ProcessGroupNCCL (torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp, ``allgather``).
 
     Equal slot sizes: one flat output of ``len(slots) * numel`` is allocated through the

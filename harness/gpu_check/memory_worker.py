@@ -23,8 +23,11 @@ Measured on every rank, in bytes (``torch.cuda``; None on CPU ranks):
 * ``sync``: one param sync alone (``start_param_sync`` of the first bucket group in forward
   order, then ``finish_param_sync`` of every group), outside any forward: the temporaries of
   the gather and nothing else. On NCCL this is the proof of zero temporaries.
-* ``gather_calls``: the all-gather call forms of the window, their NCCL launches, the bytes
-  received from other ranks and the bytes NCCL would allocate for them
+* ``sync_optimizer``: the same for ``optimizer.allgather_params()``, the gather that
+  ``step()`` runs instead when --overlap-param-gather is off.
+* ``gather_calls``: the param all-gather's c10d calls per form in the window, their NCCL
+  calls and group launches, the bytes received from other ranks and the bytes NCCL would
+  allocate for them
   (``harness.cpu_runtime.collectives.record_collectives``). On gloo the model allocates those
   temporaries on the GPU, so they are inside the measured peaks.
 
@@ -90,17 +93,14 @@ def _on_gpu() -> bool:
 
 
 def summarize_records(records) -> dict:
-    """Counts and bytes of a window's ``collectives.CollectiveRecord`` list: calls per form,
-    NCCL launches, bytes received from other ranks, and the bytes NCCL would allocate."""
-    return {
-        "calls": len(records),
-        "list_equal": sum(r.form == collectives.FORM_LIST_EQUAL for r in records),
-        "list_unequal": sum(r.form == collectives.FORM_LIST_UNEQUAL for r in records),
-        "into_tensor": sum(r.form == collectives.FORM_INTO_TENSOR for r in records),
-        "launches": sum(r.ops for r in records),
-        "wire_bytes": sum(r.wire_bytes for r in records),
-        "nccl_temporary_bytes": sum(r.nccl_temporary_bytes for r in records),
-    }
+    """Counts and bytes of a window's ``collectives.CollectiveRecord`` list: c10d calls per
+    form, NCCL calls (and zero-size ones), NCCL group launches, bytes received from other
+    ranks, and the bytes NCCL would allocate (``collectives.summarize``)."""
+    forms = {"list_equal": collectives.FORM_LIST_EQUAL, "list_unequal": collectives.FORM_LIST_UNEQUAL,
+             "into_tensor": collectives.FORM_INTO_TENSOR, "broadcast": collectives.FORM_BROADCAST}
+    out = collectives.summarize(records)
+    out.update({name: sum(r.form == form for r in records) for name, form in forms.items()})
+    return out
 
 
 class _Memory:
@@ -225,6 +225,14 @@ class Setup:
             group.finish_param_sync()
         return mem.window()
 
+    def optimizer_sync_alone(self, mem: _Memory) -> dict:
+        """One ``LayerWiseDistributedOptimizer.allgather_params()``: the synchronous gather
+        that ``step()`` ends with when --overlap-param-gather is off (the optimizer path)."""
+        dist.barrier()
+        mem.start()
+        self.opt.allgather_params()
+        return mem.window()
+
     @torch.no_grad()
     def checksum(self) -> str:
         return float(sum(p.double().sum().item() for p in self.params)).hex()
@@ -261,6 +269,7 @@ def main(argv=None) -> int:
         record["buckets"] = s.bucket_shares()
         record["steps"] = [s.step(mem) for _ in range(args.steps)]
         record["sync"] = s.sync_alone(mem)
+        record["sync_optimizer"] = s.optimizer_sync_alone(mem)
         record["params_checksum"] = s.checksum()
     except Exception:  # noqa: BLE001 - the traceback goes to the run's log
         print(f"memory_worker rank {rank} failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)

@@ -72,6 +72,9 @@ def memory_tree(doc: Optional[dict]) -> Optional[dict]:
         "sync_peak_extra_bytes": _max([r["sync"]["peak_extra_bytes"] for r in ranks]),
         "sync_peak_extra_bytes_per_rank": [r["sync"]["peak_extra_bytes"] for r in ranks],
         "sync_gather_calls": r0["sync"]["gather_calls"],
+        "optimizer_sync_peak_extra_bytes": _max([r["sync_optimizer"]["peak_extra_bytes"] for r in ranks]),
+        "optimizer_sync_peak_extra_bytes_per_rank": [r["sync_optimizer"]["peak_extra_bytes"] for r in ranks],
+        "optimizer_sync_gather_calls": r0["sync_optimizer"]["gather_calls"],
         "losses_hex": [s["loss_hex"] for s in r0["steps"]],
         "params_checksums": sorted({r["params_checksum"] for r in ranks}),
         "devices": [r["device"] for r in ranks],
@@ -96,12 +99,20 @@ def summarize_memory(run: dict, run_dir: Path) -> dict:
             out["problems"].append(f"params after training differ: upstream {up['params_checksums']}, "
                                    f"patched {pa['params_checksums']}")
         out["losses_bitwise_equal"] = diverged is None and len(up["losses_hex"]) == len(pa["losses_hex"])
-        for key in ("forward_peak_extra_bytes", "step_peak_extra_bytes", "sync_peak_extra_bytes"):
+        for key in ("forward_peak_extra_bytes", "step_peak_extra_bytes", "sync_peak_extra_bytes",
+                    "optimizer_sync_peak_extra_bytes"):
             if up[key] is not None and pa[key] is not None:
                 out[key.replace("_bytes", "_saved_bytes")] = up[key] - pa[key]
-        sync = pa["sync_peak_extra_bytes_per_rank"]
-        if run["backend"] == "nccl" and any(b != 0 for b in sync):
-            out["problems"].append(f"patched param sync allocated on NCCL: {[fmt_bytes(b) for b in sync]} per rank")
+        for path, prefix in (("param sync", ""), ("optimizer gather", "optimizer_")):
+            cu, cp = up[prefix + "sync_gather_calls"], pa[prefix + "sync_gather_calls"]
+            if cp["ops"] > cu["ops"] or cp["launches"] > cu["launches"] or cp["zero_size_ops"]:
+                out["problems"].append(
+                    f"patched {path}: {cp['ops']} NCCL calls ({cp['zero_size_ops']} zero-size) in "
+                    f"{cp['launches']} launches, upstream {cu['ops']} in {cu['launches']}")
+            sync = pa[prefix + "sync_peak_extra_bytes_per_rank"]
+            if run["backend"] == "nccl" and any(b != 0 for b in sync):
+                out["problems"].append(
+                    f"patched {path} allocated on NCCL: {[fmt_bytes(b) for b in sync]} per rank")
     out["ok"] = not out["problems"]
     return out
 
@@ -172,7 +183,8 @@ def _memory_lines(r: dict) -> List[str]:
     rows = [("forward peak over allocated", "forward_peak_extra_bytes"),
             ("memory reserved after forward", "forward_reserved_bytes"),
             ("step peak over allocated", "step_peak_extra_bytes"),
-            ("param sync alone", "sync_peak_extra_bytes")]
+            ("param sync alone", "sync_peak_extra_bytes"),
+            ("optimizer gather alone", "optimizer_sync_peak_extra_bytes")]
     lines.append(f"  {'':32s}{'upstream':>12s}{'patched':>12s}{'saved':>12s}")
     for label, key in rows:
         u = up[key] if up else None
@@ -180,13 +192,16 @@ def _memory_lines(r: dict) -> List[str]:
         saved = None if u is None or p is None else u - p
         lines.append(f"  {label:32s}{fmt_bytes(u):>12s}{fmt_bytes(p):>12s}"
                      f"{(fmt_bytes(saved) if key != 'forward_reserved_bytes' else ''):>12s}")
-    for t, tree in (("upstream", up), ("patched", pa)):
+    for t, tree, key in (("upstream", up, "sync"), ("patched", pa, "sync"),
+                         ("upstream", up, "optimizer_sync"), ("patched", pa, "optimizer_sync")):
         if tree:
-            c = tree["sync_gather_calls"]
-            lines.append(f"  {t} all-gathers per sync: {c['list_equal']} list (equal shares), {c['list_unequal']} "
-                         f"list (unequal), {c['into_tensor']} into_tensor; {c['launches']} NCCL launches, "
-                         f"{fmt_bytes(c['wire_bytes'])} received; NCCL would allocate "
-                         f"{fmt_bytes(c['nccl_temporary_bytes'])}")
+            c = tree[key + "_gather_calls"]
+            what = "param all-gather per sync" if key == "sync" else "optimizer gather"
+            lines.append(f"  {t} {what}: {c['list_equal']} list (equal shares), "
+                         f"{c['list_unequal']} list (unequal), {c['into_tensor']} into_tensor, "
+                         f"{c['broadcast']} broadcast; {c['ops']} NCCL calls ({c['zero_size_ops']} zero-size) "
+                         f"in {c['launches']} launches, {fmt_bytes(c['wire_bytes'])} received; "
+                         f"NCCL would allocate {fmt_bytes(c['nccl_temporary_bytes'])}")
     if "losses_bitwise_equal" in r:
         n = len(up["losses_hex"])
         lines.append(f"  lm loss over {n} steps: {'bitwise equal' if r['losses_bitwise_equal'] else 'DIFFERS'}")

@@ -23,7 +23,8 @@ Two gloo ranks on one GPU need three things megatron does not do by itself:
   (``_world.pg_coalesce_state``), and on exit each captured ``all_reduce`` /
   ``reduce_scatter_tensor`` runs on its own; the handle waits for all of them. The sums are
   the same ones. Calls that run at once inside a coalescing block (the model's all-gathers)
-  are done when the block ends. NCCL groups keep torch's manager. megatron binds the name at
+  are done when the block ends. NCCL groups keep torch's manager, and so do blocks with a
+  ``device`` (broadcasts grouped into one NCCL group): the collective model runs those. megatron binds the name at
   import; modules imported earlier are rebound.
 
 ``harness/upstream_pretrain_gpt.py`` calls ``install_if_requested()``, which acts when
@@ -85,7 +86,9 @@ def _wrap_coalescing_manager(real):
     @contextlib.contextmanager
     @functools.wraps(real)
     def _coalescing_manager(group=None, device=None, async_ops=False):
-        if "gloo" not in _backend(group):
+        if "gloo" not in _backend(group) or device is not None:
+            # NCCL groups; and device blocks (broadcasts grouped into one NCCL group), which
+            # the collective model runs on gloo.
             with real(group, device, async_ops) as cm:
                 yield cm
             return

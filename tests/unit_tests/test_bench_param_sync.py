@@ -3,7 +3,7 @@
 The benchmark runs once per module in --quick mode (real DP 2 on gloo, then fake DP 8, the
 three trees; about 70 s of CPU) into a temporary directory. The tests check the record
 fields, that each tree's counts equal what its design predicts (upstream's temporaries
-equal the theory, the list designs' NCCL launches and temporaries equal ProcessGroupNCCL's
+equal the theory, the list designs' NCCL calls and temporaries equal ProcessGroupNCCL's
 rule, wire bytes equal the other ranks' shares), and the series' claims. Nothing asserts
 on time: wall times on a shared machine are data, not pass/fail criteria.
 """
@@ -38,7 +38,9 @@ REQUIRED = {
     "alloc_calls": int,
     "peak_extra_bytes": int,
     "nccl_model_temporary_bytes": int,
+    "collective_ops": int,
     "collective_launches": int,
+    "zero_size_ops": int,
     "wire_bytes": int,
     "shares_equal": bool,
     "bucket_shares": list,
@@ -46,7 +48,7 @@ REQUIRED = {
     "profiler_caller_thread_bytes": int,
     "theory_upstream_bytes": int,
     "theory_series_bytes": int,
-    "list_gather_launches": int,
+    "list_gather_ops": int,
     "list_gather_nccl_temporary_bytes": int,
 }
 
@@ -120,13 +122,13 @@ def test_upstream_temporaries_equal_the_theory(bench):
 
 @pytest.mark.gloo
 def test_list_designs_follow_nccl_rule(bench):
-    """Upstream and exact_list_slots issue list all_gathers: launches and NCCL temporaries
-    follow ProcessGroupNCCL's rule (1 launch + flat output when equal, one broadcast per
+    """Upstream and exact_list_slots issue list all_gathers: NCCL calls and temporaries
+    follow ProcessGroupNCCL's rule (1 call + flat output when equal, one broadcast per
     rank otherwise); equal shares show the full receive as NCCL temporary."""
     for tree in ("upstream", "exact_list_slots"):
         for r in _syncs(bench, tree=tree):
-            assert (r["collective_launches"], r["nccl_model_temporary_bytes"]) == (
-                r["list_gather_launches"], r["list_gather_nccl_temporary_bytes"]), r  # fmt: skip
+            assert (r["collective_ops"], r["nccl_model_temporary_bytes"]) == (
+                r["list_gather_ops"], r["list_gather_nccl_temporary_bytes"]), r  # fmt: skip
             if r["shares_equal"]:
                 total = sum(sum(s) for s in _gathers(r)) * r["param_itemsize"]
                 assert r["nccl_model_temporary_bytes"] == total > 0
@@ -141,18 +143,30 @@ def test_wire_bytes_are_the_other_ranks_shares(bench):
             assert r["wire_bytes"] == want, r
 
 
+def _same_sync(bench, r, tree):
+    """The record of `tree` for the same model, path, DP size, bucket size, rank and group."""
+    (peer,) = _records(bench, tree=tree, model=r["model"], path=r["path"], dp_size=r["dp_size"],
+                       bucket_size=r["bucket_size"], rank=r["rank"], pg=r["pg"])  # fmt: skip
+    return peer
+
+
 @pytest.mark.gloo
 def test_series_receives_without_temporaries(bench):
     """The series: no tensor allocated and nothing NCCL would allocate, in every record;
-    one launch per bucket wherever the shares are equal; wire bytes at least the exact
-    receive (padding can add)."""
+    NCCL calls and group launches at most upstream's for the same sync, no zero-size call;
+    one call per bucket wherever the shares are equal; exactly the other ranks' shares on
+    the wire (no padding)."""
     for r in _syncs(bench, tree="patched"):
+        up = _same_sync(bench, r, "upstream")
         assert (r["temporary_bytes"], r["alloc_calls"], r["peak_extra_bytes"]) == (0, 0, 0), r
         assert r["nccl_model_temporary_bytes"] == 0 == r["dispatch_total_bytes"], r
+        assert r["zero_size_ops"] == 0, r
+        assert r["collective_ops"] <= up["collective_ops"], (r, up)
+        assert r["collective_launches"] <= up["collective_launches"], (r, up)
         if r["shares_equal"]:
-            assert r["collective_launches"] == len(_gathers(r)), r
+            assert r["collective_ops"] == len(_gathers(r)), r
         exact = sum(sum(s) - s[r["rank"]] for s in _gathers(r)) * r["param_itemsize"]
-        assert r["wire_bytes"] >= exact, r
+        assert r["wire_bytes"] == exact == up["wire_bytes"], r
 
 
 @pytest.mark.gloo

@@ -289,8 +289,11 @@ def test_report_of_a_recorded_run(results):
     assert "memory_gloo_shared_gpu: ok (gloo, 2 ranks on cuda:0,cuda:0; ok, 120 s)" in lines
     row = next(l for l in lines if l.strip().startswith("forward peak over allocated")).split()
     assert row[-6:] == ["811.00", "MiB", "111.00", "MiB", "700.00", "MiB"]
-    upstream_calls = next(l for l in lines if l.strip().startswith("upstream all-gathers"))
-    assert "25 NCCL launches, 512.71 MiB received; NCCL would allocate 76.29 MiB" in upstream_calls
+    upstream_calls = next(l for l in lines if l.strip().startswith("upstream param all-gather"))
+    assert "25 NCCL calls (4 zero-size) in 13 launches, 512.71 MiB received; NCCL would allocate 76.29 MiB" \
+        in upstream_calls
+    patched_calls = next(l for l in lines if l.strip().startswith("patched param all-gather"))
+    assert "1 into_tensor, 20 broadcast; 21 NCCL calls (0 zero-size) in 13 launches" in patched_calls
     assert "  lm loss over 2 steps: bitwise equal" in lines
 
 
@@ -348,10 +351,13 @@ def test_window_summary_of_collective_records():
 
     records = [col.model_call(col.FORM_LIST_EQUAL, [10] * 4, 0, torch.bfloat16),
                col.model_call(col.FORM_LIST_UNEQUAL, [10, 12, 10, 0], 0, torch.bfloat16),
-               col.model_call(col.FORM_INTO_TENSOR, [10] * 4, 0, torch.bfloat16)]
+               col.model_call(col.FORM_INTO_TENSOR, [10] * 4, 0, torch.bfloat16),
+               col.model_call(col.FORM_BROADCAST, [12], 0, torch.bfloat16, world=4, src=1, launch_id=-7),
+               col.model_call(col.FORM_BROADCAST, [10], 0, torch.bfloat16, world=4, src=2, launch_id=-7)]
     assert summarize_records(records) == {
-        "calls": 3, "list_equal": 1, "list_unequal": 1, "into_tensor": 1,
-        "launches": 1 + 4 + 1, "wire_bytes": (30 + 22 + 30) * 2,
+        "calls": 5, "list_equal": 1, "list_unequal": 1, "into_tensor": 1, "broadcast": 2,
+        "ops": 1 + 4 + 1 + 2, "zero_size_ops": 1, "launches": 4,
+        "wire_bytes": (30 + 22 + 30 + 22) * 2,
         "nccl_temporary_bytes": 4 * 10 * 2}  # only the equal-size list form: one flat output
 
 
