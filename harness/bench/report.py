@@ -68,7 +68,7 @@ def write_markdown(path: Path, result: dict) -> None:
 
 def _header(meta) -> List[str]:
     return [
-        "# Layer-wise param sync: memory, launches and time, upstream vs exact list slots vs series",
+        "# Layer-wise param sync: memory, NCCL calls and time, upstream vs exact list slots vs series",
         "",
         "Produced by (repo root):",
         "",
@@ -184,7 +184,7 @@ def _real_table(result) -> List[str]:
         "",
         "| model | DP | path | buckets | shares equal | "
         + " | ".join(f"{SHORT.get(t, t)} MiB (+NCCL)" for t in trees)
-        + " | " + " | ".join(f"{SHORT.get(t, t)} ops" for t in trees)
+        + " | " + " | ".join(f"{SHORT.get(t, t)} calls (launches)" for t in trees)
         + " | wire MiB " + "/".join(SHORT.get(t, t) for t in trees) + " |",
         "|---|--:|---|--:|---|" + "--:|" * (2 * len(trees) + 1),
     ]  # fmt: skip
@@ -194,7 +194,7 @@ def _real_table(result) -> List[str]:
         peers = [_find(result["records"], tree=t, **{k: r[k] for k in
                  ("model", "path", "dp_size", "rank", "bucket_size", "pg")}) for t in trees]  # fmt: skip
         mem = [f"{_mib(p['temporary_bytes'])} (+{_mib(p['nccl_model_temporary_bytes'])})" if p else "n/a" for p in peers]
-        la = [str(p["collective_ops"]) if p else "n/a" for p in peers]
+        la = [f"{p['collective_ops']} ({p['collective_launches']})" if p else "n/a" for p in peers]
         wire = "/".join(_mib(p["wire_bytes"]) if p else "n/a" for p in peers)
         lines.append(
             f"| {r['model']} | {r['dp_size']} | {r['path']} | {r['num_buckets']} | "
@@ -204,8 +204,9 @@ def _real_table(result) -> List[str]:
     return lines + _legend(
         "*MiB*: tensor storages the sync's ATen ops allocate (dispatch level); *(+NCCL)*: what "
         "ProcessGroupNCCL allocates on top (the flat output of a list `all_gather` with equal "
-        "slots). *ops*: NCCL calls per sync (one per all-gather, one per broadcast of a "
-        "list `all_gather` with unequal slots). *wire*: bytes this rank receives, padding included."
+        "slots). *calls (launches)*: NCCL calls per sync (one per all-gather, one per broadcast; "
+        "a list `all_gather` with unequal slots is one broadcast per rank) and NCCL group "
+        "launches (calls inside one coalesced group share one). *wire*: bytes this rank receives."
     )
 
 
@@ -250,14 +251,14 @@ def _fake_table(result) -> List[str]:
         "## Large DP (fake process group, counts only): NCCL ops and temporaries per sync",
         "",
         "| model | DP | rank | bucket | path | buckets | shares equal | "
-        + " | ".join(f"{SHORT.get(t, t)} ops" for t in trees)
+        + " | ".join(f"{SHORT.get(t, t)} calls (launches)" for t in trees)
         + " | " + " | ".join(f"{SHORT.get(t, t)} MiB (+NCCL)" for t in trees) + " |",
         "|---|--:|--:|--:|---|--:|---|" + "--:|" * (2 * len(trees)),
     ]  # fmt: skip
     for r in recs:
         peers = [_find(result["records"], tree=t, **{k: r[k] for k in
                  ("model", "path", "dp_size", "rank", "bucket_size", "pg")}) for t in trees]  # fmt: skip
-        la = [str(p["collective_ops"]) if p else "n/a" for p in peers]
+        la = [f"{p['collective_ops']} ({p['collective_launches']})" if p else "n/a" for p in peers]
         mem = [f"{_mib(p['temporary_bytes'])} (+{_mib(p['nccl_model_temporary_bytes'])})" if p else "n/a" for p in peers]
         lines.append(
             f"| {r['model']} | {r['dp_size']} | {r['rank']} | {_bucket(r['bucket_size'])} | {r['path']} | "
@@ -297,7 +298,7 @@ def _method(meta) -> List[str]:
     return [
         "## Method",
         "",
-        "Bytes and launches per sync on the rank shown, one sync after a warm-up: "
+        "Bytes, NCCL calls and launches per sync on the rank shown, one sync after a warm-up: "
         "`harness/bench/counters.py` (a `TorchDispatchMode` that sees every ATen op and every "
         "`c10d` collective op). NCCL's own allocations follow ProcessGroupNCCL's `allgather`: "
         "a list `all_gather` with equal slots allocates a flat `world_size x numel` output and "
@@ -395,7 +396,7 @@ def readme_block(result: dict) -> str:
     recs = result["records"]
     timing = {(t["dp_size"], t["model"], t["path"]): t for t in result["timing"] if t["bucket_size"] is None}
     out = [
-        "| model | DP | path | shares equal | " + " | ".join(f"{SHORT.get(t, t)} MiB (+NCCL) / ops" for t in trees)
+        "| model | DP | path | shares equal | " + " | ".join(f"{SHORT.get(t, t)} MiB (+NCCL) / calls (launches)" for t in trees)
         + " | series/up time [95 % CI] | control [95 % CI] |",
         "|---|--:|---|---|" + "--:|" * (len(trees) + 2),
     ]  # fmt: skip
@@ -407,7 +408,8 @@ def readme_block(result: dict) -> str:
             p = _find(recs, tree=t, model=r["model"], path=r["path"], dp_size=r["dp_size"], rank=0, pg="real",
                       bucket_size=None)  # fmt: skip
             cells.append("n/a" if p is None else
-                         f"{_mib(p['temporary_bytes'])} (+{_mib(p['nccl_model_temporary_bytes'])}) / {p['collective_ops']}")
+                         f"{_mib(p['temporary_bytes'])} (+{_mib(p['nccl_model_temporary_bytes'])}) / "
+                         f"{p['collective_ops']} ({p['collective_launches']})")
         t = timing.get((r["dp_size"], r["model"], r["path"]), {})
         c = timing.get((r["dp_size"], r["model"], "control"), {})
         out.append(f"| {r['model']} | {r['dp_size']} | {r['path']} | {'yes' if r['shares_equal'] else 'no'} | "
@@ -427,9 +429,11 @@ def readme_block(result: dict) -> str:
            and r["model"] == "gpt_unequal" and r["bucket_size"] is not None]  # fmt: skip
     if big:
         dps = sorted({r["dp_size"] for r in big})
-        out += ["", "| NCCL ops per step, optimizer path, gpt_unequal, 14 buckets | " + " | ".join(f"DP {d}" for d in dps) + " |",
+        out += ["", "| NCCL calls (launches) per step, optimizer path, gpt_unequal, 14 buckets | "
+                + " | ".join(f"DP {d}" for d in dps) + " |",
                 "|---|" + "--:|" * len(dps)]
         for t in trees:
             row = [_find(big, tree=t, dp_size=d) for d in dps]
-            out.append(f"| {t} | " + " | ".join("n/a" if x is None else str(x["collective_ops"]) for x in row) + " |")
+            out.append(f"| {t} | " + " | ".join("n/a" if x is None else f"{x['collective_ops']} ({x['collective_launches']})"
+                                               for x in row) + " |")
     return "\n".join(out) + "\n"
