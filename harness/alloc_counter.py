@@ -9,7 +9,7 @@ thread. An output tensor whose storage is not the storage of any input is a fres
 allocation (``aten.empty``, ``aten.cat``, ``aten.clone``, the functional forms of any
 op); views, in-place ops and ``out=`` ops return storages of their inputs and are not
 counted. For each fresh storage the counter records its ``nbytes`` and the op name, and
-tracks the live total with a weakref finalizer on the storage so that it can
+tracks the live total with a weak-reference callback on the storage so that it can
 report the peak of bytes alive above the start of the region.
 
 What it does not see: allocations made inside a backend's C++ code that never surface
@@ -19,22 +19,31 @@ other threads. Neither is a tensor allocated by megatron-core or by the series.
 
 from __future__ import annotations
 
+import functools
 import weakref
-from dataclasses import dataclass, field
-from typing import List, Tuple
+from dataclasses import dataclass
+from typing import Any, List, Tuple
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 
-def _storages(values) -> set:
-    """data_ptr/key of each tensor storage among `values` (pytree leaves)."""
+def _input_storages(args, kwargs) -> set:
+    """Data pointers of the storages of the tensors among an ATen call's arguments.
+
+    ATen schemas hold tensors directly or in one level of list (``Tensor[]``,
+    ``Tensor?[]``), positional or keyword; a plain loop over those is several times
+    cheaper than a pytree flatten on every operator.
+    """
     keys = set()
-    for v in values:
-        if isinstance(v, torch.Tensor) and v.layout == torch.strided:
-            st = v.untyped_storage()
-            keys.add((st.data_ptr(), st.nbytes(), v.device.type))
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, torch.Tensor):
+            if value.layout == torch.strided:
+                keys.add(value.untyped_storage().data_ptr())
+        elif isinstance(value, (list, tuple)):
+            for item in value:
+                if isinstance(item, torch.Tensor) and item.layout == torch.strided:
+                    keys.add(item.untyped_storage().data_ptr())
     return keys
 
 
@@ -56,43 +65,47 @@ class AllocationCounter(TorchDispatchMode):
         assert c.temporary_bytes == 0
     """
 
-    events: List[Tuple[str, int]] = field(default_factory=list)
     live_bytes: int = 0
     peak_extra_bytes: int = 0
 
     def __post_init__(self):
         super().__init__()
+        self._ops: List[Tuple[Any, int]] = []  # (OpOverload, bytes): named only when read
+        self._refs = set()  # weak references to the counted storages, alive until they fire
+
+    @property
+    def events(self) -> List[Tuple[str, int]]:
+        return [(str(op), nbytes) for op, nbytes in self._ops]
 
     @property
     def alloc_calls(self) -> int:
-        return len(self.events)
+        return len(self._ops)
 
     @property
     def temporary_bytes(self) -> int:
-        return sum(b for _, b in self.events)
+        return sum(b for _, b in self._ops)
 
-    def _freed(self, nbytes: int) -> None:
+    def _freed(self, ref, nbytes: int) -> None:
         self.live_bytes -= nbytes
+        self._refs.discard(ref)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         # Keys before the call: an out= tensor that the op resizes gets a new storage.
-        inputs = _storages(tree_flatten((args, kwargs))[0])
+        inputs = _input_storages(args, kwargs)
         out = func(*args, **kwargs)
-        seen = set()
-        for t in tree_flatten(out)[0]:
+        for t in out if isinstance(out, (tuple, list)) else (out,):
             if not isinstance(t, torch.Tensor) or t.layout != torch.strided:
                 continue
             st = t.untyped_storage()
-            key = (st.data_ptr(), st.nbytes(), t.device.type)
-            if key in inputs or key in seen or st.nbytes() == 0:
+            nbytes, key = st.nbytes(), st.data_ptr()
+            if key in inputs or nbytes == 0:
                 continue
-            seen.add(key)
-            nbytes = st.nbytes()
-            self.events.append((str(func), nbytes))
+            inputs.add(key)  # several outputs viewing one new storage count once
+            self._ops.append((func, nbytes))
             self.live_bytes += nbytes
             self.peak_extra_bytes = max(self.peak_extra_bytes, self.live_bytes)
-            # Storage objects are preserved per storage, so this fires when the last
-            # tensor or view of the storage is gone.
-            weakref.finalize(st, self._freed, nbytes)
+            # Storage objects are preserved per storage, so the callback fires when the
+            # last tensor or view of the storage is gone.
+            self._refs.add(weakref.ref(st, functools.partial(self._freed, nbytes=nbytes)))
         return out
