@@ -18,7 +18,11 @@ cannot do on CPU, before it runs:
    ``megatron`` still comes from the selected tree (the checkout's own ``megatron/`` is
    byte-identical to the pristine wheel tree's Python files). ``MEGATRON_EXPECT_TREE`` is
    checked (``harness.trees.check_expected_tree``): a run never trains on the wrong tree.
-3. After ``pretrain`` returns, ``harness.ranks.end_training_rank()``: writers closed, a
+3. ``MEGATRON_PARAM_SYNC_RECORD=DIR``: ``harness.param_sync_recorder`` wraps the layer-wise
+   param sync's entry points and ``train_step`` (per step: megatron's and NCCL's bytes of the
+   param sync, the step peak) and each rank writes ``DIR/rank<R>.json`` when ``pretrain``
+   returns or raises.
+4. After ``pretrain`` returns, ``harness.ranks.end_training_rank()``: writers closed, a
    barrier, ``os._exit(0)``; a gloo group torn down at interpreter exit can abort the process.
    On an exception the process group is destroyed and the exception re-raised.
 
@@ -33,7 +37,7 @@ Environment: ``MEGATRON_LM_CHECKOUT`` (the checkout whose ``pretrain_gpt.py`` ru
 user's checkout that ``scripts/launch_pretrain_gpt.sh`` and the Docker image use; the series
 does not touch ``pretrain_gpt.py``, so a patched checkout serves as well),
 ``MEGATRON_CPU_RUNTIME``, ``MEGATRON_SHARED_GPU``, ``MEGATRON_PARAM_SYNC_TRACE``,
-``MEGATRON_EXPECT_TREE``.
+``MEGATRON_PARAM_SYNC_RECORD``, ``MEGATRON_EXPECT_TREE``.
 """
 
 from __future__ import annotations
@@ -86,6 +90,9 @@ def main() -> None:
     from harness.trees import check_expected_tree
 
     tree = check_expected_tree()
+    from harness import param_sync_recorder
+
+    param_sync_recorder.install_if_requested()
     rank = os.environ.get("RANK", "0")
     print(
         f"[upstream_pretrain_gpt] rank {rank}: {entry} with megatron from {tree} "
@@ -98,10 +105,12 @@ def main() -> None:
     except BaseException:
         import torch
 
+        param_sync_recorder.write_if_installed(tree)
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
         raise
     param_sync_trace.report()
+    param_sync_recorder.write_if_installed(tree)
     from harness.ranks import end_training_rank
 
     end_training_rank()  # writers closed, barrier, os._exit(0): no gloo teardown at exit
