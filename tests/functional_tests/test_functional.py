@@ -133,6 +133,7 @@ def test_mutant_is_caught(case_results, tmp_path, mutant):
         patched_tree=tree,
         out_root=tmp_path / "functional",
         reuse_upstream=rc.OUT_ROOT / rc.DEFAULT_CASE / "upstream",
+        record_memory=False,  # only the verdict matters here
     )
     if mutant in CRASHES_IN_TRAINING:
         # Must be a crash during training, not one at exit that any flaky run could give.

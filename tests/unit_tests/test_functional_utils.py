@@ -533,7 +533,7 @@ def test_plot_writes_png(tmp_path):
     data = path.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
     width, height = int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
-    assert (width, height) == (1200, 450)
+    assert (width, height) == (1700, 480)
     with pytest.raises(ValueError, match="no curve"):
         plot.plot_loss_curves(
             tmp_path / "x.png", {"upstream": {"num-zeros": up["num-zeros"]}, "golden": None}

@@ -8,8 +8,10 @@ Data flows one way:
                                  --formatting--> table, one-line verdict
                                  --plot--------> loss_curves.png
     upstream == patched exactly --golden_update--> golden_values_<env>_<platform>.json
+    ranks' param_sync/rank<R>.json --memory_report--> memory.json --> comparison.json,
+                                 the memory block of the verdict, the plot's memory panel
 
 Modules: ``golden_schema`` (typed file format), ``tensorboard_reader``, ``tolerances``
 (per-metric rules), ``checks`` (exact and golden), ``verdicts``, ``formatting``,
-``golden_update``, ``plot``; ``run_case`` runs a case end to end.
+``golden_update``, ``memory_report``, ``plot``; ``run_case`` runs a case end to end.
 """

@@ -17,9 +17,15 @@ test case folder ``tests/functional_tests/test_cases/<model>/<case>/``:
 3. The tensorboard event files become ``metrics.json`` / ``metrics_exact.json``
    (``tensorboard_reader``), compared exactly (patched vs upstream) and per step against
    ``golden_values_<env>_<platform>.json`` (``checks``, ``verdicts``).
+4. In the same runs the ranks record, per training step, the layer-wise param sync's
+   megatron tensors, the NCCL temporaries the collective model gives for its calls and the
+   step peak (``harness.param_sync_recorder``, ``param_sync/rank<R>.json``), reduced to
+   ``memory.json`` (``memory_report``), printed next to the verdict (upstream vs patched,
+   MiB) and drawn in the plot's third panel. A case's EXPECT_PARAM_SYNC (kind -> group
+   size) fails a run that recorded no such gather.
 
 Outputs, per case: ``build/functional/<case>/{upstream,patched}/`` (logs, tensorboard,
-metrics), ``comparison.json`` and ``loss_curves.png``. Exit code 0 only if every case is
+metrics, param-sync records, memory.json), ``comparison.json`` and ``loss_curves.png``. Exit code 0 only if every case is
 "identical" (patched == upstream exactly, both within golden tolerance).
 
 ``--update-golden`` rewrites the golden file from the runs, only if patched == upstream
@@ -42,10 +48,10 @@ from typing import Dict, List, Optional, Sequence
 
 import yaml
 
-from harness import launch
+from harness import launch, param_sync_recorder
 from harness.trees import REPO_ROOT
 
-from . import checks, golden_schema, golden_update, plot, tolerances, verdicts
+from . import checks, golden_schema, golden_update, memory_report, plot, tolerances, verdicts
 from .formatting import format_table
 from . import tensorboard_reader as tbr
 
@@ -61,6 +67,8 @@ GOLDEN_DATA = CASES_DIR / "golden_data.json"
 # Exit code of main() when a case has no golden file for the device (nothing was trained).
 EXIT_NO_GOLDEN = 3
 TEST_TYPES = ("regular", "ckpt-resume")
+# Per run, the folder the ranks write their param-sync records into (harness.param_sync_recorder).
+RECORD_DIR = "param_sync"
 
 
 class CaseConfigError(ValueError):
@@ -78,6 +86,9 @@ class Case:
     model_args: Dict[str, object]
     metrics: List[str]
     test_type: str
+    # EXPECT_PARAM_SYNC: {kind: {"group_size": n}}: param-sync gathers each run must record
+    # (memory_report.check_expected_syncs); empty: nothing required.
+    expect_param_sync: Dict[str, Dict[str, int]] = field(default_factory=dict)
 
     @property
     def train_iters(self) -> int:
@@ -123,6 +134,14 @@ def load_case(folder: Path) -> Case:
         raise CaseConfigError(f"{path}: TEST_TYPE {doc['TEST_TYPE']!r} not in {TEST_TYPES}")
     if doc["TEST_TYPE"] == "ckpt-resume" and "--save-interval" not in doc["MODEL_ARGS"]:
         raise CaseConfigError(f"{path}: ckpt-resume needs --save-interval in MODEL_ARGS")
+    expect = doc.get("EXPECT_PARAM_SYNC") or {}
+    try:
+        expect = {str(k): {"group_size": int(v["group_size"])} for k, v in expect.items()}
+    except (AttributeError, KeyError, TypeError, ValueError) as e:
+        raise CaseConfigError(f"{path}: EXPECT_PARAM_SYNC must map a kind to {{group_size: N}}: {e!r}") from e
+    unknown = sorted(set(expect) - set(param_sync_recorder.KINDS))
+    if unknown:
+        raise CaseConfigError(f"{path}: EXPECT_PARAM_SYNC kinds {unknown} not in {param_sync_recorder.KINDS}")
     return Case(
         name=folder.name,
         folder=folder,
@@ -131,6 +150,7 @@ def load_case(folder: Path) -> Case:
         model_args=dict(doc["MODEL_ARGS"]),
         metrics=list(doc["METRICS"]),
         test_type=doc["TEST_TYPE"],
+        expect_param_sync=expect,
     )
 
 
@@ -195,6 +215,8 @@ class VariantResult:
     failures: List[str] = field(default_factory=list)
     # Last "iteration N/M" the run printed: tells a crash during training from one at exit.
     iterations_completed: Optional[int] = None
+    # memory.json of the run (memory_report), None when not recorded.
+    memory: Optional[dict] = None
 
 
 def last_iteration(stdout_log: Path) -> Optional[int]:
@@ -231,10 +253,14 @@ def run_variant(
     device: str,
     timeout_s: float,
     extra_env: Optional[Dict[str, str]] = None,
+    record_memory: bool = True,
 ) -> VariantResult:
     """Train one variant (tree name or mutant tree Path) and read its metrics.
 
     extra_env is merged over the case's ENV_VARS (measure_variation uses it).
+    record_memory: the ranks record the param sync's memory per step
+    (``harness.param_sync_recorder`` into ``out_dir/param_sync``), reduced to
+    ``out_dir/memory.json``; a run that trained but left no records fails.
 
     A crashed rank, a timeout or unreadable event files become failure messages (the
     verdict is then "failed"), never an exception.
@@ -252,6 +278,7 @@ def run_variant(
     }
     args = expand_args(case.model_args, variables)
     cpu = device == "cpu"
+    record_dir = str(out_dir / RECORD_DIR) if record_memory else ""
 
     def read_metrics():
         return tbr.write_run_metrics(
@@ -263,10 +290,17 @@ def run_variant(
         with Progress(label, out_dir / "stdout.log"):
             res.wall_s = launch.run_pretrain(
                 variant, args, case.nproc, run_dir=out_dir, cpu=cpu, timeout_s=timeout_s,
-                extra_env={**case.env_vars, **(extra_env or {})},
+                extra_env={**case.env_vars, param_sync_recorder.ENV_VAR: record_dir, **(extra_env or {})},
             )
         print(f"  [{label}] done in {res.wall_s:.1f} s", flush=True)
         res.metrics = read_metrics()
+        if record_memory:
+            try:
+                res.memory = memory_report.write_run_memory(out_dir / RECORD_DIR, out_dir)
+                res.failures += [f"{label}: {m}" for m in
+                                 memory_report.check_expected_syncs(res.memory, case.expect_param_sync)]
+            except memory_report.MemoryRecordError as e:
+                res.failures.append(f"{label}: {e}")
         if case.test_type == "ckpt-resume":
             res.failures += resume_check(case, variant, out_dir, variables, cpu, timeout_s, res)
     except launch.LaunchError as e:
@@ -285,7 +319,9 @@ def run_variant(
             # stays: such a run is never "identical".
             try:
                 res.metrics = read_metrics()
-            except tbr.TensorboardReadError:
+                if record_memory:
+                    res.memory = memory_report.write_run_memory(out_dir / RECORD_DIR, out_dir)
+            except (tbr.TensorboardReadError, memory_report.MemoryRecordError):
                 pass
     except tbr.TensorboardReadError as e:
         res.failures.append(f"{label}: no metrics: {e}")
@@ -355,6 +391,7 @@ def run_case(
     golden_path: Optional[Path] = None,
     model_args: Optional[Dict[str, object]] = None,
     extra_env: Optional[Dict[str, str]] = None,
+    record_memory: bool = True,
 ) -> dict:
     """Run one case end to end; returns the comparison dict (also comparison.json).
 
@@ -367,6 +404,9 @@ def run_case(
             reuse instead of training upstream again (mutant tests only).
         golden_path, model_args, extra_env: for the GPU check (harness/gpu_check): another
             golden file, MODEL_ARGS entries added or replaced, environment for the ranks.
+        record_memory: record the param sync's memory per step in both runs
+            (``memory.json``, the ``memory`` key of the comparison, the printed block and
+            the plot's third panel); off for runs that only need a verdict (mutants).
     """
     from harness import data
 
@@ -384,10 +424,15 @@ def run_case(
     results: Dict[str, VariantResult] = {}
     for variant in VARIANTS:
         if variant == "upstream" and reuse_upstream is not None:
-            results[variant] = VariantResult(metrics=tbr.load_run_metrics(reuse_upstream))
+            results[variant] = VariantResult(
+                metrics=tbr.load_run_metrics(reuse_upstream),
+                memory=memory_report.load_run_memory(reuse_upstream) if record_memory else None,
+            )
             continue
         tree = variant if variant == "upstream" or patched_tree is None else Path(patched_tree)
-        results[variant] = run_variant(case, tree, out / variant, data_path, device, timeout_s, extra_env)
+        results[variant] = run_variant(
+            case, tree, out / variant, data_path, device, timeout_s, extra_env, record_memory
+        )
     failures = [f for r in results.values() for f in r.failures]
     rules = tolerances.rules_for(case.metrics)
     own_golden = golden_path is None  # a caller's own golden file has its own way to create it
@@ -429,6 +474,8 @@ def run_case(
         for v, r in results.items()
     }
     comparison["data"] = {"path": data_path, "provenance": data.provenance(artifacts)}
+    memories = {v: r.memory for v, r in results.items()}
+    comparison["memory"] = memories if record_memory else None
     (out / "comparison.json").write_text(json.dumps(comparison, indent=1) + "\n")
     curves = {
         "upstream": results["upstream"].metrics,
@@ -439,10 +486,13 @@ def run_case(
         plot.plot_loss_curves(
             out / "loss_curves.png", curves, comparison["first_divergent_step"],
             title=f"{case.name}: {comparison['verdict_line']}",
+            memory=memories if record_memory else None,
         )
     except ValueError as e:
         print(f"  no plot: {e}")
     print(format_table(comparison))
+    if record_memory:
+        print(memory_report.format_memory(memories))
     print(f"VERDICT {case.name}: {comparison['verdict_line']}", flush=True)
     return comparison
 
