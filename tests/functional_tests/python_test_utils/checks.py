@@ -25,7 +25,7 @@ from .tolerances import Informational, MetricRule
 
 VARIANTS = ("upstream", "patched")
 EXACT_REQUIRED = ("lm loss", "grad-norm", "num-zeros")
-EXACT_OPTIONAL = ("params-norm", "learning-rate")
+EXACT_OPTIONAL = ("params-norm", "learning-rate", "load_balancing_loss")
 
 
 def same_bits(a: float, b: float) -> bool:

@@ -4,7 +4,9 @@ Megatron's ``training_log`` (``megatron/training/training.py``) writes, on the l
 ``writer.add_scalar(tag, value, iteration)`` for 'lm loss', 'grad-norm', 'num-zeros' (with
 ``--log-num-zeros-in-grad``), 'params-norm' (``--log-params-norm``), 'learning-rate',
 'iteration-time' (``--log-timers-to-tensorboard``, never at the first iteration of a
-process) and the 'mem-*-bytes' tags (``--log-memory-to-tensorboard``). We read those event
+process) and the 'mem-*-bytes' tags (``--log-memory-to-tensorboard``); MoE models add the
+router's 'load_balancing_loss' (``track_moe_metrics`` in ``megatron/core/transformer/moe/
+moe_utils.py``, with ``--moe-router-load-balancing-type aux_loss``). We read those event
 files with tensorboard's own ``EventAccumulator`` and never parse stdout: the stdout
 'lm loss' of the 2nd iteration after a (re)start is an average over two iterations.
 
@@ -58,6 +60,7 @@ DEFAULT_TAGS = (
     "iteration-time",
     "mem-allocated-bytes",
     "mem-max-allocated-bytes",
+    "load_balancing_loss",
 )
 ROUNDED_FILE = "metrics.json"
 EXACT_FILE = "metrics_exact.json"

@@ -93,6 +93,10 @@ class MetricRule:
 # learning-rate comes from the scheduler's Python arithmetic and is exact everywhere.
 # num-zeros (count of grads that are exactly 0 in bf16) flips with any rounding change, so
 # it is only checked exactly between the variants of one run, never against golden values.
+# The MoE case (gpt_moe_ep2_dp4_..., 24 steps, measure_variation --case) moves more, as
+# top-2 routing flips with the rounding: lm loss 2.6e-4, grad-norm 9.3e-3, params-norm
+# 7.1e-5 and the router's load_balancing_loss 9.0e-3 (about 1.0 per step). Its rtol of
+# 5e-2 leaves a margin of 5.5x; the exact check between the variants stays bitwise.
 GOLDEN_RULES: dict[str, MetricRule] = {
     "lm loss": MetricRule(Approximate(rtol=1e-3)),
     "grad-norm": MetricRule(Approximate(rtol=3e-2)),
@@ -101,6 +105,8 @@ GOLDEN_RULES: dict[str, MetricRule] = {
     ),
     "params-norm": MetricRule(Approximate(rtol=1e-3)),
     "learning-rate": MetricRule(Exact()),
+    # MoE router's aux loss (megatron's track_moe_metrics, tag 'load_balancing_loss').
+    "load_balancing_loss": MetricRule(Approximate(rtol=5e-2)),
     "iteration-time": MetricRule(
         Informational("wall time on shared CPUs varies by more than 2x"), allow_missing=True
     ),
