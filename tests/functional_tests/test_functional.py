@@ -6,9 +6,10 @@ patched == upstream bit for bit on lm loss, grad-norm, num-zeros (and params-nor
 learning-rate), and both within the golden tolerance at every step.
 
 Teeth: the mutants in tests/mutants (deliberate bugs on top of the
-series) must make the default case diverge or fail. One mutant cannot show in training
-numerics at all, see INVISIBLE_TO_TRAINING; the unit tests catch it
-(tests/unit_tests/test_layerwise_param_sync.py::test_mutants_are_caught).
+series) must make the default case diverge or fail, and those in MORE_MUTANT_CASES the
+cases named there too (the MoE case: its expert buckets are gathered on the expert-DP
+group). Mutants that cannot show in training numerics at all are in INVISIBLE_TO_TRAINING;
+the unit tests catch them (tests/unit_tests/test_layerwise_param_sync.py::test_mutants_are_caught).
 """
 
 from __future__ import annotations
@@ -42,6 +43,13 @@ INVISIBLE_TO_TRAINING = {
 CRASHES_IN_TRAINING: set = set()
 MUTANTS = sorted(p.stem for p in MUTANTS_DIR.glob("*.patch"))
 VPP_CASE = "gpt_pp2_vpp2_dp2_bf16_fp32grad_overlap_layerwise"
+MOE_CASE = "gpt_moe_ep2_dp4_bf16_fp32grad_overlap_layerwise"
+# Cases other than the default one that mutants must break, by mutant name (one training
+# run each): without the zeroing the expert buckets' grad_data keeps gathered params too.
+MORE_MUTANT_CASES = {MOE_CASE: ("no_zeroing",)}
+MUTANT_RUNS = [(rc.DEFAULT_CASE, m) for m in MUTANTS if m not in INVISIBLE_TO_TRAINING] + [
+    (case, m) for case, names in MORE_MUTANT_CASES.items() for m in names
+]
 
 pytestmark = [pytest.mark.slow, pytest.mark.gloo]
 
@@ -116,23 +124,26 @@ def test_vpp_case_gathers_every_chunk_through_the_schedule(case_results):
 
 def test_every_mutant_is_classified():
     assert INVISIBLE_TO_TRAINING <= set(MUTANTS), "stale INVISIBLE_TO_TRAINING entry"
+    more = {m for names in MORE_MUTANT_CASES.values() for m in names}
+    assert more <= set(MUTANTS) - INVISIBLE_TO_TRAINING, f"stale MORE_MUTANT_CASES entries: {more - set(MUTANTS)}"
+    assert set(MORE_MUTANT_CASES) <= set(rc.all_cases())
     assert len(MUTANTS) >= 4
 
 
-@pytest.mark.parametrize("mutant", [m for m in MUTANTS if m not in INVISIBLE_TO_TRAINING])
-def test_mutant_is_caught(case_results, tmp_path, mutant):
-    """The default case with a mutant as the "patched" side must not be "identical".
+@pytest.mark.parametrize("case,mutant", MUTANT_RUNS)
+def test_mutant_is_caught(case_results, tmp_path, case, mutant):
+    """The case with a mutant as the "patched" side must not be "identical".
 
-    The upstream side is reused from the session's default-case run (same machine, same
+    The upstream side is reused from the session's run of the case (same machine, same
     session), so each mutant costs one training run.
     """
-    case_results(rc.DEFAULT_CASE)
+    case_results(case)
     tree = make_mutant_tree(MUTANTS_DIR / f"{mutant}.patch", tmp_path / "tree")
     comparison = rc.run_case(
-        rc.DEFAULT_CASE,
+        case,
         patched_tree=tree,
         out_root=tmp_path / "functional",
-        reuse_upstream=rc.OUT_ROOT / rc.DEFAULT_CASE / "upstream",
+        reuse_upstream=rc.OUT_ROOT / case / "upstream",
         record_memory=False,  # only the verdict matters here
     )
     if mutant in CRASHES_IN_TRAINING:
@@ -140,7 +151,7 @@ def test_mutant_is_caught(case_results, tmp_path, mutant):
         done = comparison["iterations_completed"]["patched"]
         assert comparison["verdict"] in ("diverged", "failed"), comparison["verdict_line"]
         if comparison["verdict"] == "failed":
-            train_iters = rc.load_case(rc.find_case(rc.DEFAULT_CASE)).train_iters
+            train_iters = rc.load_case(rc.find_case(case)).train_iters
             assert done is not None and done < train_iters, (done, comparison["verdict_line"])
     else:
         assert comparison["verdict"] == "diverged", comparison["verdict_line"]
