@@ -218,10 +218,11 @@ def format_memory(memories: Mapping[str, Optional[Mapping]]) -> str:
         per = {n: (memories[n] or {}).get("kinds", {}).get(kind) for n in names}
         group = max((t["group_size"] for t in per.values() if t), default=0)
         desc = "; ".join(
-            f"{n} {t['calls']} calls, {t['ops']} NCCL ops, {t['wire_bytes'] / MIB:.2f} MiB received"
+            f"{n} {t['calls']} calls, {t['ops']} NCCL ops in {t['launches']} launches, "
+            f"{t['wire_bytes'] / MIB:.2f} MiB received"
             for n, t in per.items() if t
         )
-        lines.append(f"  {kind} param sync, group of {group}, all steps and ranks: {desc}")
+        lines.append(f"  {kind} param sync, group of {group}, run totals over all ranks: {desc}")
     lines.append("  (megatron: allocation counter in the param sync; NCCL: collective model; "
                  "step peak: allocation counter around train_step)")
     return "\n".join(lines)
