@@ -8,7 +8,9 @@
 #   no CASE: the default case gpt_dp2_bf16_fp32grad_overlap_layerwise
 #   --device cuda: NCCL on GPUs (golden_values_dgx_h200.json) instead of CPU gloo ranks
 #   --update-golden: rewrite the golden values from this run; refused unless patched == upstream
-# Writes: build/functional/<case>/{upstream,patched}/metrics.json, comparison.json, loss_curves.png
+# Writes: build/functional/<case>/{upstream,patched}/{metrics,memory}.json, comparison.json, loss_curves.png
+#         (memory.json: the param sync's megatron and NCCL bytes and the step peak per step, printed
+#         next to the verdict)
 # Exit:   0 when every case is "identical"; 1 diverged / outside golden tolerance / failed;
 #         2 bad arguments (unknown case).
 set -euo pipefail
