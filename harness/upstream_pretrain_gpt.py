@@ -82,17 +82,16 @@ def main() -> None:
     from harness.gpu_check import shared_gpu
 
     shared_gpu.install_if_requested()
-    from harness import param_sync_trace
+    from harness import param_sync_recorder, param_sync_trace
 
+    # The recorder first: the trace reads its wrapper's caller frame, which must be megatron's.
+    param_sync_recorder.install_if_requested()
     param_sync_trace.install_if_requested()
     entry = checkout_entry()
     sys.path.append(str(entry.parent))
     from harness.trees import check_expected_tree
 
     tree = check_expected_tree()
-    from harness import param_sync_recorder
-
-    param_sync_recorder.install_if_requested()
     rank = os.environ.get("RANK", "0")
     print(
         f"[upstream_pretrain_gpt] rank {rank}: {entry} with megatron from {tree} "
