@@ -15,6 +15,10 @@ report the peak of bytes alive above the start of the region.
 What it does not see: allocations made inside a backend's C++ code that never surface
 as tensors (e.g. Gloo's transport buffers, NCCL's internal scratch) and work done on
 other threads. Neither is a tensor allocated by megatron-core or by the series.
+
+Meta tensors (the storage-free runs of ``harness/bench/real_shapes_worker.py``) all have
+data pointer 0; their storages are told apart by the storage object itself
+(``storage_key``), so the same rules apply there.
 """
 
 from __future__ import annotations
@@ -28,14 +32,20 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 
+def storage_key(t: torch.Tensor) -> tuple:
+    """Identity of a strided tensor's storage: (address, nbytes, device type).
+
+    The address is the data pointer, or for meta tensors (no data) the storage object's
+    own address (``_cdata``), which every view of that storage shares.
+    """
+    st = t.untyped_storage()
+    address = st._cdata if t.device.type == "meta" else st.data_ptr()
+    return (address, st.nbytes(), t.device.type)
+
+
 def _storages(values) -> set:
-    """data_ptr/key of each tensor storage among `values` (pytree leaves)."""
-    keys = set()
-    for v in values:
-        if isinstance(v, torch.Tensor) and v.layout == torch.strided:
-            st = v.untyped_storage()
-            keys.add((st.data_ptr(), st.nbytes(), v.device.type))
-    return keys
+    """storage_key of each tensor storage among `values` (pytree leaves)."""
+    return {storage_key(v) for v in values if isinstance(v, torch.Tensor) and v.layout == torch.strided}
 
 
 @dataclass
@@ -74,6 +84,16 @@ class AllocationCounter(TorchDispatchMode):
     def _freed(self, nbytes: int) -> None:
         self.live_bytes -= nbytes
 
+    def _account(self, func, storage, nbytes: int) -> None:
+        """Record one fresh storage of ``nbytes`` made by ``func`` and watch for its free.
+        Subclasses may route some storages elsewhere (e.g. per caller)."""
+        self.events.append((str(func), nbytes))
+        self.live_bytes += nbytes
+        self.peak_extra_bytes = max(self.peak_extra_bytes, self.live_bytes)
+        # Storage objects are preserved per storage, so this fires when the last
+        # tensor or view of the storage is gone.
+        weakref.finalize(storage, self._freed, nbytes)
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         # Keys before the call: an out= tensor that the op resizes gets a new storage.
@@ -84,15 +104,9 @@ class AllocationCounter(TorchDispatchMode):
             if not isinstance(t, torch.Tensor) or t.layout != torch.strided:
                 continue
             st = t.untyped_storage()
-            key = (st.data_ptr(), st.nbytes(), t.device.type)
+            key = storage_key(t)
             if key in inputs or key in seen or st.nbytes() == 0:
                 continue
             seen.add(key)
-            nbytes = st.nbytes()
-            self.events.append((str(func), nbytes))
-            self.live_bytes += nbytes
-            self.peak_extra_bytes = max(self.peak_extra_bytes, self.live_bytes)
-            # Storage objects are preserved per storage, so this fires when the last
-            # tensor or view of the storage is gone.
-            weakref.finalize(st, self._freed, nbytes)
+            self._account(func, st, st.nbytes())
         return out
