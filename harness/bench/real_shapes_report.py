@@ -200,17 +200,34 @@ def memory_rows(records: List[dict], layout_tree: str, legacy_trees: List[str]) 
     return rows
 
 
+def _delta(padding: Optional[int], peak: Optional[int]) -> str:
+    """Padding minus a transient peak, GiB with sign ('-' when unknown)."""
+    if padding is None or peak is None:
+        return "-"
+    d = (padding - peak) / GIB
+    return f"{d:+.2f}"
+
+
 def memory_table(rows: List[dict], legacy_trees: List[str], layout_tree: str) -> str:
-    """Markdown: padding of the layout tree vs the legacy trees' transient peaks (GiB)."""
+    """Markdown: padding of the layout tree vs the legacy trees' transient peaks (GiB),
+    and padding minus peak (negative: the layout path needs less memory than that tree)."""
     head = ["model", "DP", "params GiB/rank", f"{layout_tree} padding GiB (persistent)"] + [
-        f"{t} peak GiB: async / optimizer" for t in legacy_trees]  # fmt: skip
+        f"{t} peak GiB: async / optimizer" for t in legacy_trees] + [
+        f"padding − {t} peak GiB: async / optimizer" for t in legacy_trees]  # fmt: skip
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for row in rows:
         cells = [row["model"], str(row["dp"]), gib(row["param_bytes"]), gib(row["layout_padding_bytes"])]
+        deltas = []
         for t in legacy_trees:
             v = row.get(t)
-            cells.append("crash" if v is None else f"{gib(v['async'])} / {gib(v['optimizer'])}")
-        lines.append("| " + " | ".join(cells) + " |")
+            if v is None:
+                cells.append("crash")
+                deltas.append("crash")
+                continue
+            cells.append(f"{gib(v['async'])} / {gib(v['optimizer'])}")
+            pad = row["layout_padding_bytes"]
+            deltas.append(f"{_delta(pad, v['async'])} / {_delta(pad, v['optimizer'])}")
+        lines.append("| " + " | ".join(cells + deltas) + " |")
     return "\n".join(lines)
 
 
@@ -254,47 +271,61 @@ def write_markdown(data: dict, path: Path, plot_name: str = "real_shapes.png") -
 
 
 def write_plot(data: dict, path: Path) -> None:
-    """Per model: memory per rank (transient peak of the async path, solid; persistent
-    padding, dashed) and NCCL group launches per step (async path) against DP."""
+    """Per model (columns), against DP: top, GiB per rank of the param sync's transient
+    peak (megatron + NCCL; solid: async path, dotted: optimizer path) and of persistent
+    buffer padding (dashed); bottom, NCCL group launches per step (solid: async, dotted:
+    optimizer). Colours are trees; lines of equal values overlap (thicker lines below)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
 
     cells, meta = data["cells"], data["meta"]
     models = [m for m in meta["models"] if any(c["model"] == m for c in cells)]
     trees = list(meta["trees"])
-    fig, axes = plt.subplots(2, max(1, len(models)), figsize=(3.4 * max(1, len(models)), 6.2), squeeze=False)
+    ncol = max(1, len(models))
+    fig, axes = plt.subplots(2, ncol, figsize=(3.3 * ncol, 6.6), squeeze=False)
     colors = {t: f"C{i}" for i, t in enumerate(trees)}
+    width = {t: 1.0 + 0.9 * (len(trees) - 1 - i) for i, t in enumerate(trees)}
     for j, model in enumerate(models):
         top, bottom = axes[0][j], axes[1][j]
         for tree in trees:
             rs = sorted((c for c in cells if c["model"] == model and c["tree"] == tree and "error" not in c),
                         key=lambda c: c["dp"])  # fmt: skip
-            pts = [(c["dp"], transient_peak(c, "async")) for c in rs]
-            pts = [(x, y / GIB) for x, y in pts if y is not None]
-            if pts:
-                top.plot(*zip(*pts), marker="o", color=colors[tree], label=f"{tree} transient")
-            pads = [(c["dp"], c.get("padding_bytes", 0) / GIB) for c in rs if c.get("padding_bytes")]
-            if pads:
-                top.plot(*zip(*pads), marker="s", ls="--", color=colors[tree], label=f"{tree} padding")
-            launches = [(c["dp"], c["paths"]["async"]["launches"]) for c in rs
-                        if "launches" in c.get("paths", {}).get("async", {})]  # fmt: skip
-            if launches:
-                bottom.plot(*zip(*launches), marker="o", color=colors[tree], label=tree)
-        top.set_title(meta["models"][model]["title"].split(",")[0] + (" " + model.rsplit("_", 1)[-1]), fontsize=9)
+            kw = dict(color=colors[tree], lw=width[tree], alpha=0.85)
+            for sync, ls in (("async", "-"), ("optimizer", ":")):
+                pts = [(c["dp"], transient_peak(c, sync)) for c in rs]
+                pts = [(x, y / GIB) for x, y in pts if y is not None]
+                if pts:
+                    top.plot(*zip(*pts), ls=ls, marker="o", ms=3, **kw)
+                launches = [(c["dp"], c["paths"][sync]["launches"]) for c in rs
+                            if "launches" in c.get("paths", {}).get(sync, {})]  # fmt: skip
+                if launches:
+                    bottom.plot(*zip(*launches), ls=ls, marker="o", ms=3, **kw)
+            pads = [(c["dp"], c.get("padding_bytes", 0) / GIB) for c in rs]
+            if any(y for _, y in pads):
+                top.plot(*zip(*pads), ls="--", marker="s", ms=3, **kw)
+        title = meta["models"][model]["title"].split(",")[0]
+        top.set_title(f"{title}\n({model})", fontsize=8)
+        top.set_yscale("symlog", linthresh=0.1)
+        bottom.set_yscale("log")
         for ax in (top, bottom):
             ax.set_xscale("log", base=2)
             ax.grid(alpha=0.3)
             ax.set_xlabel("DP")
-        bottom.set_yscale("log")
+            ax.tick_params(labelsize=7)
         if j == 0:
-            top.set_ylabel("GiB per rank (async-path peak;\ndashed: persistent padding)")
-            bottom.set_ylabel("NCCL launches per step (async)")
-    handles, labels = axes[0][0].get_legend_handles_labels()
-    h2, l2 = axes[1][0].get_legend_handles_labels()
-    seen = dict(zip(labels, handles))
-    fig.legend(list(seen.values()), list(seen.keys()), loc="lower center", ncol=4, fontsize=8)
-    fig.tight_layout(rect=(0, 0.08, 1, 1))
+            top.set_ylabel("GiB per rank", fontsize=8)
+            bottom.set_ylabel("NCCL group launches per step", fontsize=8)
+    handles = [Line2D([], [], color=colors[t], lw=3, label=t) for t in trees] + [
+        Line2D([], [], color="k", ls="-", label="async path (--overlap-param-gather)"),
+        Line2D([], [], color="k", ls=":", label="optimizer path (allgather_params)"),
+        Line2D([], [], color="k", ls="--", marker="s", ms=3, label="persistent padding"),
+    ]  # fmt: skip
+    fig.legend(handles=handles, loc="lower center", ncol=len(handles), fontsize=7)
+    fig.suptitle("Layer-wise param sync on real shapes: transient peak and padding per rank (top), "
+                 "launches per step (bottom)", fontsize=9)  # fmt: skip
+    fig.tight_layout(rect=(0, 0.05, 1, 0.97))
     fig.savefig(path, dpi=110)
     plt.close(fig)

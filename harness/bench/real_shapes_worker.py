@@ -263,25 +263,41 @@ def build_module(mc, spec: real_shapes.ModelSpec):
     return config, module.to(dtype=PARAM_DTYPE), vocab
 
 
+def legacy_layerwise_optimizer(mc, ddp, overlap: bool):
+    """The tree's layer-wise Muon optimizer for ``--optimizer dist_muon`` without the
+    param layout: ``get_megatron_muon_optimizer(..., layer_wise_distributed_optimizer=True)``
+    (0.17.1), or, where OptimizerConfig has ``use_layer_wise_distributed_optimizer``
+    (0.18 on, whose muon.py is a shim), ``get_megatron_optimizer`` with it set, as 0.18.2's
+    megatron.training does with ``--no-use-layer-wise-param-layout``."""
+    import dataclasses
+
+    kwargs = dict(optimizer="muon", lr=0.01, bf16=True, params_dtype=PARAM_DTYPE,
+                  use_distributed_optimizer=False, overlap_param_gather=overlap)  # fmt: skip
+    if "use_layer_wise_distributed_optimizer" in {f.name for f in dataclasses.fields(mc.OptimizerConfig)}:
+        from megatron.core.optimizer import get_megatron_optimizer
+
+        config = mc.OptimizerConfig(use_layer_wise_distributed_optimizer=True, **kwargs)
+        return get_megatron_optimizer(config, [ddp], use_gloo_process_groups=False)
+    from megatron.core.optimizer.muon import get_megatron_muon_optimizer
+
+    return get_megatron_muon_optimizer(mc.OptimizerConfig(**kwargs), [ddp], layer_wise_distributed_optimizer=True,
+                                       use_gloo_process_groups=False)  # fmt: skip
+
+
 class LegacySetup(sync_worker.Setup):
-    """The legacy layer-wise path (0.17.1, exact_list_slots, the series): DDP with
-    ``use_distributed_optimizer=False`` and ``get_megatron_muon_optimizer(...,
-    layer_wise_distributed_optimizer=True)``, as megatron.training builds them for
+    """The legacy layer-wise path (0.17.1, exact_list_slots, the series, 0.18.2 without
+    the layout): DDP with ``use_distributed_optimizer=False`` and the layer-wise Muon
+    optimizer (``legacy_layerwise_optimizer``), as megatron.training builds them for
     ``--optimizer dist_muon``. Reuses sync_worker.Setup's reset() and paths."""
 
     def __init__(self, mc, spec, overlap: bool):
-        from megatron.core.optimizer.muon import get_megatron_muon_optimizer
-
         self.config, module, self.vocab = build_module(mc, spec)
         # bucket_size None: DDP's own default, max(40M, 1M x DP), one bucket after PP stage 0.
         ddp_config = mc.DDPConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=True,
                                   overlap_param_gather=overlap, use_distributed_optimizer=False,
                                   bucket_size=spec.bucket_size)  # fmt: skip
         self.ddp = mc.DDP(self.config, ddp_config, module)
-        opt_config = mc.OptimizerConfig(optimizer="muon", lr=0.01, bf16=True, params_dtype=PARAM_DTYPE,
-                                        use_distributed_optimizer=False, overlap_param_gather=overlap)  # fmt: skip
-        self.opt = get_megatron_muon_optimizer(opt_config, [self.ddp], layer_wise_distributed_optimizer=True,
-                                               use_gloo_process_groups=False)  # fmt: skip
+        self.opt = legacy_layerwise_optimizer(mc, self.ddp, overlap)
         self.layerwise = self.opt
         self._finish_init()
 
