@@ -57,6 +57,7 @@ import re
 import sys
 import time
 import traceback
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
@@ -184,8 +185,6 @@ class SyncCounter(AllocationCounter):
         self.nccl_live_bytes -= nbytes
 
     def _account(self, func, storage, nbytes: int) -> None:
-        import weakref
-
         frame = sys._getframe(1)
         while frame is not None:
             if os.path.realpath(frame.f_code.co_filename) == _COLLECTIVES_FILE:
