@@ -153,8 +153,10 @@ class SyncCounter(AllocationCounter):
     for what ProcessGroupNCCL allocates, e.g. the flat output of an equal-size list
     ``all_gather``) go to ``nccl_*`` instead of ``events``, so ``temporary_bytes`` and
     ``peak_extra_bytes`` are megatron's own tensors and ``nccl_peak_bytes`` is NCCL's peak.
-    ``zero_`` and ``fill_`` on a tensor whose storage is one of ``grad_storages`` add its
-    bytes to ``zeroed_grad_bytes``; on any other tensor to ``zeroed_other_bytes``.
+    ``zero_``, ``fill_(0)`` and their ``_foreach_`` forms add the bytes of each tensor they
+    write to ``zeroed_grad_bytes`` when its storage is one of ``grad_storages``, else to
+    ``zeroed_other_bytes`` (a ``fill_`` with a tensor value counts as zeroing: a meta
+    tensor has no value to check).
 
     Attributes (after the block): the parent's, and nccl_events, nccl_peak_bytes,
     zeroed_grad_bytes, zeroed_other_bytes, zero_calls (all bytes / counts).
@@ -168,17 +170,21 @@ class SyncCounter(AllocationCounter):
     zeroed_other_bytes: int = 0
     zero_calls: int = 0
 
-    _ZEROING = ("aten.zero_.default", "aten.fill_.Scalar", "aten.fill_.Tensor")
+    _ZERO_OPS = ("aten.zero_.default", "aten._foreach_zero_.default")
+    _FILL_OPS = ("aten.fill_.Scalar", "aten.fill_.Tensor", "aten._foreach_fill_.Scalar")
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if str(func) in self._ZEROING and isinstance(args[0], torch.Tensor):
-            t = args[0]
-            nbytes = t.numel() * t.element_size()
+        name = str(func)
+        zeroing = name in self._ZERO_OPS or (
+            name in self._FILL_OPS and (isinstance(args[1], torch.Tensor) or args[1] == 0))
+        if zeroing:
             self.zero_calls += 1
-            if storage_key(t) in self.grad_storages:
-                self.zeroed_grad_bytes += nbytes
-            else:
-                self.zeroed_other_bytes += nbytes
+            for t in args[0] if isinstance(args[0], (list, tuple)) else [args[0]]:
+                nbytes = t.numel() * t.element_size()
+                if storage_key(t) in self.grad_storages:
+                    self.zeroed_grad_bytes += nbytes
+                else:
+                    self.zeroed_other_bytes += nbytes
         return super().__torch_dispatch__(func, types, args, kwargs)
 
     def _nccl_freed(self, nbytes: int) -> None:

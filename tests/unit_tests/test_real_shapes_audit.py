@@ -220,3 +220,40 @@ def test_markdown_and_plot(audit):
     assert "real_shapes.png" in md
     png = (out / "real_shapes.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+
+
+# ---------------------------------------------------------------- worker pieces, in process
+def test_meta_device_mode_puts_every_new_tensor_on_meta():
+    """Whatever device megatron asks for, tensors are storage-free; CUDA type names."""
+    import torch
+
+    from harness.bench.real_shapes_worker import MetaDeviceMode
+
+    with MetaDeviceMode():
+        made = [torch.zeros(3, device="cuda"), torch.empty(2, 2), torch.tensor([1.0, 2.0], device=0),
+                torch.ones(4, dtype=torch.bfloat16).cuda(), torch.empty(5).to("cuda:0", non_blocking=True)]  # fmt: skip
+        name = made[3].type()
+    assert all(t.is_meta for t in made)
+    assert name == "torch.cuda.BFloat16Tensor"
+    assert torch.empty(1).device.type == "cpu"  # the mode is gone after the block
+
+
+def test_sync_counter_counts_zeroing_of_grad_data_views():
+    """zero_, fill_(0) and _foreach_zero_ on views of grad_data (any dtype view) count
+    their bytes as zeroed grad_data; other tensors and non-zero fills do not."""
+    import torch
+
+    from harness.alloc_counter import storage_key
+    from harness.bench.real_shapes_worker import SyncCounter
+
+    grad = torch.empty(100, device="meta")
+    other = torch.empty(10, device="meta", dtype=torch.bfloat16)
+    with SyncCounter(grad_storages={storage_key(grad)}) as c:
+        torch._foreach_zero_([grad[0:4], grad.view(torch.bfloat16)[20:30]])
+        grad[50:60].fill_(0)
+        grad[60:70].fill_(1.0)
+        other.zero_()
+        kept = torch.empty(7, device="meta")
+    assert c.zeroed_grad_bytes == 4 * 4 + 10 * 2 + 10 * 4
+    assert c.zeroed_other_bytes == 10 * 2
+    assert (c.temporary_bytes, c.peak_extra_bytes, kept.is_meta) == (28, 28, True)
