@@ -70,8 +70,8 @@ METHOD = (
     "calls its optimizers' `step_with_ready_grads` make. Collectives come from the CPU runtime "
     "layer's collective model (`harness/cpu_runtime/collectives.py`: what ProcessGroupNCCL issues "
     "and allocates per call), megatron's temporaries from `harness.alloc_counter.AllocationCounter` "
-    "(the model's own stand-ins for NCCL temporaries counted apart), zeroing from the `zero_`/`fill_` "
-    "ops on `grad_data` storage, padding from DDP's buffers (elements of `grad_data`, and of "
+    "(the model's own stand-ins for NCCL temporaries counted apart), zeroing from the `zero_`, `fill_(0)` "
+    "and `_foreach_zero_` ops on `grad_data` storage, padding from DDP's buffers (elements of `grad_data`, and of "
     "`param_data` where the tree allocates it, that hold no param)."
 )
 COLUMNS = (
@@ -84,7 +84,7 @@ COLUMNS = (
     "pre-hook chain; optimizer: the whole gather); *NCCL temp.* = peak of what ProcessGroupNCCL "
     "allocates on top; *ops (0-size) / launches* = NCCL collective calls per step (those of them "
     "moving 0 bytes) / NCCL group launches per step; *wire* = bytes this rank receives per step; "
-    "*zeroed* = bytes `zero_`/`fill_` write into `grad_data` per step; *padding* = persistent buffer "
+    "*zeroed* = bytes `zero_`/`fill_(0)`/`_foreach_zero_` write into `grad_data` per step; *padding* = persistent buffer "
     "padding on this rank, elements and GiB (grad_data fp32 + param_data bf16). 'crash' = the tree "
     "raised there (its message)."
 )

@@ -38,7 +38,8 @@ Counted per path (one sync, this rank): the collective model's records
 (``harness.cpu_runtime.collectives``: form, NCCL ops, zero-size ops, group launches, NCCL
 temporaries, wire bytes; ``summarize``); megatron's tensor storages (``SyncCounter``, an
 ``AllocationCounter`` that keeps the collective model's own stand-ins for NCCL's
-temporaries apart, with both peaks); and the bytes that ``zero_``/``fill_`` write into
+temporaries apart, with both peaks); and the bytes that ``zero_``, ``fill_(0)`` and
+``_foreach_zero_`` write into
 ``grad_data`` (and into other buffers) during the sync. Per cell: the buckets (numel,
 params, per-rank shares from the optimizer's ``dp_cp_params_list`` / ``expt_dp_params_list``,
 non-empty shares) and the persistent padding of DDP's buffers.
