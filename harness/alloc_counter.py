@@ -28,8 +28,22 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 
+def storage_key(t: torch.Tensor) -> tuple:
+    """Identity of a strided tensor's storage: (address, nbytes, device type).
+
+    The address is the data pointer, or for meta tensors (no data) the storage object's
+    own address (``_cdata``), which every view of that storage shares.
+    """
+    st = t.untyped_storage()
+    return (_address(t, st), st.nbytes(), t.device.type)
+
+
+def _address(t: torch.Tensor, st) -> int:
+    return st._cdata if t.device.type == "meta" else st.data_ptr()
+
+
 def _input_storages(args, kwargs) -> set:
-    """Data pointers of the storages of the tensors among an ATen call's arguments.
+    """Addresses (``_address``) of the storages of the tensors among an ATen call's arguments.
 
     ATen schemas hold tensors directly or in one level of list (``Tensor[]``,
     ``Tensor?[]``), positional or keyword; a plain loop over those is several times
@@ -39,11 +53,11 @@ def _input_storages(args, kwargs) -> set:
     for value in (*args, *kwargs.values()):
         if isinstance(value, torch.Tensor):
             if value.layout == torch.strided:
-                keys.add(value.untyped_storage().data_ptr())
+                keys.add(_address(value, value.untyped_storage()))
         elif isinstance(value, (list, tuple)):
             for item in value:
                 if isinstance(item, torch.Tensor) and item.layout == torch.strided:
-                    keys.add(item.untyped_storage().data_ptr())
+                    keys.add(_address(item, item.untyped_storage()))
     return keys
 
 
@@ -89,6 +103,16 @@ class AllocationCounter(TorchDispatchMode):
         self.live_bytes -= nbytes
         self._refs.discard(ref)
 
+    def _account(self, func, storage, nbytes: int) -> None:
+        """Record one fresh storage of ``nbytes`` made by ``func`` and watch for its free.
+        Subclasses may route some storages elsewhere (e.g. per caller)."""
+        self._ops.append((func, nbytes))
+        self.live_bytes += nbytes
+        self.peak_extra_bytes = max(self.peak_extra_bytes, self.live_bytes)
+        # Storage objects are preserved per storage, so the callback fires when the last
+        # tensor or view of the storage is gone.
+        self._refs.add(weakref.ref(storage, functools.partial(self._freed, nbytes=nbytes)))
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         # Keys before the call: an out= tensor that the op resizes gets a new storage.
@@ -98,14 +122,9 @@ class AllocationCounter(TorchDispatchMode):
             if not isinstance(t, torch.Tensor) or t.layout != torch.strided:
                 continue
             st = t.untyped_storage()
-            nbytes, key = st.nbytes(), st.data_ptr()
+            nbytes, key = st.nbytes(), _address(t, st)
             if key in inputs or nbytes == 0:
                 continue
             inputs.add(key)  # several outputs viewing one new storage count once
-            self._ops.append((func, nbytes))
-            self.live_bytes += nbytes
-            self.peak_extra_bytes = max(self.peak_extra_bytes, self.live_bytes)
-            # Storage objects are preserved per storage, so the callback fires when the
-            # last tensor or view of the storage is gone.
-            self._refs.add(weakref.ref(st, functools.partial(self._freed, nbytes=nbytes)))
+            self._account(func, st, nbytes)
         return out

@@ -1,5 +1,7 @@
 """Benchmark of the layer-wise param sync: upstream 0.17.1, the exact-list-slot design and
-the series, measured in one run (``scripts/bench_param_sync.py``).
+the series, measured in one run (``scripts/bench_param_sync.py``); and the real-shape
+audit of the same sync (``scripts/audit_param_sync.py``: real model configs at DP 8 to
+1024, storage-free, on a fake process group).
 
 | module | job |
 |---|---|
@@ -10,4 +12,7 @@ the series, measured in one run (``scripts/bench_param_sync.py``).
 | ``sync_worker`` | one tree's DDP + layer-wise optimizer on real or fake ranks; counts, timing server |
 | ``step_memory`` | peak memory per phase of one real training step |
 | ``report`` | param_sync.md and param_sync.png from the records |
+| ``real_shapes`` | the audit's models, trees and DP sizes (data only) |
+| ``real_shapes_worker`` | one tree's param sync per model x DP on meta tensors over a fake process group |
+| ``real_shapes_report`` | real_shapes.json, .md and .png from the audit's records |
 """

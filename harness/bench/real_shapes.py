@@ -1,0 +1,223 @@
+"""The real-shape audit of the layer-wise param sync: models, trees and cells.
+
+``scripts/audit_param_sync.py`` runs, for every cell (model x TP/PP/EP x DP x tree), the
+tree's own megatron-core code on storage-free tensors (meta device) over PyTorch's fake
+process group (``harness/bench/real_shapes_worker.py``) and reports what the param sync
+issues and allocates (``harness/bench/real_shapes_report.py``). Nothing here plans a
+gather: the buckets come from the tree's ``_ParamAndGradBuffer`` / DDP, the shards from its
+``LayerWiseDistributedOptimizer`` (ping-pong ``shard_params`` or 0.18.2's
+``compute_full_param_layout``), the collectives from running its bucket groups'
+``start_param_sync()`` / ``finish_param_sync()`` and ``allgather_params()``.
+
+This module is data: the model configs (``MODELS``, real published shapes), the trees
+(``TREES``) and the DP sizes. It imports neither torch nor megatron, so the driver can
+read it under any Python.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Dict, Optional, Tuple
+
+from harness import trees as _trees
+
+#: DP sizes of the audit (dense DP; expert DP is derived by megatron's parallel_state).
+DP_SIZES: Tuple[int, ...] = (8, 64, 512, 1024)
+#: --quick: enough to exercise every code path on 2 cores in well under a minute per tree.
+QUICK_DP_SIZES: Tuple[int, ...] = (8, 64)
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """One real model config and its parallel layout.
+
+    Attributes:
+        label: short name used in tables and JSON keys.
+        title: what it models, for the report.
+        config: ``TransformerConfig`` keyword arguments (JSON-ready; the worker adds dtype,
+            init and activation flags). ``mla`` keys go to ``MLATransformerConfig``.
+        vocab_size: the tokenizer's vocabulary; megatron pads it
+            (``megatron.core.tokenizers.utils.build_tokenizer.vocab_size_with_padding``,
+            ``make_vocab_size_divisible_by`` 128 x TP).
+        max_sequence_length: ``GPTModel`` argument (position embeddings when learned).
+        position_embedding_type: ``"rope"`` or ``"learned_absolute"``.
+        tied_embeddings: ``share_embeddings_and_output_weights``.
+        swiglu: gated linear unit with SiLU (``--swiglu``); otherwise GeLU.
+        tp, pp, ep: tensor, pipeline and expert model-parallel sizes.
+        pp_stage: the pipeline stage audited (its layers only; 0 when ``pp == 1``).
+        bucket_size: DDP bucket size in elements; None: megatron's default
+            (``default_bucket_size``). Only the small check models set it.
+        notes: caveats for the report.
+    """
+
+    label: str
+    title: str
+    config: Dict
+    vocab_size: int
+    max_sequence_length: int
+    position_embedding_type: str = "rope"
+    tied_embeddings: bool = False
+    swiglu: bool = True
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+    pp_stage: int = 0
+    bucket_size: Optional[int] = None
+    notes: str = ""
+
+    @property
+    def model_parallel(self) -> int:
+        """Ranks per DP replica: TP x PP (EP lives inside DP)."""
+        return self.tp * self.pp
+
+    def world_size(self, dp: int) -> int:
+        """Global ranks at dense DP ``dp``."""
+        return self.model_parallel * dp
+
+
+_LLAMA3_8B = dict(
+    num_layers=32, hidden_size=4096, ffn_hidden_size=14336, num_attention_heads=32,
+    num_query_groups=8, kv_channels=128, normalization="RMSNorm", add_bias_linear=False,
+)  # fmt: skip
+_LLAMA3_70B = dict(
+    num_layers=80, hidden_size=8192, ffn_hidden_size=28672, num_attention_heads=64,
+    num_query_groups=8, kv_channels=128, normalization="RMSNorm", add_bias_linear=False,
+)  # fmt: skip
+_GPT3_175B = dict(
+    num_layers=96, hidden_size=12288, ffn_hidden_size=4 * 12288, num_attention_heads=96,
+    normalization="LayerNorm", add_bias_linear=True,
+)  # fmt: skip
+_MIXTRAL = dict(
+    num_layers=32, hidden_size=4096, ffn_hidden_size=14336, num_attention_heads=32,
+    num_query_groups=8, kv_channels=128, normalization="RMSNorm", add_bias_linear=False,
+    num_moe_experts=8, moe_router_topk=2, moe_ffn_hidden_size=14336,
+)  # fmt: skip
+# DeepSeek-V2-Lite (Moonlight-16B-A3B has the same block): 27 layers, the first dense
+# (first_k_dense_replace=1, FFN 10944), then 64 routed experts of FFN 1408, top-6, and 2
+# shared experts (one shared MLP of 2 x 1408). Its attention is MLA (kv_lora_rank 512, no
+# q LoRA); megatron-core 0.17.1's local spec cannot build MLA (its DotProductAttention takes
+# no k_channels), so attention here is plain MHA, 16 heads of 128: 16.8M params per layer
+# instead of MLA's about 16M, in 2 matrices instead of 4 (0.4 B of 15.4 B params).
+_DSV2_LITE = dict(
+    num_layers=27, hidden_size=2048, ffn_hidden_size=10944, num_attention_heads=16,
+    kv_channels=128, normalization="RMSNorm", add_bias_linear=False,
+    num_moe_experts=64, moe_router_topk=6, moe_ffn_hidden_size=1408,
+    moe_shared_expert_intermediate_size=2 * 1408, moe_layer_freq=[0] + [1] * 26,
+)  # fmt: skip
+
+MODELS: Dict[str, ModelSpec] = {
+    m.label: m
+    for m in (
+        ModelSpec("llama3_8b_tp1", "Llama-3-8B, TP 1", _LLAMA3_8B, 128256, 8192, tp=1),
+        ModelSpec("llama3_8b_tp2", "Llama-3-8B, TP 2", _LLAMA3_8B, 128256, 8192, tp=2),
+        ModelSpec("llama3_70b_tp8", "Llama-3-70B, TP 8", _LLAMA3_70B, 128256, 8192, tp=8),
+        ModelSpec(
+            "gpt3_175b_tp8_pp8", "GPT-3 175B, TP 8, PP 8, stage 4 of 0..7 (layers 49-60)",
+            _GPT3_175B, 50257, 2048, position_embedding_type="learned_absolute",
+            tied_embeddings=True, swiglu=False, tp=8, pp=8, pp_stage=4,
+            notes="A middle stage holds no embedding or output layer; megatron's DDP puts "
+                  "every stage after the first in one bucket (pp_rank > 0).",
+        ),  # fmt: skip
+        ModelSpec(
+            "mixtral_8x7b_ep8", "Mixtral-8x7B-like MoE, 8 experts top-2, EP 8", _MIXTRAL, 32000, 4096,
+            ep=8,
+            notes="One expert per rank and layer at EP 8 (SequentialMLP, as TE's grouped experts: one "
+                  "weight per expert). At DP 8 the expert DP is 1: expert params are not gathered.",
+        ),  # fmt: skip
+        ModelSpec(
+            "dsv2_lite_ep8", "DeepSeek-V2-Lite/Moonlight-like MoE, 64 experts top-6 + shared, EP 8",
+            _DSV2_LITE, 102400, 4096, ep=8,
+            notes="27 layers, the first dense (FFN 10944), then 64 routed experts (FFN 1408) and 2 "
+                  "shared experts per layer. Attention is MHA (16 heads of 128) in place of the real "
+                  "model's MLA: megatron-core 0.17.1's local spec cannot build MLA. Experts are "
+                  "SequentialMLP (one fc1/fc2 pair per expert), as with Transformer Engine's grouped "
+                  "experts (TEGroupedMLP: one weight per expert too); the legacy GroupedMLP "
+                  "(--moe-grouped-gemm without TE) would hold one fused weight per layer, fewer and "
+                  "larger params, so other buckets.",
+        ),  # fmt: skip
+    )
+}
+QUICK_MODELS: Tuple[str, ...] = ("llama3_8b_tp1", "dsv2_lite_ep8")
+
+#: Small configs for the check against allocated megatron objects on real gloo ranks
+#: (tests/unit_tests/test_real_shapes_audit.py): the same code paths (dense and expert-DP
+#: buckets, several buckets, uneven shares) at a size that trains on CPU.
+CHECK_MODELS: Dict[str, ModelSpec] = {
+    m.label: m
+    for m in (
+        ModelSpec(
+            "check_moe_ep2", "4-layer Llama-like MoE, 4 experts top-2, EP 2, 20k-element buckets",
+            dict(num_layers=4, hidden_size=64, ffn_hidden_size=160, num_attention_heads=4,
+                 num_query_groups=2, kv_channels=16, normalization="RMSNorm", add_bias_linear=False,
+                 num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=96,
+                 moe_layer_freq=[0, 1, 1, 1]),
+            1000, 128, ep=2, bucket_size=20_000,
+        ),  # fmt: skip
+    )
+}
+ALL_MODELS: Dict[str, ModelSpec] = {**MODELS, **CHECK_MODELS}
+
+
+@dataclass(frozen=True)
+class TreeSpec:
+    """One megatron tree of the audit.
+
+    Attributes:
+        label: table and JSON name.
+        title: what it is.
+        source: what ``harness.bench.trees.tree_for`` takes ("upstream", "patched", a
+            comparison-tree label), or a path relative to the repo root holding megatron/.
+        layout: True for 0.18.2's default layer-wise param layout path
+            (``LayerWiseDistributedOptimizer.compute_full_param_layout`` passed to DDP as
+            ``full_param_layout``, as ``megatron.training.training.wrap_model_chunks_with_ddp``
+            wires it); False for the legacy path (ping-pong ``shard_params``).
+    """
+
+    label: str
+    title: str
+    source: str
+    layout: bool = False
+
+
+TREES: Dict[str, TreeSpec] = {
+    t.label: t
+    for t in (
+        TreeSpec("upstream", "megatron-core 0.17.1, pristine", "upstream"),
+        TreeSpec("exact_list_slots", "0.18's legacy design (grad_data list slots, #3751 + #4609) on 0.17.1, "
+                 "with the optimizer path through the buckets (harness/bench/trees/exact_list_slots.diff)",
+                 "exact_list_slots"),  # fmt: skip
+        TreeSpec("patched", "0.17.1 + the series (patches/)", "patched"),
+        TreeSpec("mcore_0.18_legacy", "megatron-core 0.18.2 with --no-use-layer-wise-param-layout "
+                 "(its legacy layer-wise path, #3751 + #4609)", "build/megatron-lm/core_v0.18.2"),  # fmt: skip
+        TreeSpec("mcore_0.18_layout", "megatron-core 0.18.2, its default layer-wise param layout",
+                 "build/megatron-lm/core_v0.18.2", layout=True),  # fmt: skip
+    )
+}
+
+
+def tree_dir(spec: TreeSpec):
+    """What ``harness.trees.env_for_tree`` takes for ``spec`` (builds comparison trees).
+
+    Raises:
+        FileNotFoundError: a path tree that is missing (run scripts/setup.sh).
+        ValueError / RuntimeError: as ``harness.bench.trees.tree_for``.
+    """
+    if "/" in spec.source:
+        path = _trees.REPO_ROOT / spec.source
+        if not (path / "megatron" / "core" / "__init__.py").is_file():
+            raise FileNotFoundError(f"tree {spec.label}: {path}/megatron is missing; run scripts/setup.sh")
+        return Path(path)
+    from harness.bench.trees import tree_for
+
+    return tree_for(spec.source)
+
+
+def default_bucket_size(dp: int) -> int:
+    """megatron's default DDP bucket size in elements at DP ``dp``: ``max(40M, 1M x dp)``.
+
+    From ``megatron/training/training.py:get_model`` (0.17.1 and 0.18.2) and
+    ``DistributedDataParallel.__init__`` (0.17.1). Pipeline stages after the first get one
+    bucket (``bucket_size=None``) in both.
+    """
+    return max(40_000_000, 1_000_000 * dp)

@@ -1,0 +1,331 @@
+"""Tables, JSON and the plot of the real-shape audit (scripts/audit_param_sync.py).
+
+Input: the cell records of ``harness/bench/real_shapes_worker.py`` (one per tree x model
+x DP, rank ``dp_rank``). Output:
+
+* ``slim(record)``: the published form of a record: bucket summaries (numel, params,
+  largest param, non-empty shares, largest share, equal or not) instead of per-rank share
+  lists, errors without tracebacks;
+* ``write_markdown``: one table per model (every DP and tree), then the memory
+  comparison of 0.18.2's layout path (persistent padding) with the legacy trees'
+  transients;
+* ``write_plot``: per model, param-sync memory per rank and NCCL group launches per step
+  against DP, one line per tree.
+
+Units: bytes in the records; GiB (2^30 bytes) in tables and plot; counts per rank and step
+(async and optimizer path) or per sync (forced).
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import Counter
+from pathlib import Path
+from typing import Dict, Iterable, List, Optional
+
+GIB = float(1 << 30)
+#: Short names of the collective model's forms (harness/cpu_runtime/collectives.py FORM_*).
+FORM_NAMES = {
+    "all_gather/unequal": "list≠",
+    "all_gather/equal": "list=",
+    "all_gather_into_tensor": "into",
+    "broadcast": "bcast",
+}
+PATHS = ("async", "forced", "optimizer")
+
+
+def gib(nbytes: Optional[float]) -> str:
+    """Bytes as GiB with 2 decimals ('0' for exactly 0, '-' for None)."""
+    if nbytes is None:
+        return "-"
+    return "0" if nbytes == 0 else f"{nbytes / GIB:.2f}"
+
+
+def bucket_summary(b: dict) -> dict:
+    """One bucket of a worker record without its per-rank lists."""
+    shares = b.get("shares")
+    out = {k: b[k] for k in ("expert", "layerwise", "numel", "param_numel", "params", "max_param_numel")}
+    if shares is not None:
+        out.update(ranks=len(shares), nonempty_shares=sum(1 for s in shares if s), max_share=max(shares),
+                   shares_equal=len(set(shares)) == 1)  # fmt: skip
+    return out
+
+
+def slim(record: dict) -> dict:
+    """The published form of a worker record (see the module docstring)."""
+    out = {k: v for k, v in record.items() if k not in ("buckets", "paths", "traceback", "megatron_layout_log")}
+    if "buckets" in record:
+        out["buckets"] = [bucket_summary(b) for b in record["buckets"]]
+    if record.get("megatron_layout_log"):
+        out["megatron_layout_log"] = [{k: v for k, v in e.items()} for e in record["megatron_layout_log"]]
+    out["paths"] = {p: {k: v for k, v in r.items() if k != "traceback"} for p, r in record.get("paths", {}).items()}
+    return out
+
+
+def forms_text(path_rec: dict) -> str:
+    """'list≠ 98' or 'into 26, list≠ 16' (calls per form, most first)."""
+    forms = Counter(path_rec.get("forms", {}))
+    return ", ".join(f"{FORM_NAMES.get(f, f)} {n}" for f, n in forms.most_common()) or "none"
+
+
+def _spread(values: List[int]) -> str:
+    if not values:
+        return "-"
+    return f"{min(values)}/{int(statistics.median(values))}/{max(values)}"
+
+
+def shares_text(record: dict) -> str:
+    """Non-empty shares per layer-wise bucket, min/median/max, dense and expert apart,
+    e.g. 'dense 1/1/3 of 64; expert 8/8/8 of 8'."""
+    parts = []
+    for expert, name in ((False, "dense"), (True, "expert")):
+        bs = [b for b in record.get("buckets", []) if b["expert"] == expert and b.get("layerwise") and "ranks" in b]
+        if bs:
+            parts.append(f"{name} {_spread([b['nonempty_shares'] for b in bs])} of {bs[0]['ranks']}")
+    return "; ".join(parts) or "-"
+
+
+def buckets_text(record: dict) -> str:
+    bs = record.get("buckets", [])
+    dense = sum(1 for b in bs if not b["expert"])
+    expert = len(bs) - dense
+    return f"{dense}+{expert}" if expert else str(dense)
+
+
+def nccl_peak(path_rec: dict) -> Optional[int]:
+    """NCCL's peak temporaries of a path: the collective model's stand-ins as they lived
+    (``nccl_peak_bytes``); None when the records list NCCL temporaries that no stand-in
+    showed (the peak is then unknown)."""
+    if path_rec.get("nccl_temporary_bytes", 0) and not path_rec.get("nccl_peak_bytes"):
+        return None
+    return path_rec.get("nccl_peak_bytes", 0)
+
+
+def ops_text(path_rec: dict) -> str:
+    """'784 (629) / 98': NCCL ops (zero-size ones) / group launches."""
+    return f"{path_rec['ops']} ({path_rec['zero_size_ops']}) / {path_rec['launches']}"
+
+
+def error_line(rec: dict) -> str:
+    """First line of a record's error, safe inside a table."""
+    return rec["error"].split("\n")[0][:160].replace("|", "/")
+
+
+def cell_cells(record: dict) -> List[str]:
+    """The table cells of one record after DP and tree (see ``TABLE_HEADER``); a crashed
+    path shows "crash" (``crash_notes`` lists the messages)."""
+    if "error" in record:
+        return ["crash"] + [""] * (len(TABLE_HEADER) - 3)
+    paths = record.get("paths", {})
+    a, o = paths.get("async", {}), paths.get("optimizer", {})
+
+    def col(rec, fn):
+        if not rec:
+            return "-"
+        return "crash" if "error" in rec else fn(rec)
+
+    return [
+        buckets_text(record),
+        col(a, forms_text),
+        shares_text(record),
+        f"{col(a, lambda r: gib(r['megatron_peak_bytes']))} / {col(o, lambda r: gib(r['megatron_peak_bytes']))}",
+        f"{col(a, lambda r: gib(nccl_peak(r)))} / {col(o, lambda r: gib(nccl_peak(r)))}",
+        col(a, ops_text),
+        col(o, ops_text),
+        col(a, lambda r: gib(r["wire_bytes"])),
+        f"{col(a, lambda r: gib(r['zeroed_grad_bytes']))} / {col(o, lambda r: gib(r['zeroed_grad_bytes']))}",
+        f"{record.get('padding_elements', 0):,} ({gib(record.get('padding_bytes', 0))})",
+    ]
+
+
+TABLE_HEADER = [
+    "DP (exp. DP)", "tree", "buckets", "gather forms (async)", "non-empty shares / bucket (min/med/max)",
+    "megatron temp. GiB: async peak / optimizer", "NCCL temp. GiB: async / optimizer",
+    "ops (0-size) / launches: async", "ops (0-size) / launches: optimizer", "wire GiB recv.",
+    "zeroed GiB: async / optimizer", "padding elems (GiB)",
+]  # fmt: skip
+
+
+def _dp_text(r: dict) -> str:
+    edp = r.get("expert_dp")
+    return f"{r['dp']} ({edp})" if r.get("ep", 1) > 1 and edp is not None else str(r["dp"])
+
+
+def _ordered(records: Iterable[dict], trees: List[str]) -> List[dict]:
+    order = {t: i for i, t in enumerate(trees)}
+    return sorted(records, key=lambda r: (r["dp"], order.get(r["tree"], 99)))
+
+
+def model_table(records: List[dict], trees: List[str]) -> str:
+    """The markdown table of one model's records, then one line per crash."""
+    lines = ["| " + " | ".join(TABLE_HEADER) + " |", "|" + "---|" * len(TABLE_HEADER)]
+    for r in _ordered(records, trees):
+        lines.append("| " + " | ".join([_dp_text(r), r["tree"]] + cell_cells(r)) + " |")
+    notes = crash_notes(_ordered(records, trees))
+    return "\n".join(lines + ([""] + notes if notes else []))
+
+
+def crash_notes(records: List[dict]) -> List[str]:
+    """'- crash: DP 8, upstream, async, forced: TypeError: ...' per distinct message."""
+    seen: Dict[tuple, List[str]] = {}
+    for r in records:
+        errs = [("cell", r)] if "error" in r else [(p, v) for p, v in r.get("paths", {}).items() if "error" in v]
+        for path, e in errs:
+            seen.setdefault((r["dp"], r["tree"], error_line(e)), []).append(path)
+    return [f"- crash: DP {dp}, `{tree}`, {', '.join(paths)}: `{msg}`" for (dp, tree, msg), paths in seen.items()]
+
+
+def transient_peak(record: dict, path: str) -> Optional[int]:
+    """megatron + NCCL peak temporaries of ``path`` (bytes), None if it crashed."""
+    rec = record.get("paths", {}).get(path)
+    if not rec or "error" in rec or nccl_peak(rec) is None:
+        return None
+    return rec["megatron_peak_bytes"] + nccl_peak(rec)
+
+
+def memory_rows(records: List[dict], layout_tree: str, legacy_trees: List[str]) -> List[dict]:
+    """Per model and DP: the layout tree's persistent padding against each legacy tree's
+    transient peaks (async path, optimizer path), in bytes."""
+    by = {(r["model"], r["dp"], r["tree"]): r for r in records}
+    rows = []
+    for (model, dp, tree), r in sorted(by.items()):
+        if tree != layout_tree or "error" in r:
+            continue
+        row = dict(model=model, dp=dp, layout_padding_bytes=r.get("padding_bytes"), param_bytes=r.get("param_bytes"))
+        for t in legacy_trees:
+            other = by.get((model, dp, t))
+            row[t] = None if other is None or "error" in other else {
+                p: transient_peak(other, p) for p in ("async", "optimizer")}  # fmt: skip
+        rows.append(row)
+    return rows
+
+
+def _delta(padding: Optional[int], peak: Optional[int]) -> str:
+    """Padding minus a transient peak, GiB with sign ('-' when unknown)."""
+    if padding is None or peak is None:
+        return "-"
+    d = (padding - peak) / GIB
+    return f"{d:+.2f}"
+
+
+def memory_table(rows: List[dict], legacy_trees: List[str], layout_tree: str) -> str:
+    """Markdown: padding of the layout tree vs the legacy trees' transient peaks (GiB),
+    and padding minus peak (negative: the layout path needs less memory than that tree)."""
+    head = ["model", "DP", "params GiB/rank", f"{layout_tree} padding GiB (persistent)"] + [
+        f"{t} peak GiB: async / optimizer" for t in legacy_trees] + [
+        f"padding − {t} peak GiB: async / optimizer" for t in legacy_trees]  # fmt: skip
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for row in rows:
+        cells = [row["model"], str(row["dp"]), gib(row["param_bytes"]), gib(row["layout_padding_bytes"])]
+        deltas = []
+        for t in legacy_trees:
+            v = row.get(t)
+            if v is None:
+                cells.append("crash")
+                deltas.append("crash")
+                continue
+            cells.append(f"{gib(v['async'])} / {gib(v['optimizer'])}")
+            pad = row["layout_padding_bytes"]
+            deltas.append(f"{_delta(pad, v['async'])} / {_delta(pad, v['optimizer'])}")
+        lines.append("| " + " | ".join(cells + deltas) + " |")
+    return "\n".join(lines)
+
+
+def write_markdown(data: dict, path: Path, plot_name: str = "real_shapes.png") -> None:
+    """docs/bench/real_shapes.md from the published JSON ``data`` ({"meta", "cells"})."""
+    meta, cells = data["meta"], data["cells"]
+    trees = list(meta["trees"])
+    layout = [t for t, m in meta["trees"].items() if m.get("layout")]
+    legacy = [t for t in trees if t not in layout]
+    out = [
+        "# The layer-wise param sync on real shapes",
+        "",
+        "Generated by `scripts/audit_param_sync.py` (do not edit by hand):",
+        "",
+        "```",
+        meta["command"],
+        "```",
+        "",
+        f"{meta['date']}, torch {meta['torch']}, {meta['wall_s']:.0f} s wall on {meta['cpus']} CPUs.",
+        "",
+        meta["method"],
+        "",
+        "Trees:",
+        "",
+    ]
+    out += [f"- `{t}`: {m['title']} (`{m['dir']}`)" for t, m in meta["trees"].items()]
+    out += ["", "Columns: " + meta["columns"], ""]
+    for label, spec in meta["models"].items():
+        recs = [c for c in cells if c["model"] == label]
+        if not recs:
+            continue
+        out += [f"## {spec['title']}", "", spec["summary"], ""]
+        if spec.get("notes"):
+            out += [spec["notes"], ""]
+        out += [model_table(recs, trees), ""]
+    if layout:
+        out += ["## Memory: the layout path's padding against the legacy transients", "", meta["memory_note"], ""]
+        out += [memory_table(memory_rows(cells, layout[0], legacy), legacy, layout[0]), ""]
+    out += [f"![param-sync memory and launches vs DP]({plot_name})", ""]
+    Path(path).write_text("\n".join(out))
+
+
+def write_plot(data: dict, path: Path) -> None:
+    """Per model (columns), against DP: top, GiB per rank of the param sync's transient
+    peak (megatron + NCCL; solid: async path, dotted: optimizer path) and of persistent
+    buffer padding (dashed); bottom, NCCL group launches per step (solid: async, dotted:
+    optimizer). Colours are trees; lines of equal values overlap (thicker lines below)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
+
+    cells, meta = data["cells"], data["meta"]
+    models = [m for m in meta["models"] if any(c["model"] == m for c in cells)]
+    trees = list(meta["trees"])
+    ncol = max(1, len(models))
+    fig, axes = plt.subplots(2, ncol, figsize=(3.3 * ncol, 6.6), squeeze=False)
+    colors = {t: f"C{i}" for i, t in enumerate(trees)}
+    width = {t: 1.0 + 0.9 * (len(trees) - 1 - i) for i, t in enumerate(trees)}
+    for j, model in enumerate(models):
+        top, bottom = axes[0][j], axes[1][j]
+        for tree in trees:
+            rs = sorted((c for c in cells if c["model"] == model and c["tree"] == tree and "error" not in c),
+                        key=lambda c: c["dp"])  # fmt: skip
+            kw = dict(color=colors[tree], lw=width[tree], alpha=0.85)
+            for sync, ls in (("async", "-"), ("optimizer", ":")):
+                pts = [(c["dp"], transient_peak(c, sync)) for c in rs]
+                pts = [(x, y / GIB) for x, y in pts if y is not None]
+                if pts:
+                    top.plot(*zip(*pts), ls=ls, marker="o", ms=3, **kw)
+                launches = [(c["dp"], c["paths"][sync]["launches"]) for c in rs
+                            if "launches" in c.get("paths", {}).get(sync, {})]  # fmt: skip
+                if launches:
+                    bottom.plot(*zip(*launches), ls=ls, marker="o", ms=3, **kw)
+            pads = [(c["dp"], c.get("padding_bytes", 0) / GIB) for c in rs]
+            if any(y for _, y in pads):
+                top.plot(*zip(*pads), ls="--", marker="s", ms=3, **kw)
+        title = meta["models"][model]["title"].split(",")[0]
+        top.set_title(f"{title}\n({model})", fontsize=8)
+        top.set_yscale("symlog", linthresh=0.1)
+        bottom.set_yscale("log")
+        for ax in (top, bottom):
+            ax.set_xscale("log", base=2)
+            ax.grid(alpha=0.3)
+            ax.set_xlabel("DP")
+            ax.tick_params(labelsize=7)
+        if j == 0:
+            top.set_ylabel("GiB per rank", fontsize=8)
+            bottom.set_ylabel("NCCL group launches per step", fontsize=8)
+    handles = [Line2D([], [], color=colors[t], lw=3, label=t) for t in trees] + [
+        Line2D([], [], color="k", ls="-", label="async path (--overlap-param-gather)"),
+        Line2D([], [], color="k", ls=":", label="optimizer path (allgather_params)"),
+        Line2D([], [], color="k", ls="--", marker="s", ms=3, label="persistent padding"),
+    ]  # fmt: skip
+    fig.legend(handles=handles, loc="lower center", ncol=len(handles), fontsize=7)
+    fig.suptitle("Layer-wise param sync on real shapes: transient peak and padding per rank (top), "
+                 "launches per step (bottom)", fontsize=9)  # fmt: skip
+    fig.tight_layout(rect=(0, 0.05, 1, 0.97))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

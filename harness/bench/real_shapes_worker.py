@@ -1,0 +1,634 @@
+"""Worker of scripts/audit_param_sync.py: ONE megatron tree's param sync on real shapes.
+
+The driver (scripts/audit_param_sync.py) starts this file once per tree, with that
+tree first on PYTHONPATH (harness.trees.env_for_tree) and the CPU runtime layer on:
+
+    python harness/bench/real_shapes_worker.py --tree patched --cells llama3_8b_tp1:64,... --out F.json
+
+Per cell (model x DP) it runs, in this one process, what megatron runs on one rank of a
+job of TP x PP x DP ranks:
+
+* PyTorch's fake process group of that world size, this process being global rank
+  ``tp 0, pp stage, DP rank r``; megatron's own ``parallel_state.initialize_model_parallel``
+  derives every group (TP, PP, DP, EP, expert DP) from it.
+* Every tensor megatron creates lives on the meta device (``MetaDeviceMode``): shapes,
+  dtypes, strides and views are real, storage is none, so 8B to 175B params cost nothing.
+* The model is megatron's ``GPTModel`` with ``get_gpt_decoder_block_spec(config,
+  use_transformer_engine=False)`` (local spec), this stage's layers only, bf16 params,
+  wrapped in the tree's ``DistributedDataParallel`` (fp32 ``grad_data``, overlapped grad
+  reduce, default bucket size) and given the tree's layer-wise Muon optimizer:
+  ``get_megatron_muon_optimizer(..., layer_wise_distributed_optimizer=True)`` on the legacy
+  trees; on the layout tree, as ``megatron.training.training.wrap_model_chunks_with_ddp``
+  and ``get_model`` wire it (``compute_full_param_layout`` -> DDP ``full_param_layout``,
+  ``use_distributed_optimizer=True``) and ``get_megatron_optimizer``.
+* Paths, each run once to warm up and once counted, after the state a training step
+  starts from (``sync_worker.Setup.reset``):
+  - ``async`` (``--overlap-param-gather``): DDP's own forward pre-hook over every module in
+    registration (forward) order, as the first forward of a step runs it: each bucket
+    group's ``finish_param_sync()`` dispatches its gather if needed, waits, dispatches the
+    next group's, and copies back, so up to 2 bucket groups per chain are in flight;
+  - ``forced``: ``DistributedDataParallel.start_param_sync(force_sync=True)`` (eval,
+    checkpoint save);
+  - ``optimizer`` (overlap of the param gather off): ``LayerWiseDistributedOptimizer.
+    allgather_params()`` on the legacy trees; on the layout tree, what its optimizers'
+    ``step_with_ready_grads`` issue then: ``start_param_sync_for_bucket_group_subset()``
+    of the layer-wise optimizer and of the sibling DistributedOptimizer.
+
+Counted per path (one sync, this rank): the collective model's records
+(``harness.cpu_runtime.collectives``: form, NCCL ops, zero-size ops, group launches, NCCL
+temporaries, wire bytes; ``summarize``); megatron's tensor storages (``SyncCounter``, an
+``AllocationCounter`` that keeps the collective model's own stand-ins for NCCL's
+temporaries apart, with both peaks); and the bytes that ``zero_``, ``fill_(0)`` and
+``_foreach_zero_`` write into
+``grad_data`` (and into other buffers) during the sync. Per cell: the buckets (numel,
+params, per-rank shares from the optimizer's ``dp_cp_params_list`` / ``expt_dp_params_list``,
+non-empty shares) and the persistent padding of DDP's buffers.
+
+A cell or path that raises records ``{"error": "Type: message"}``: a tree's crash is data.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import logging
+import os
+import re
+import sys
+import time
+import traceback
+import weakref
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+
+if __package__ in (None, ""):
+    # Run as a file: sys.path[0] is harness/bench; the repo root goes LAST so that the
+    # tree chosen by PYTHONPATH keeps its rank (check_expected_tree()).
+    if sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
+        del sys.path[0]
+    sys.path.append(str(Path(__file__).resolve().parents[2]))
+
+from harness import cpu_runtime  # noqa: E402
+
+cpu_runtime.install_if_requested()
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch.overrides import TorchFunctionMode  # noqa: E402
+from torch.utils._device import _device_constructors  # noqa: E402
+
+from harness.alloc_counter import AllocationCounter, storage_key  # noqa: E402
+from harness.bench import real_shapes  # noqa: E402
+from harness.bench import sync_worker  # noqa: E402
+from harness.cpu_runtime import collectives  # noqa: E402
+from harness.cpu_runtime import device as cpu_device  # noqa: E402
+from harness.trees import check_expected_tree  # noqa: E402
+
+META = torch.device("meta")
+PARAM_DTYPE = torch.bfloat16
+PATHS = ("async", "forced", "optimizer")
+FAKE_BACKEND = "cpu:fake,cuda:fake,meta:fake"
+_FACTORIES = _device_constructors()
+_COLLECTIVES_FILE = os.path.realpath(collectives.__file__)
+#: Tensor.type as torch-function modes see it: the CPU runtime layer's replacement, or torch's.
+_TYPE_FUNCS = (cpu_device.tensor_type, cpu_device._real_tensor_type)
+
+
+# ---------------------------------------------------------------- storage-free tensors
+def _is_device_arg(a) -> bool:
+    return isinstance(a, torch.device) or (isinstance(a, str) and a.split(":")[0] in ("cuda", "cpu")) or (
+        isinstance(a, int) and not isinstance(a, bool)
+    )
+
+
+class MetaDeviceMode(TorchFunctionMode):
+    """Every tensor created inside lives on the meta device (no storage).
+
+    Factory functions (``torch.empty``, ``zeros``, ``tensor``, ...) get ``device=meta``
+    whatever device megatron asked for; ``Tensor.to(device)``, ``.cuda()``, ``.cpu()`` and
+    ``.pin_memory()`` keep a tensor where it is; ``record_stream`` is a no-op;
+    ``Tensor.type()`` names a meta tensor as the CUDA tensor it stands for
+    (``Float16OptimizerWithFloat16Params`` checks ``'torch.cuda.BFloat16Tensor'``).
+    While it is active the CPU runtime layer's own device mapping is popped
+    (``device_mapping_suspended``): this mode maps every device itself, and each torch call
+    then pays for one mode instead of two.
+    """
+
+    def __enter__(self):
+        self._suspended = cpu_runtime.device_mapping_suspended()
+        self._suspended.__enter__()
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        try:
+            return super().__exit__(*exc)
+        finally:
+            self._suspended.__exit__(*exc)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs) if kwargs else {}
+        if func in _FACTORIES:
+            kwargs["device"] = META
+            kwargs.pop("pin_memory", None)
+        elif func is torch.Tensor.to:
+            args = (args[0],) + tuple(META if _is_device_arg(a) else a for a in args[1:])
+            if "device" in kwargs:
+                kwargs["device"] = META
+        elif func in (torch.Tensor.cuda, torch.Tensor.cpu, torch.Tensor.pin_memory):
+            return args[0]
+        elif func is torch.Tensor.record_stream:
+            return None
+        elif func in _TYPE_FUNCS and len(args) == 1 and not kwargs and args[0].is_meta:
+            name = cpu_device._real_tensor_type(args[0])  # 'torch.meta.BFloat16Tensor'
+            return "torch.cuda." + name.rsplit(".", 1)[-1]
+        return func(*args, **kwargs)
+
+
+@dataclass
+class SyncCounter(AllocationCounter):
+    """``AllocationCounter`` of one sync that also tells NCCL's share and the zeroing apart.
+
+    Storages allocated from inside the collective model (``collectives.py``: the stand-ins
+    for what ProcessGroupNCCL allocates, e.g. the flat output of an equal-size list
+    ``all_gather``) go to ``nccl_*`` instead of ``events``, so ``temporary_bytes`` and
+    ``peak_extra_bytes`` are megatron's own tensors and ``nccl_peak_bytes`` is NCCL's peak.
+    ``zero_``, ``fill_(0)`` and their ``_foreach_`` forms add the bytes of each tensor they
+    write to ``zeroed_grad_bytes`` when its storage is one of ``grad_storages``, else to
+    ``zeroed_other_bytes`` (a ``fill_`` with a tensor value counts as zeroing: a meta
+    tensor has no value to check).
+
+    Attributes (after the block): the parent's, and nccl_events, nccl_peak_bytes,
+    zeroed_grad_bytes, zeroed_other_bytes, zero_calls (all bytes / counts).
+    """
+
+    grad_storages: set = field(default_factory=set)
+    nccl_events: list = field(default_factory=list)
+    nccl_live_bytes: int = 0
+    nccl_peak_bytes: int = 0
+    zeroed_grad_bytes: int = 0
+    zeroed_other_bytes: int = 0
+    zero_calls: int = 0
+
+    _ZERO_OPS = ("aten.zero_.default", "aten._foreach_zero_.default")
+    _FILL_OPS = ("aten.fill_.Scalar", "aten.fill_.Tensor", "aten._foreach_fill_.Scalar")
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = str(func)
+        zeroing = name in self._ZERO_OPS or (
+            name in self._FILL_OPS and (isinstance(args[1], torch.Tensor) or args[1] == 0))
+        if zeroing:
+            self.zero_calls += 1
+            for t in args[0] if isinstance(args[0], (list, tuple)) else [args[0]]:
+                nbytes = t.numel() * t.element_size()
+                if storage_key(t) in self.grad_storages:
+                    self.zeroed_grad_bytes += nbytes
+                else:
+                    self.zeroed_other_bytes += nbytes
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+    def _nccl_freed(self, nbytes: int) -> None:
+        self.nccl_live_bytes -= nbytes
+
+    def _account(self, func, storage, nbytes: int) -> None:
+        frame = sys._getframe(1)
+        while frame is not None:
+            if os.path.realpath(frame.f_code.co_filename) == _COLLECTIVES_FILE:
+                self.nccl_events.append((str(func), nbytes))
+                self.nccl_live_bytes += nbytes
+                self.nccl_peak_bytes = max(self.nccl_peak_bytes, self.nccl_live_bytes)
+                weakref.finalize(storage, self._nccl_freed, nbytes)
+                return
+            frame = frame.f_back
+        super()._account(func, storage, nbytes)
+
+
+# ---------------------------------------------------------------- megatron objects
+def _mc():
+    """megatron-core names used here, imported from the tree on PYTHONPATH."""
+    from megatron.core import parallel_state
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.optimizer import OptimizerConfig
+    from megatron.core.tokenizers.utils.build_tokenizer import vocab_size_with_padding
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+    return SimpleNamespace(
+        ps=parallel_state, DDP=DistributedDataParallel, DDPConfig=DistributedDataParallelConfig,
+        block_spec=get_gpt_decoder_block_spec, GPTModel=GPTModel, OptimizerConfig=OptimizerConfig,
+        vocab_size_with_padding=vocab_size_with_padding, TransformerConfig=TransformerConfig,
+        MLATransformerConfig=MLATransformerConfig,
+    )  # fmt: skip
+
+
+def build_module(mc, spec: real_shapes.ModelSpec):
+    """This stage's GPTModel of ``spec`` (meta tensors when called under MetaDeviceMode).
+
+    Returns:
+        (config, module, padded_vocab_size).
+    """
+    cfg = dict(spec.config)
+    mla = cfg.pop("mla", None)
+    cls = mc.MLATransformerConfig if mla else mc.TransformerConfig
+    if mla:
+        cfg.update(mla)
+    if spec.swiglu:
+        cfg.update(gated_linear_unit=True, activation_func=torch.nn.functional.silu, bias_activation_fusion=False)
+    config = cls(
+        **cfg,
+        tensor_model_parallel_size=spec.tp,
+        pipeline_model_parallel_size=spec.pp,
+        expert_model_parallel_size=spec.ep,
+        # Sequence parallelism changes no param shape; the local spec's torch norms refuse it.
+        sequence_parallel=False,
+        pipeline_dtype=PARAM_DTYPE if spec.pp > 1 else None,
+        params_dtype=PARAM_DTYPE,
+        bf16=True,
+        use_cpu_initialization=True,
+        perform_initialization=False,
+        gradient_accumulation_fusion=False,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+    )
+    vocab = mc.vocab_size_with_padding(
+        spec.vocab_size,
+        SimpleNamespace(make_vocab_size_divisible_by=128, tensor_model_parallel_size=spec.tp, rank=1),
+    )
+    layer_spec = mc.block_spec(config, use_transformer_engine=False, normalization=cfg.get("normalization"))
+    module = mc.GPTModel(
+        config, layer_spec, vocab_size=vocab, max_sequence_length=spec.max_sequence_length,
+        pre_process=mc.ps.is_pipeline_first_stage(), post_process=mc.ps.is_pipeline_last_stage(),
+        share_embeddings_and_output_weights=spec.tied_embeddings,
+        position_embedding_type=spec.position_embedding_type,
+    )  # fmt: skip
+    return config, module.to(dtype=PARAM_DTYPE), vocab
+
+
+def legacy_layerwise_optimizer(mc, ddp, overlap: bool):
+    """The tree's layer-wise Muon optimizer for ``--optimizer dist_muon`` without the
+    param layout: ``get_megatron_muon_optimizer(..., layer_wise_distributed_optimizer=True)``
+    (0.17.1), or, where OptimizerConfig has ``use_layer_wise_distributed_optimizer``
+    (0.18 on, whose muon.py is a shim), ``get_megatron_optimizer`` with it set, as 0.18.2's
+    megatron.training does with ``--no-use-layer-wise-param-layout``."""
+    import dataclasses
+
+    kwargs = dict(optimizer="muon", lr=0.01, bf16=True, params_dtype=PARAM_DTYPE,
+                  use_distributed_optimizer=False, overlap_param_gather=overlap)  # fmt: skip
+    if "use_layer_wise_distributed_optimizer" in {f.name for f in dataclasses.fields(mc.OptimizerConfig)}:
+        from megatron.core.optimizer import get_megatron_optimizer
+
+        config = mc.OptimizerConfig(use_layer_wise_distributed_optimizer=True, **kwargs)
+        return get_megatron_optimizer(config, [ddp], use_gloo_process_groups=False)
+    from megatron.core.optimizer.muon import get_megatron_muon_optimizer
+
+    return get_megatron_muon_optimizer(mc.OptimizerConfig(**kwargs), [ddp], layer_wise_distributed_optimizer=True,
+                                       use_gloo_process_groups=False)  # fmt: skip
+
+
+class LegacySetup(sync_worker.Setup):
+    """The legacy layer-wise path (0.17.1, exact_list_slots, the series, 0.18.2 without
+    the layout): DDP with ``use_distributed_optimizer=False`` and the layer-wise Muon
+    optimizer (``legacy_layerwise_optimizer``), as megatron.training builds them for
+    ``--optimizer dist_muon``. Reuses sync_worker.Setup's reset() and paths."""
+
+    def __init__(self, mc, spec, overlap: bool):
+        self.config, module, self.vocab = build_module(mc, spec)
+        # bucket_size None: DDP's own default, max(40M, 1M x DP), one bucket after PP stage 0.
+        ddp_config = mc.DDPConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=True,
+                                  overlap_param_gather=overlap, use_distributed_optimizer=False,
+                                  bucket_size=spec.bucket_size)  # fmt: skip
+        self.ddp = mc.DDP(self.config, ddp_config, module)
+        self.opt = legacy_layerwise_optimizer(mc, self.ddp, overlap)
+        self.layerwise = self.opt
+        self._finish_init()
+
+    def _finish_init(self):
+        self.params = list(self.ddp.module.parameters())
+        self.groups = self.ddp.bucket_groups + self.ddp.expert_parallel_bucket_groups
+        self.buckets = [b for g in self.groups for b in g.buckets]
+
+    def sync_fn(self, path: str):
+        """Zero-argument callable running one sync of ``path`` (module docstring)."""
+        if path == "async":
+            hook = self.ddp._make_forward_pre_hook()
+            modules = list(self.ddp.module.modules())
+
+            def run():
+                for m in modules:
+                    hook(m)
+
+            return run
+        return super().sync_fn(path)
+
+    def owners(self, expert: bool):
+        """Per DP rank (dense) or expert-DP rank, the params the layer-wise optimizer gave
+        it (``shard_params``); None where that group is not sharded (size 1)."""
+        return self.layerwise.expt_dp_params_list if expert else self.layerwise.dp_cp_params_list
+
+
+class LayoutSetup(LegacySetup):
+    """0.18.2's default layer-wise param layout, wired as megatron.training does:
+    ``tag_params_for_buffer_routing``, ``LayerWiseDistributedOptimizer.
+    compute_full_param_layout`` with training's bucket size (``get_model``: default, None
+    after the first pipeline stage), DDP with ``use_distributed_optimizer=True`` and
+    ``full_param_layout``, then ``get_megatron_optimizer`` (LayerWise for Muon matrices,
+    chained with a DistributedOptimizer for the rest)."""
+
+    def __init__(self, mc, spec, overlap: bool):
+        from megatron.core.optimizer import get_megatron_optimizer
+        from megatron.core.optimizer.layer_wise_optimizer import (
+            LayerWiseDistributedOptimizer,
+            tag_params_for_buffer_routing,
+        )
+
+        ps = mc.ps
+        self.config, module, self.vocab = build_module(mc, spec)
+        dp = ps.get_data_parallel_world_size(with_context_parallel=True)
+        ddp_bucket = spec.bucket_size or real_shapes.default_bucket_size(dp)
+        bucket_size = None if ps.get_pipeline_model_parallel_rank() > 0 else ddp_bucket
+        ddp_config = mc.DDPConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=True,
+                                  overlap_param_gather=overlap, use_distributed_optimizer=True,
+                                  bucket_size=ddp_bucket)  # fmt: skip
+        tag_params_for_buffer_routing([module])
+        layout = LayerWiseDistributedOptimizer.compute_full_param_layout(
+            [p for p in module.parameters() if p.requires_grad], bucket_size, dp, ddp_config,
+            expert_data_parallel_world_size=ps.get_expert_data_parallel_world_size(),
+        )  # fmt: skip
+        self.ddp = mc.DDP(self.config, ddp_config, module, full_param_layout=layout)
+        opt_config = mc.OptimizerConfig(optimizer="muon", use_layer_wise_distributed_optimizer=True, lr=0.01,
+                                        bf16=True, params_dtype=PARAM_DTYPE, use_distributed_optimizer=True,
+                                        overlap_param_gather=overlap)  # fmt: skip
+        self.opt = get_megatron_optimizer(opt_config, [self.ddp], use_gloo_process_groups=False)
+        chain = [self.opt] + list(getattr(self.opt, "chained_optimizers", []))
+        self.layerwise = next(o for o in chain if isinstance(o, LayerWiseDistributedOptimizer))
+        self._subset_syncs = [o for o in dict.fromkeys(chain) if hasattr(o, "start_param_sync_for_bucket_group_subset")]
+        self._finish_init()
+
+    def sync_fn(self, path: str):
+        if path == "optimizer":
+
+            def run():
+                for o in self._subset_syncs:
+                    o.start_param_sync_for_bucket_group_subset()
+
+            return run
+        return super().sync_fn(path)
+
+
+# ---------------------------------------------------------------- what one cell reports
+def buckets_of(s, detail: bool = False) -> list:
+    """Per bucket (every bucket group, dense first): numel, params, kind and the per-rank
+    shares (elements of the bucket's params each rank owns) from the optimizer; with
+    ``detail``, also the param names of the bucket and of each rank's share in it."""
+    names = {p: n for n, p in s.ddp.module.named_parameters()}
+    out = []
+    expert_ids = {id(g) for g in s.ddp.expert_parallel_bucket_groups}
+    for g in s.groups:
+        expert = id(g) in expert_ids
+        owners = s.owners(expert)
+        for b in g.buckets:
+            in_bucket = set(b.params)
+            managed = getattr(b.params_list[0], "is_managed_by_layer_wise_optimizer", True) if b.params_list else True
+            if owners is None:
+                shares = None
+            elif managed:
+                shares = [sum(p.numel() for p in own if p in in_bucket) for own in owners]
+            else:  # a DistributedOptimizer bucket of the layout path: DP equal byte ranges
+                world = g.intra_distributed_optimizer_instance_size
+                shares = [b.grad_data.numel() // world] * world
+            numel_params = sum(p.numel() for p in b.params)
+            out.append(dict(
+                expert=expert,
+                layerwise=bool(managed),
+                numel=b.grad_data.numel(),
+                param_numel=numel_params,
+                params=len(b.params),
+                max_param_numel=max((p.numel() for p in b.params), default=0),
+                shares=shares,
+            ))  # fmt: skip
+            if detail:
+                out[-1]["param_names"] = sorted(names[p] for p in b.params)
+                out[-1]["share_names"] = None if owners is None or not managed else [
+                    sorted(names[p] for p in own if p in in_bucket) for own in owners]  # fmt: skip
+    return out
+
+
+def padding_of(s) -> dict:
+    """Persistent padding of DDP's buffers on this rank: elements of grad_data (and
+    param_data, which the layout path allocates) that hold no param, and their bytes."""
+    elems = grad_bytes = param_bytes = total_bytes = 0
+    for buf in s.ddp.buffers + s.ddp.expert_parallel_buffers:
+        pad = buf.grad_data.numel() - sum(p.numel() for p in buf.params)
+        elems += pad
+        grad_bytes += pad * buf.grad_data.element_size()
+        total_bytes += buf.grad_data.numel() * buf.grad_data.element_size()
+        if getattr(buf, "param_data", None) is not None:
+            param_bytes += pad * buf.param_data.element_size()
+            total_bytes += buf.param_data.numel() * buf.param_data.element_size()
+    return dict(padding_elements=elems, padding_bytes=grad_bytes + param_bytes,
+                padding_grad_bytes=grad_bytes, padding_param_bytes=param_bytes,
+                buffer_bytes=total_bytes)  # fmt: skip
+
+
+def grad_storage_keys(s) -> set:
+    return {storage_key(b.grad_data) for b in s.ddp.buffers + s.ddp.expert_parallel_buffers}
+
+
+def count_path(s, path: str) -> dict:
+    """One counted sync of ``path`` after a warm-up (lazily built slot views and caches
+    are no per-sync cost); the state a step starts from before each."""
+    run = s.sync_fn(path)
+    s.reset()
+    run()
+    s.reset()
+    with collectives.record_collectives() as calls, SyncCounter(grad_storages=grad_storage_keys(s)) as c:
+        run()
+    s.reset()
+    rec = dict(collectives.summarize(calls))
+    rec.update(
+        forms=dict(collections.Counter(r.form for r in calls)),
+        megatron_temporary_bytes=c.temporary_bytes,
+        megatron_peak_bytes=c.peak_extra_bytes,
+        megatron_alloc_calls=c.alloc_calls,
+        megatron_alloc_ops=sorted({name for name, _ in c.events}),
+        nccl_peak_bytes=c.nccl_peak_bytes,
+        zeroed_grad_bytes=c.zeroed_grad_bytes,
+        zeroed_other_bytes=c.zeroed_other_bytes,
+        zero_calls=c.zero_calls,
+        calls_by_group_size=dict(collections.Counter(str(r.world) for r in calls)),
+    )
+    return rec
+
+
+def _error(exc: BaseException) -> dict:
+    return {"error": f"{type(exc).__name__}: {exc}"[:2000], "traceback": traceback.format_exc()[-4000:]}
+
+
+def global_rank(spec, dp: int, dp_rank: int) -> int:
+    """Global rank of (TP rank 0, the audited PP stage, DP rank ``dp_rank``) in megatron's
+    default order tp-cp-ep-dp-pp (``parallel_state.initialize_model_parallel``, order
+    argument); checked against parallel_state after initialisation."""
+    return spec.tp * (dp_rank + dp * spec.pp_stage)
+
+
+class LayoutLog(logging.Handler):
+    """Collects megatron's "Layerwise param layout: ... total_padding=N ... overhead=X%"
+    lines (``LayerWiseDistributedOptimizer._compute_per_buffer_param_layout``, logged on
+    global rank 0 only) as ``{"total_padding": N, "overhead_percent": X, "line": ...}``."""
+
+    LOGGER = "megatron.core.optimizer.layer_wise_optimizer"
+    PATTERN = re.compile(r"total_padding=(\d+).*overhead=([0-9.]+)%")
+
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.lines = []
+
+    def emit(self, record):
+        msg = record.getMessage()
+        m = self.PATTERN.search(msg)
+        if "Layerwise param layout" in msg and m:
+            self.lines.append(dict(total_padding=int(m.group(1)), overhead_percent=float(m.group(2)), line=msg))
+
+    def __enter__(self):
+        log = logging.getLogger(self.LOGGER)
+        self._level = log.level
+        log.setLevel(logging.INFO)
+        log.addHandler(self)
+        return self
+
+    def __exit__(self, *exc):
+        log = logging.getLogger(self.LOGGER)
+        log.removeHandler(self)
+        log.setLevel(self._level)
+        return False
+
+
+def run_cell(mc, tree: real_shapes.TreeSpec, spec, dp: int, dp_rank: int, paths, detail: bool = False) -> dict:
+    """Every path of one cell on one DP rank; see the module docstring."""
+    t0 = time.perf_counter()
+    world = spec.world_size(dp)
+    rec = dict(tree=tree.label, model=spec.label, dp=dp, dp_rank=dp_rank, world=world,
+               tp=spec.tp, pp=spec.pp, ep=spec.ep, pp_stage=spec.pp_stage)  # fmt: skip
+    dist.init_process_group(FAKE_BACKEND, store=_fake_store(), rank=global_rank(spec, dp, dp_rank),
+                            world_size=world)  # fmt: skip
+    try:
+        mc.ps.initialize_model_parallel(spec.tp, spec.pp, expert_model_parallel_size=spec.ep,
+                                        create_gloo_process_groups=False)  # fmt: skip
+        got = (mc.ps.get_tensor_model_parallel_rank(), mc.ps.get_pipeline_model_parallel_rank(),
+               mc.ps.get_data_parallel_rank(), mc.ps.get_data_parallel_world_size())  # fmt: skip
+        if got != (0, spec.pp_stage, dp_rank, dp):
+            raise RuntimeError(f"rank placement: (tp, pp, dp rank, dp) = {got}, wanted {(0, spec.pp_stage, dp_rank, dp)}")
+        rec.update(expert_dp=mc.ps.get_expert_data_parallel_world_size(),
+                   expert_dp_rank=mc.ps.get_expert_data_parallel_rank(),
+                   init_s=round(time.perf_counter() - t0, 3))  # fmt: skip
+        cls = LayoutSetup if tree.layout else LegacySetup
+        rec["paths"] = {}
+        for overlap in (True, False):
+            mine = [p for p in paths if (p != "optimizer") == overlap]
+            if not mine:
+                continue
+            try:
+                with MetaDeviceMode(), LayoutLog() as layout_log:
+                    s = cls(mc, spec, overlap)
+            except Exception as exc:  # noqa: BLE001 - a tree's crash is data
+                for p in mine:
+                    rec["paths"][p] = _error(exc)
+                continue
+            if "buckets" not in rec:
+                rec.update(buckets=buckets_of(s, detail), padded_vocab_size=s.vocab,
+                           megatron_layout_log=layout_log.lines,
+                           num_bucket_groups=len(s.groups),
+                           param_numel=sum(p.numel() for p in s.params),
+                           param_bytes=sum(p.numel() * p.element_size() for p in s.params),
+                           **padding_of(s))  # fmt: skip
+            with MetaDeviceMode():
+                for p in mine:
+                    try:
+                        rec["paths"][p] = count_path(s, p)
+                    except Exception as exc:  # noqa: BLE001
+                        rec["paths"][p] = _error(exc)
+            del s
+    except Exception as exc:  # noqa: BLE001
+        rec.update(_error(exc))
+    finally:
+        try:
+            mc.ps.destroy_model_parallel()
+        finally:
+            dist.destroy_process_group()
+    rec["wall_s"] = round(time.perf_counter() - t0, 3)
+    return rec
+
+
+def _fake_store():
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    return FakeStore()
+
+
+def _member_groups_only() -> None:
+    """``torch.distributed.new_group`` returns NON_GROUP_MEMBER at once for a group that
+    does not hold this rank, as it would after its bookkeeping: in a fake world no other
+    rank exists to agree with, and megatron's ``initialize_model_parallel`` creates every
+    group of the world (at TP 8 x PP 8 x DP 1024 that halves its 10 to 25 s)."""
+    real = dist.new_group
+
+    def new_group(ranks=None, *args, **kwargs):
+        if ranks is not None and dist.get_rank() not in ranks:
+            return dist.GroupMember.NON_GROUP_MEMBER
+        return real(ranks, *args, **kwargs)
+
+    dist.new_group = new_group
+
+
+def parse_cells(text: str) -> list:
+    """``model:dp[:rank],...`` -> [(ModelSpec, dp, dp_rank)].
+
+    Raises:
+        ValueError: an unknown model, or a DP rank outside 0..dp-1.
+    """
+    cells = []
+    for item in filter(None, text.split(",")):
+        parts = item.split(":")
+        if parts[0] not in real_shapes.ALL_MODELS:
+            raise ValueError(f"unknown model {parts[0]!r}; known: {sorted(real_shapes.ALL_MODELS)}")
+        dp = int(parts[1])
+        rank = int(parts[2]) if len(parts) > 2 else 0
+        if not 0 <= rank < dp:
+            raise ValueError(f"{item}: DP rank {rank} outside 0..{dp - 1}")
+        cells.append((real_shapes.ALL_MODELS[parts[0]], dp, rank))
+    return cells
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tree", required=True, choices=sorted(real_shapes.TREES))
+    ap.add_argument("--cells", required=True, help="model:dp[:dp_rank],... (harness/bench/real_shapes.py MODELS)")
+    ap.add_argument("--paths", default=",".join(PATHS))
+    ap.add_argument("--out", required=True, help="JSON list of cell records")
+    ap.add_argument("--bucket-detail", action="store_true",
+                    help="also the param names of every bucket and per-rank share (small models)")
+    args = ap.parse_args(argv)
+    tree_dir = check_expected_tree()
+    tree = real_shapes.TREES[args.tree]
+    torch.set_num_threads(1)
+    sync_worker._fake_all_gather_object()
+    _member_groups_only()
+    mc = _mc()
+    records = []
+    for spec, dp, rank in parse_cells(args.cells):
+        rec = run_cell(mc, tree, spec, dp, rank, args.paths.split(","), args.bucket_detail)
+        rec["tree_dir"] = tree_dir
+        records.append(rec)
+        print(f"[real_shapes_worker] {tree.label} {spec.label} dp={dp} {rec['wall_s']:.1f} s"
+              + (f" ERROR {rec['error'][:200]}" if "error" in rec else ""), flush=True)  # fmt: skip
+    Path(args.out).write_text(json.dumps(records, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,298 @@
+"""Audit the layer-wise param sync on real model shapes at real DP, with megatron's own code.
+
+Usage (from the repo root, after scripts/setup.sh):
+
+    .venv/bin/python scripts/audit_param_sync.py              # every cell: 6 models x DP 8..1024 x 4 trees
+    .venv/bin/python scripts/audit_param_sync.py --quick      # 2 models x DP 8, 64 (the unit test's run)
+    .venv/bin/python scripts/audit_param_sync.py --publish    # also docs/bench/real_shapes.{md,json,png}
+    .venv/bin/python scripts/audit_param_sync.py --trees upstream,patched --models llama3_8b_tp1 --dp-sizes 64
+
+Models, trees and DP sizes are in harness/bench/real_shapes.py. One worker process per
+tree (harness/bench/real_shapes_worker.py, that tree first on PYTHONPATH) runs every cell
+of that tree on PyTorch's fake process group with storage-free (meta) tensors: the
+tree's DDP buckets, its layer-wise sharding and its param sync, run, not re-planned. So a
+change of a tree (e.g. the series) changes the numbers on the next run, with no change
+here. Up to --jobs workers run at once.
+
+Outputs in --out-dir (default build/audit): real_shapes.json ({"meta", "cells"}: one record
+per tree x model x DP, rank 0 of DP; harness/bench/real_shapes_report.py slim()),
+real_shapes.md (a table per model), real_shapes.png, and raw/<tree>.json (the workers'
+full records, per-rank shares included).
+
+Exit status: 0 when every cell ran and the structural checks hold (``checks()``); 1 when
+a check fails (outputs are written either way); 2 when a worker process fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO_ROOT))
+
+from harness.bench import real_shapes  # noqa: E402
+from harness.bench import real_shapes_report as report  # noqa: E402
+from harness.trees import env_for_tree  # noqa: E402
+
+WORKER = REPO_ROOT / "harness" / "bench" / "real_shapes_worker.py"
+DOCS = REPO_ROOT / "docs" / "bench"
+WORKER_TIMEOUT_S = 1800
+
+METHOD = (
+    "Each cell runs one rank (DP rank 0; TP rank 0; the named PP stage) of a job of TP x PP x DP "
+    "ranks in one process: PyTorch's fake process group of that world size, megatron's own "
+    "`parallel_state.initialize_model_parallel` (every group, expert DP included, derived by "
+    "megatron), and every tensor on the meta device (shapes, views and dtypes real, no storage). "
+    "The model is megatron's `GPTModel` with the local layer spec (`get_gpt_decoder_block_spec(..., "
+    "use_transformer_engine=False)`), bf16 params, vocab padded by megatron "
+    "(`vocab_size_with_padding`, 128 x TP), wrapped in the tree's DDP (fp32 `grad_data` as with "
+    "`--accumulate-allreduce-grads-in-fp32`, `--overlap-grad-reduce`, megatron's default bucket "
+    "size max(40M, 1M x DP) elements, one bucket after PP stage 0) with the tree's layer-wise Muon "
+    "optimizer (`get_megatron_muon_optimizer(..., layer_wise_distributed_optimizer=True)`; for "
+    "0.18.2's layout path `compute_full_param_layout` -> DDP `full_param_layout` and "
+    "`get_megatron_optimizer`, as its `megatron.training` wires them for `dist_muon`). Per path the "
+    "tree's code runs once to warm up and once counted: *async* = DDP's forward pre-hooks over every "
+    "module in forward order (each bucket group's `finish_param_sync()` dispatches the next group's "
+    "gather, so per chain up to 2 bucket groups are in flight; dense and expert-DP groups are two "
+    "chains); *optimizer* (no `--overlap-param-gather`) = `LayerWiseDistributedOptimizer."
+    "allgather_params()`, or for the layout tree the `start_param_sync_for_bucket_group_subset()` "
+    "calls its optimizers' `step_with_ready_grads` make. Collectives come from the CPU runtime "
+    "layer's collective model (`harness/cpu_runtime/collectives.py`: what ProcessGroupNCCL issues "
+    "and allocates per call), megatron's temporaries from `harness.alloc_counter.AllocationCounter` "
+    "(the model's own stand-ins for NCCL temporaries counted apart), zeroing from the `zero_`, `fill_(0)` "
+    "and `_foreach_zero_` ops on `grad_data` storage, padding from DDP's buffers (elements of `grad_data`, and of "
+    "`param_data` where the tree allocates it, that hold no param)."
+)
+COLUMNS = (
+    "*buckets* = DDP buckets on this rank (dense+expert-DP); *gather forms* = c10d calls per form "
+    "in one async-path sync (list≠: `all_gather` of unequal sizes = one NCCL group of DP "
+    "broadcasts; list=: equal-size list `all_gather`, NCCL allocates a flat DP x share output; into: "
+    "`all_gather_into_tensor`; bcast: `broadcast`); *non-empty shares* = DP ranks (expert-DP ranks "
+    "for expert buckets) that own part of a layer-wise bucket, min/median/max over buckets; "
+    "*megatron temp.* = peak bytes of tensors megatron allocates during the sync (async path: the "
+    "pre-hook chain; optimizer: the whole gather); *NCCL temp.* = peak of what ProcessGroupNCCL "
+    "allocates on top; *ops (0-size) / launches* = NCCL collective calls per step (those of them "
+    "moving 0 bytes) / NCCL group launches per step; *wire* = bytes this rank receives per step; "
+    "*zeroed* = bytes `zero_`/`fill_(0)`/`_foreach_zero_` write into `grad_data` per step; *padding* = persistent buffer "
+    "padding on this rank, elements and GiB (grad_data fp32 + param_data bf16). 'crash' = the tree "
+    "raised there (its message)."
+)
+MEMORY_NOTE = (
+    "0.18.2's default pays its padding for the whole run, in every rank's `param_data` and "
+    "`grad_data`; the legacy trees pay a transient during the param sync only (async path: the "
+    "pre-hook chain's peak; optimizer path: the whole gather at the end of `step()`), which raises "
+    "the step's peak only where the sync is the peak (see docs/bench/param_sync.md's per-phase "
+    "table). A negative difference means 0.18.2's default needs less memory than that tree at the "
+    "sync's peak. Not counted here: both paths keep whole bf16 params and a whole fp32 grad buffer "
+    "per rank and shard Muon's matrices whole over DP ranks, but the layout path shards the "
+    "Adam-managed params (embeddings, output layer, norms) by byte range in a DistributedOptimizer, "
+    "where the legacy path gives each to one DP rank whole (its fp32 main param and two moments, "
+    "12 bytes per element: 5.9 GiB for Llama-3-8B's input embedding on the rank that owns it)."
+)
+
+
+class WorkerError(RuntimeError):
+    """A worker process failed; the message holds its command and output tail."""
+
+
+def build_cells(models, dp_sizes) -> str:
+    """The worker's --cells argument: every model at every DP size (DP rank 0)."""
+    return ",".join(f"{m}:{dp}" for m in models for dp in dp_sizes)
+
+
+def worker_command(label: str, cells: str, out: Path, detail: bool = False):
+    """(argv, env) of the worker for tree ``label`` (harness.trees.env_for_tree of its tree)."""
+    spec = real_shapes.TREES[label]
+    env = env_for_tree(real_shapes.tree_dir(spec))
+    env.update(MEGATRON_CPU_RUNTIME="force", OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", PYTHONUNBUFFERED="1")
+    argv = [sys.executable, str(WORKER), "--tree", label, "--cells", cells, "--out", str(out)]
+    return argv + (["--bucket-detail"] if detail else []), env
+
+
+def run_workers(labels, cells: str, raw: Path, jobs: int) -> dict:
+    """Run one worker per tree, at most ``jobs`` at once; {tree: [records]}.
+
+    Raises:
+        WorkerError: a worker exited non-zero or ran past WORKER_TIMEOUT_S (its log tail).
+    """
+    raw.mkdir(parents=True, exist_ok=True)
+    pending, running, results = list(labels), {}, {}
+    deadline = time.monotonic() + WORKER_TIMEOUT_S
+    try:
+        while pending or running:
+            while pending and len(running) < jobs:
+                label = pending.pop(0)
+                out = raw / f"{label}.json"
+                log = raw / f"{label}.log"
+                argv, env = worker_command(label, cells, out)
+                proc = subprocess.Popen(argv, env=env, cwd=REPO_ROOT, stdout=log.open("w"),
+                                        stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+                running[label] = (proc, out, log, time.monotonic())
+            for label, (proc, out, log, t0) in list(running.items()):
+                rc = proc.poll()
+                if rc is None:
+                    continue
+                del running[label]
+                if rc != 0:
+                    tail = log.read_text(errors="replace")[-4000:]
+                    raise WorkerError(f"worker {label} exited rc={rc}: {shlex.join(proc.args)}\n{tail}")
+                results[label] = json.loads(out.read_text())
+                print(f"[audit] {label}: {len(results[label])} cells in {time.monotonic() - t0:.0f} s", flush=True)
+            if time.monotonic() > deadline:
+                raise WorkerError(f"workers {sorted(running)} ran past {WORKER_TIMEOUT_S} s")
+            time.sleep(0.2)
+    finally:
+        for proc, *_ in running.values():
+            if proc.poll() is None:
+                os.killpg(proc.pid, 9)
+                proc.wait()
+    return results
+
+
+def exact_receive_bytes(record: dict, itemsize: int = 2) -> int:
+    """Bytes of params other ranks own in this rank's buckets (the least any gather must
+    receive): per bucket with shares, the sum of the other ranks' shares (DP rank for dense
+    buckets, expert-DP rank for expert buckets), bf16."""
+    total = 0
+    for b in record.get("buckets", []):
+        shares = b.get("shares")
+        if shares:
+            own = record["expert_dp_rank"] if b["expert"] else record["dp_rank"]
+            total += (sum(shares) - shares[own]) * itemsize
+    return total
+
+
+def checks(cells: list, want: set) -> list:
+    """Structural checks of the run; returns failure messages (empty: all hold).
+
+    Every wanted (tree, model, DP) cell is present; per counted path: the form histogram
+    adds up to the c10d calls, zero-size ops <= ops, launches <= calls, and the bytes
+    received are at least the params the other ranks own (``exact_receive_bytes``).
+    """
+    fails = []
+    got = {(c["tree"], c["model"], c["dp"]) for c in cells}
+    for key in sorted(want - got):
+        fails.append(f"missing cell {key}")
+    for c in cells:
+        for path, r in c.get("paths", {}).items():
+            if "error" in r:
+                continue
+            where = f"{c['tree']}/{c['model']}/dp{c['dp']}/{path}"
+            if sum(r["forms"].values()) != r["calls"]:
+                fails.append(f"{where}: forms {r['forms']} do not add up to {r['calls']} calls")
+            if not r["zero_size_ops"] <= r["ops"] or r["launches"] > r["calls"]:
+                fails.append(f"{where}: ops {r['ops']}, zero-size {r['zero_size_ops']}, launches {r['launches']}")
+            if path != "forced" and r["wire_bytes"] < c.get("exact_receive_bytes", 0):
+                fails.append(f"{where}: received {r['wire_bytes']} B < {c['exact_receive_bytes']} B owned by others")
+    return fails
+
+
+def dump_json(data: dict) -> str:
+    """``{"meta": ..., "cells": [...]}`` with meta indented and one line per cell (a rerun
+    shows as a per-cell diff)."""
+    cells = ",\n".join("  " + json.dumps(c, separators=(",", ":")) for c in data["cells"])
+    return '{"meta": ' + json.dumps(data["meta"], indent=1) + ',\n "cells": [\n' + cells + "\n ]}\n"
+
+
+def model_summary(spec, records: list) -> str:
+    """One line per model: params and buffers per rank, from a record that ran."""
+    ok = [r for r in records if "param_bytes" in r and r.get("tree") != "mcore_0.18_layout"]
+    if not ok:
+        return ""
+    r = ok[0]
+    layers = spec.config["num_layers"] // spec.pp
+    return (f"TP {spec.tp}, PP {spec.pp}, EP {spec.ep}; {layers} layers on this rank; "
+            f"{r['param_numel'] / 1e9:.2f} B params per rank ({report.gib(r['param_bytes'])} GiB bf16, "
+            f"fp32 grad_data {report.gib(2 * r['param_bytes'])} GiB); padded vocab {r.get('padded_vocab_size')}.")  # fmt: skip
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="models " + ",".join(real_shapes.QUICK_MODELS)
+                    + " at DP " + ",".join(map(str, real_shapes.QUICK_DP_SIZES)))
+    ap.add_argument("--trees", default=",".join(real_shapes.TREES))
+    ap.add_argument("--models", default="", help="comma list (harness/bench/real_shapes.py MODELS)")
+    ap.add_argument("--dp-sizes", default="", help="comma list of DP sizes")
+    ap.add_argument("--jobs", type=int, default=2, help="worker processes at once")
+    ap.add_argument("--out-dir", default=str(REPO_ROOT / "build" / "audit"))
+    ap.add_argument("--publish", action="store_true", help="copy JSON, MD and PNG to docs/bench/")
+    args = ap.parse_args(argv)
+    # SIGTERM ends the run like Ctrl-C: run_workers' cleanup kills the worker sessions.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    trees = [t for t in args.trees.split(",") if t]
+    unknown = [t for t in trees if t not in real_shapes.TREES]
+    if unknown:
+        ap.error(f"unknown trees {unknown}; known: {sorted(real_shapes.TREES)}")
+    models = args.models.split(",") if args.models else list(
+        real_shapes.QUICK_MODELS if args.quick else real_shapes.MODELS)  # fmt: skip
+    bad = [m for m in models if m not in real_shapes.ALL_MODELS]
+    if bad:
+        ap.error(f"unknown models {bad}; known: {sorted(real_shapes.ALL_MODELS)}")
+    dps = [int(x) for x in args.dp_sizes.split(",")] if args.dp_sizes else list(
+        real_shapes.QUICK_DP_SIZES if args.quick else real_shapes.DP_SIZES)  # fmt: skip
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    t0 = time.monotonic()
+    try:
+        results = run_workers(trees, build_cells(models, dps), out_dir / "raw", max(1, args.jobs))
+    except WorkerError as exc:
+        print(f"[audit] {exc}", file=sys.stderr)
+        return 2
+    wall = time.monotonic() - t0
+    cells = []
+    for label in trees:
+        for rec in results[label]:
+            rec["exact_receive_bytes"] = exact_receive_bytes(rec)
+            cells.append(report.slim(rec))
+    import torch
+
+    command = shlex.join([".venv/bin/python", "scripts/audit_param_sync.py", *(argv if argv is not None else sys.argv[1:])])
+    meta = dict(
+        command=command,
+        date=datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        torch=torch.__version__,
+        python=platform.python_version(),
+        cpus=os.cpu_count(),
+        wall_s=round(wall, 1),
+        method=METHOD,
+        columns=COLUMNS,
+        memory_note=MEMORY_NOTE,
+        trees={t: dict(title=real_shapes.TREES[t].title, layout=real_shapes.TREES[t].layout,
+                       dir=str(Path(results[t][0].get("tree_dir", "")).relative_to(REPO_ROOT))
+                       if results[t] and results[t][0].get("tree_dir", "").startswith(str(REPO_ROOT))
+                       else results[t][0].get("tree_dir", "") if results[t] else "")
+               for t in trees},  # fmt: skip
+        models={m: dict(title=real_shapes.ALL_MODELS[m].title, notes=real_shapes.ALL_MODELS[m].notes,
+                        summary=model_summary(real_shapes.ALL_MODELS[m], [c for c in cells if c["model"] == m]))
+                for m in models},  # fmt: skip
+        dp_sizes=dps,
+    )
+    fails = checks(cells, {(t, m, dp) for t in trees for m in models for dp in dps})
+    meta["checks_failed"] = fails
+    data = {"meta": meta, "cells": cells}
+    (out_dir / "real_shapes.json").write_text(dump_json(data))
+    report.write_markdown(data, out_dir / "real_shapes.md")
+    report.write_plot(data, out_dir / "real_shapes.png")
+    if args.publish:
+        DOCS.mkdir(parents=True, exist_ok=True)
+        for name in ("real_shapes.json", "real_shapes.md", "real_shapes.png"):
+            shutil.copy(out_dir / name, DOCS / name)
+    print(f"[audit] {len(cells)} cells, {wall:.0f} s; outputs in {out_dir}", flush=True)
+    for f in fails:
+        print(f"[audit] CHECK FAILED: {f}", file=sys.stderr)
+    return 1 if fails else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
