@@ -381,9 +381,17 @@ def sc_gather(cfg):
     b.forward_backward(1, 1)
     diff = max_abs_diff(a.main_grads(), b.main_grads())
     patterns = pattern_report(a)
+    # The pre-hook pair again, over grad_data holding consumed grads (nonzero bytes).
+    a.ddp.zero_grad_buffer()
+    a.simulate_step(step=12)
+    fill_grad_bytes(a)
+    before = grad_bytes(a)
+    for g in a.ddp.bucket_groups:
+        sync_bucket_group(g, "async")
     return {
         "params_equal_owner_values": params_ok,
         "grad_data_zero_after_gather": grad_zero,
+        "async_zeroed_exactly_where_written": zeroed_exactly_where_written(a, before),
         "main_grad_equals_overlap_off": all_ranks(diff == 0.0),
         "main_grad_max_abs_diff": diff,
         "num_buckets": len(patterns),
@@ -854,6 +862,24 @@ def sc_collectives(_cfg=None):
     return res
 
 
+def sc_async_without_ddp(cfg):
+    """The layer-wise optimizer with --overlap-param-gather (async_allgather) over a model
+    chunk that is not megatron's DDP (it carries a ddp_config, as get_megatron_optimizer
+    needs, but no bucket groups to gather through). Raises on every rank; the worker
+    records the error."""
+    torch.manual_seed(1234)
+    tc = TransformerConfig(num_layers=1, hidden_size=IN_DIM, num_attention_heads=1,
+                           params_dtype=cfg.dtype, bf16=cfg.dtype == torch.bfloat16,
+                           use_cpu_initialization=True)
+    module = TinyNet(tc, widths=cfg.widths).to(cfg.dtype)
+    module.ddp_config = DDPConfig(overlap_param_gather=True, use_distributed_optimizer=False)
+    opt_config = OptimizerConfig(optimizer='muon', lr=0.02, bf16=cfg.dtype == torch.bfloat16,
+                                 params_dtype=cfg.dtype, use_distributed_optimizer=False,
+                                 overlap_param_gather=True)
+    get_megatron_muon_optimizer(opt_config, [module], layer_wise_distributed_optimizer=True)
+    return {"built": True}
+
+
 def sc_small_dp(cfg, expert=False):
     """DP size 1 (run with one rank) or expert-DP size 1 (expert=True, EP = world): the
     optimizer builds, training runs, params match the synchronous path."""
@@ -875,6 +901,7 @@ SCENARIOS = {
     "offload": sc_offload,
     "alloc": sc_alloc,
     "collectives": sc_collectives,
+    "async_without_ddp": sc_async_without_ddp,
     "small_dp": sc_small_dp,
     "expert_dp1": lambda cfg: sc_small_dp(cfg, expert=True),
 }

@@ -46,7 +46,8 @@ MUTANTS = REPO_ROOT / "tests" / "mutants"
 # - equal: one bucket of identical layers, equal shares at DP 2 and 4; fp32.
 CONFIGS = ("bf16-fp32grad-mixed", "bf16-samegrad-one", "fp32-fp32grad-equal")
 MAIN_SCENARIOS = (
-    "gather,microbatches,training,forced_sync,free_overlap_buffers,zero_grad_buffer,offload,alloc"
+    "gather,microbatches,training,forced_sync,free_overlap_buffers,zero_grad_buffer,offload,alloc,"
+    "async_without_ddp"
 )
 # The collectives scenario checks the calls against the design; it builds its own models.
 PATCHED_SCENARIOS = MAIN_SCENARIOS + ",collectives"
@@ -171,9 +172,13 @@ def test_gathered_params_equal_owner_values(runs, world, config):
 
 @pytest.mark.parametrize("world,config", CASES)
 def test_grad_data_zero_after_gather_and_main_grad_matches_overlap_off(runs, world, config):
+    """grad_data zero after the pre-hooks' gather, before backward; main_grad after
+    backward bitwise that of the same model without overlap; and the pre-hook pair over
+    grad_data holding consumed grads zeroes exactly the bytes it wrote, nothing else."""
     r = result(runs("patched", world), config, "gather")
     assert r["grad_data_zero_after_gather"]
     assert r["main_grad_equals_overlap_off"], f"max |diff| = {r['main_grad_max_abs_diff']}"
+    assert r["async_zeroed_exactly_where_written"]
 
 
 @pytest.mark.parametrize("world,config", CASES)
@@ -353,6 +358,19 @@ def test_each_path_issues_the_designed_collectives(runs, world):
         assert r[f"equal_{path}_n_into_tensor"] >= 1
 
 
+@pytest.mark.parametrize("world", WORLDS)
+def test_async_gather_without_ddp_chunks_asserts(runs, world):
+    """--overlap-param-gather with model chunks that are not megatron's DDP (no bucket
+    groups): the layer-wise optimizer refuses at construction with an assertion that says
+    what it needs. Pristine: AttributeError on bucket_groups, also at construction."""
+    r = runs("patched", world)[f"{CONFIGS[0]}/async_without_ddp"]
+    assert r.get("error") == (
+        "AssertionError: DDP-wrapped model_chunks must be provided if async_allgather is True"
+    ), r
+    u = runs("upstream", world)[f"{CONFIGS[0]}/async_without_ddp"]
+    assert u.get("error", "").startswith("AttributeError") and "bucket_groups" in u["error"], u
+
+
 def test_one_rank_failure_ends_the_run_fast_with_its_traceback(tmp_path):
     """Rank 1 raises at the start of a scenario while rank 0 is inside its collectives:
     the run fails within 60 s of the failure (not at the process-group timeout), and the
@@ -458,7 +476,7 @@ _BROADCASTS = _calls(("mixed",), ("async", "forced"), ("form",)) | _calls(
 MUTANT_MUST_FAIL = {
     # Backward accumulates onto the gathered bytes; every sync leaves grad_data dirty,
     # step() leaves param bytes in main_grad.
-    "no_zeroing": {"gather.grad_data_zero_after_gather"}
+    "no_zeroing": {"gather.grad_data_zero_after_gather", "gather.async_zeroed_exactly_where_written"}
     | _DIRTY_AFTER_SYNC
     | _DIRTY_AFTER_STEP
     | _GRADS_WRONG
@@ -539,9 +557,11 @@ def test_mutant_with_a_broken_import_fails_the_mutant_check(runs, tmp_path):
 
 # ---------------------------------------------------------------------------- prefixes
 PREFIX_SCENARIOS = "gather,microbatches,training"
-# What the series adds beyond numerics, in its last wheel patch (0007): main_grad zero when
-# step() returns. Earlier prefixes leave the reduced grads there, as 0.17.1 does.
-NOT_NUMERICS = {"training.main_grad_zero_after_step"}
+# Claims of the finished series beyond numerics: main_grad zero when step() returns (0007;
+# earlier prefixes leave the reduced grads there, as 0.17.1 does), and the exact bytes the
+# pre-hook gather writes (its forms, 0006; 0004 receives every rank's share into a slot,
+# 0.17.1 into temporaries). Every prefix must still leave grad_data zero before backward.
+NOT_NUMERICS = {"training.main_grad_zero_after_step", "gather.async_zeroed_exactly_where_written"}
 
 
 @pytest.mark.parametrize("k", range(1, len(series_patches()) + 1))
