@@ -659,7 +659,8 @@ def sc_alloc(cfg):
         for g in s.ddp.bucket_groups
     ]
     res["bucket_param_counts"] = [
-        [[len(ps) for ps in bk.layerwise_params_list] if bk.layerwise_params_list else None for bk in g.buckets]
+        [[len(ps) for ps in bk.layerwise_params_list] if bk.layerwise_params_list else None
+         for bk in g.buckets]
         for g in s.ddp.bucket_groups
     ]
     # Control: the CPU runtime layer's uneven all_gather alone allocates nothing.
@@ -719,7 +720,9 @@ class CollectiveSpy:
         orig_b, orig_g = self._orig["broadcast"], self._orig["all_gather_into_tensor"]
 
         def broadcast(tensor, src=None, group=None, async_op=False, group_src=None):
-            self.calls.append(("broadcast", tensor.data_ptr(), tensor.numel(), tensor.element_size(), src))
+            self.calls.append(
+                ("broadcast", tensor.data_ptr(), tensor.numel(), tensor.element_size(), src)
+            )
             return orig_b(tensor, src, group=group, async_op=async_op, group_src=group_src)
 
         def all_gather_into_tensor(out, inp, group=None, async_op=False):
@@ -764,8 +767,13 @@ def check_gather_calls(params_by_rank, recv, calls, records, group):
     st = recv.untyped_storage()
     lo, hi = st.data_ptr(), st.data_ptr() + st.nbytes()
     item = recv.element_size()
-    ok = dict.fromkeys(("form", "one_launch", "in_place", "in_grad_data", "disjoint", "aligned_or_packed"), True)
-    seen = dict.fromkeys(("into_tensor", "broadcast_in_place", "broadcast_slot", "aligned_with_gap", "packed_fallback"), 0)
+    ok = dict.fromkeys(
+        ("form", "one_launch", "in_place", "in_grad_data", "disjoint", "aligned_or_packed"), True
+    )
+    seen = dict.fromkeys(
+        ("into_tensor", "broadcast_in_place", "broadcast_slot", "aligned_with_gap", "packed_fallback"),
+        0,
+    )
     if max(shares) == 0:
         ok["form"] = not calls
         return ok, seen
@@ -783,7 +791,8 @@ def check_gather_calls(params_by_rank, recv, calls, records, group):
     else:
         owners = [r for r in range(dp) if params_by_rank[r]]
         expect = [("broadcast", torch.distributed.get_global_rank(group, r), shares[r]) for r in owners]
-        ok["form"] = [(c[0], c[4], c[2]) for c in calls if c[0] == "broadcast"] == expect and len(calls) == len(expect)
+        got = [(c[0], c[4], c[2]) for c in calls if c[0] == "broadcast"]
+        ok["form"] = got == expect and len(calls) == len(expect)
         if not ok["form"]:
             return ok, seen
         regions = []
@@ -840,13 +849,16 @@ def sc_collectives(_cfg=None):
                     s.opt.allgather_params()
                 calls, records = spy.calls, spy.records
                 for buf in s.ddp.buffers:
-                    by_rank = [[p for p in ps if p in buf.param_index_map] for ps in s.opt.dp_cp_params_list]
+                    by_rank = [
+                        [p for p in ps if p in buf.param_index_map] for ps in s.opt.dp_cp_params_list
+                    ]
                     shares = shares_of(by_rank)
                     # Calls this buffer's gather makes by the design (see check_gather_calls).
                     n = int(max(shares) > 0) if min(shares) == max(shares) else sum(map(bool, by_rank))
                     mine, calls = calls[:n], calls[n:]
                     recs, records = records[:n], records[n:]
-                    add(*check_gather_calls(by_rank, buf.grad_data.view(buf.param_dtype), mine, recs, group))
+                    recv = buf.grad_data.view(buf.param_dtype)
+                    add(*check_gather_calls(by_rank, recv, mine, recs, group))
                 checks["form"] = checks.get("form", True) and not calls
             else:
                 for g in s.ddp.bucket_groups:
@@ -854,7 +866,9 @@ def sc_collectives(_cfg=None):
                     with CollectiveSpy() as spy:
                         sync_bucket_group(g, path)
                     recv = bk.grad_data.view(bk.params_list[0].dtype)
-                    add(*check_gather_calls(bk.layerwise_params_list, recv, spy.calls, spy.records, group))
+                    add(*check_gather_calls(
+                        bk.layerwise_params_list, recv, spy.calls, spy.records, group
+                    ))
             for k, v in checks.items():
                 res[f"{key_model}_{path}_{k}"] = all_ranks(v)
             for k, v in counts.items():

@@ -179,7 +179,10 @@ def expect_start_grad_sync_raises(runs, tree):
     """The last layer unused in forward leaves its chained gather pending, receiving into
     the grad_data its bucket group is about to reduce: the caller's start_grad_sync()
     raises in step 0; without the call, finish_grad_sync() does (first step)."""
-    for scenario, phase in (("start_grad_sync", "start_grad_sync"), ("skip_last_reference", "finish_grad_sync")):
+    for scenario, phase in (
+        ("start_grad_sync", "start_grad_sync"),
+        ("skip_last_reference", "finish_grad_sync"),
+    ):
         summary, _ = record(runs, tree, scenario)
         assert (summary["error"] or "").startswith(GUARD_ERROR + ": start_grad_sync(): "), summary
         assert (summary["error_step"], summary["error_phase"]) == (0, phase), summary
