@@ -47,7 +47,14 @@ import torch.nn.functional as F
 
 # Importing layerwise_worker installs the CPU runtime layer (MEGATRON_CPU_RUNTIME=1) and
 # imports megatron-core from the tree on PYTHONPATH.
-from layerwise_worker import DTYPES, Setup, all_ranks, parallel_state, worker_arg_parser  # noqa: E402
+from layerwise_worker import (  # noqa: E402
+    Setup,
+    all_ranks,
+    parallel_state,
+    parse_config,
+    wait_for_pending_gathers,
+    worker_arg_parser,
+)
 
 from harness.trees import check_expected_tree  # noqa: E402
 
@@ -95,10 +102,8 @@ def _pending_works(s):
     """Wait on the work objects of every pending gather and of every grad reduction in
     flight (backward starts them with --overlap-grad-reduce) without consuming the handles,
     so that a snapshot of grad_data is not racing a collective that still writes there."""
+    wait_for_pending_gathers(s)
     for g in s.bucket_groups:
-        h = g.param_gather_handle
-        for work in getattr(h, "handles", None) or []:
-            work.wait()
         if g.grad_reduce_handle is not None:
             g.grad_reduce_handle.wait()
 
@@ -167,11 +172,13 @@ class Baseline(Scenario):
 class ZeroGradWhilePending(Scenario):
     """(a) start_param_sync() right after the step (gathers dispatched early, e.g. to
     overlap them with data loading); the next step's zero_grad_buffer() runs before the
-    forward pre-hooks finish them."""
+    forward pre-hooks finish them, once their data has landed (wait_for_pending_gathers:
+    deterministic, and what a fast network gives)."""
 
     def after_step(self, s, k, phase):
         phase("start_param_sync")
         s.ddp.start_param_sync()
+        wait_for_pending_gathers(s)
 
 
 class OffloadWhilePending(Scenario):
@@ -200,6 +207,7 @@ class ForwardOnlyProbe(Scenario):
                 s.ddp(s.batch(k, 99))
         finally:
             set_forward(s, self.forward)
+        wait_for_pending_gathers(s)
 
 
 class BypassPreHook(Scenario):
@@ -207,7 +215,6 @@ class BypassPreHook(Scenario):
     fires, its chained gather stays pending, backward accumulates into the receive slot."""
 
     forward = staticmethod(_forward_bypass_last)
-    snap_phases = frozenset({"backward", "finish_grad_sync"})
 
 
 class GatherAfterBackward(Scenario):
@@ -272,9 +279,9 @@ SCENARIOS = {
 }
 
 
-def run(scenario: Scenario, dtype, fp32_grad, bucket_size):
+def run(scenario: Scenario, cfg):
     """Train STEPS steps with `scenario`'s injections; return the record (see module)."""
-    s = Setup(dtype, fp32_grad, overlap=True, bucket_size=bucket_size)
+    s = Setup(cfg, overlap=True)
     s.reentry_errors, s.reentry_state_kept = [], []
     set_forward(s, scenario.forward)
     phase = Phase(s, scenario.snap_phases)
@@ -324,23 +331,17 @@ def run(scenario: Scenario, dtype, fp32_grad, bucket_size):
 
 
 def main(argv=None):
-    args = worker_arg_parser(__doc__, "output directory", SCENARIOS, "bf16-fp32grad-many").parse_args(argv)
+    args = worker_arg_parser(__doc__, "output directory", SCENARIOS, "bf16-fp32grad-layers").parse_args(argv)
     out = Path(args.out)
     dist.init_process_group(backend="gloo")
     tree = check_expected_tree()
     parallel_state.initialize_model_parallel()
     rank = dist.get_rank()
     summary = {"_meta": {"tree": tree, "world_size": dist.get_world_size()}}
-    for cfg in args.configs.split(","):
-        dname, gname, bname = cfg.split("-")
+    for cfg in map(parse_config, args.configs.split(",")):
         for name in args.scenarios.split(","):
-            rec = run(
-                SCENARIOS[name](),
-                DTYPES[dname],
-                gname == "fp32grad",
-                1 if bname == "many" else None,
-            )
-            torch.save(rec, out / f"{cfg}.{name}.rank{rank}.pt")
+            rec = run(SCENARIOS[name](), cfg)
+            torch.save(rec, out / f"{cfg.name}.{name}.rank{rank}.pt")
             keys = (
                 "error",
                 "error_step",
@@ -351,7 +352,7 @@ def main(argv=None):
                 "reentry_errors",
                 "reentry_state_kept",
             )
-            summary[f"{cfg}/{name}"] = {k: rec[k] for k in keys}
+            summary[f"{cfg.name}/{name}"] = {k: rec[k] for k in keys}
             dist.barrier()
     if rank == 0:
         (out / "results.json").write_text(json.dumps(summary, indent=1, sort_keys=True))

@@ -11,12 +11,19 @@ megatron.core's DistributedDataParallel (so `param.main_grad` IS a view into the
 bucket's `grad_data`, never a clone) and the layer-wise optimizer from
 get_megatron_muon_optimizer(..., layer_wise_distributed_optimizer=True).
 
+A config is "<dtype>-<grad>-<model>": dtype bf16 or fp32 params; grad fp32grad (fp32
+grad_data) or samegrad (grad_data in the param dtype: exactly the receive size); model one
+of MODELS (layer widths and DDP bucket size), chosen for the share patterns the
+layer-wise optimizer's sharding gives their buckets (see MODELS).
+
 Each scenario returns a dict of checks. A check is a boolean computed on every rank and
 reduced with MIN (all ranks must agree), plus numbers for the report. Rank 0 writes
-{scenario: {check: value}} to --out; a scenario that raises on every rank records
-{"error": "<type>: <message>"} instead, so that the pristine tree's crashes are data. One
-that raises on some ranks only ends the job (exit 1) with the first failing rank's
-traceback on stderr (harness.ranks.Outcomes). Rank 0 prints a progress line per scenario.
+{"<config>/<scenario>": {check: value}} to --out; a scenario that raises on every rank
+records {"error": "<type>: <message>"} instead, so that the pristine tree's crashes are
+data. One that raises on some ranks only ends the job (exit 1) with the first failing
+rank's traceback on stderr (harness.ranks.Outcomes). Rank 0 prints a progress line per
+scenario. The "collectives" scenario builds its own models (COLLECTIVE_MODELS) and runs
+once per job, as "models/collectives".
 """
 
 from __future__ import annotations
@@ -25,10 +32,10 @@ import argparse
 import contextlib
 import hashlib
 import json
-import logging
 import os
 import sys
 import time
+from typing import NamedTuple, Optional, Tuple
 
 from harness import cpu_runtime
 
@@ -49,6 +56,55 @@ WIDTHS = [IN_DIM, 24, 8, 40, 12, 16]
 # Identical layers: the layer-wise optimizer's shares come out equal in a single bucket
 # (2 or 4 ranks), as for a GPT's identical transformer layers.
 EQUAL_WIDTHS = [IN_DIM] * 5
+# Found by a search over small chains: with 408-element buckets, at DP 2 one bucket has
+# equal shares and the others unequal ones, with single-param and multi-param owners and
+# empty owners, never two multi-param owners in one bucket, and equal whole-model shares;
+# at DP 4 singles, empties and a bucket with two multi-param owners (printed per bucket by
+# sc_gather's report).
+MIXED_WIDTHS = [IN_DIM, 16, 16, 24, 16, 24, 16]
+#: model name -> (layer widths, DDP bucket size in elements; None: one bucket).
+MODELS = {
+    "many": (WIDTHS, 1),  # one param per bucket: single-param owners and empty owners only
+    "layers": (WIDTHS, 200),  # one bucket per layer (its own bucket group)
+    "one": (WIDTHS, None),  # one bucket, every owner holds several params, shares unequal
+    "mixed": (MIXED_WIDTHS, 408),
+    "equal": (EQUAL_WIDTHS, None),  # one bucket, equal shares at DP 2 and 4
+}
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+#: The models the "collectives" scenario checks, every path: each form and layout occurs
+#: (bf16-fp32grad-one at DP 4: aligned slots with gaps; bf16-samegrad-one at DP 4: no room
+#: for them, packed).
+COLLECTIVE_MODELS = {
+    "mixed": "bf16-fp32grad-mixed",
+    "one": "bf16-fp32grad-one",
+    "one_samegrad": "bf16-samegrad-one",
+    "equal": "fp32-fp32grad-equal",
+}
+NCCL_ALIGN_BYTES = 16  # the slot alignment the series promises where there is room
+
+
+class Config(NamedTuple):
+    """A parsed "<dtype>-<grad>-<model>" config."""
+
+    name: str
+    dtype: torch.dtype
+    fp32_grad: bool
+    widths: Tuple[int, ...]
+    bucket_size: Optional[int]
+
+
+def parse_config(name: str) -> Config:
+    """Raises ValueError (naming the choices) for an unknown part."""
+    try:
+        dname, gname, model = name.split("-")
+        widths, bucket_size = MODELS[model]
+        if gname not in ("fp32grad", "samegrad"):
+            raise KeyError(gname)
+        return Config(name, DTYPES[dname], gname == "fp32grad", tuple(widths), bucket_size)
+    except (ValueError, KeyError):
+        raise ValueError(
+            f"config {name!r}: expected <{'|'.join(DTYPES)}>-<fp32grad|samegrad>-<{'|'.join(MODELS)}>"
+        ) from None
 
 
 def _megatron():
@@ -84,9 +140,9 @@ def _megatron():
 class TinyNet(MegatronModule):
     """Stack of Linear layers (+ optional expert-parallel layer), tanh in between.
 
-    Params: Linear(WIDTHS[i], WIDTHS[i+1]) weights and biases; with `expert=True` one
-    more Linear(16, 16) whose params carry `allreduce=False`, which megatron's DDP puts
-    in the expert-parallel buffers (reduced over the expert-DP group).
+    Params: Linear(widths[i], widths[i+1]) weights and biases; with `expert=True` one
+    more Linear(widths[-1], widths[-1]) whose params carry `allreduce=False`, which
+    megatron's DDP puts in the expert-parallel buffers (reduced over the expert-DP group).
     """
 
     def __init__(self, config, expert: bool = False, widths=WIDTHS):
@@ -108,12 +164,11 @@ class TinyNet(MegatronModule):
 
 
 class Setup:
-    """One DDP-wrapped TinyNet and its LayerWiseDistributedOptimizer."""
+    """One DDP-wrapped TinyNet of config `cfg` and its LayerWiseDistributedOptimizer."""
 
-    def __init__(
-        self, dtype, fp32_grad, overlap, bucket_size=None, expert=False, seed=1234, widths=WIDTHS
-    ):
+    def __init__(self, cfg: Config, overlap, expert=False, seed=1234):
         torch.manual_seed(seed)
+        dtype = cfg.dtype
         bf16 = dtype == torch.bfloat16
         self.config = TransformerConfig(
             num_layers=1,
@@ -123,16 +178,16 @@ class Setup:
             bf16=bf16,
             use_cpu_initialization=True,
         )
-        module = TinyNet(self.config, expert=expert, widths=widths)
+        module = TinyNet(self.config, expert=expert, widths=cfg.widths)
         if bf16:
             module = module.bfloat16()
         self.dtype = dtype
         ddp_config = DDPConfig(
-            grad_reduce_in_fp32=fp32_grad,
+            grad_reduce_in_fp32=cfg.fp32_grad,
             overlap_grad_reduce=True,
             overlap_param_gather=overlap,
             use_distributed_optimizer=False,
-            bucket_size=bucket_size,
+            bucket_size=cfg.bucket_size,
         )
         self.ddp = DDP(self.config, ddp_config, module)
         opt_config = OptimizerConfig(
@@ -163,8 +218,12 @@ class Setup:
     def bucket_groups(self):
         return self.ddp.bucket_groups + self.ddp.expert_parallel_bucket_groups
 
+    @property
+    def buckets(self):
+        return [b for g in self.bucket_groups for b in g.buckets]
+
     def grad_datas(self):
-        return [b.grad_data for g in self.bucket_groups for b in g.buckets]
+        return [b.grad_data for b in self.buckets]
 
     def target(self, p, step):
         """Deterministic value of param p after "step" (same on every rank)."""
@@ -229,41 +288,90 @@ def grads_all_zero(s):
     return all_ranks(all(int(torch.count_nonzero(g)) == 0 for g in s.grad_datas()))
 
 
-def written_region_zero(s, rest):
-    """After a sync into grad_data that held `rest`: in every bucket the grad_data
-    elements the gather wrote (its plan's slots and padding) are zero and the others
-    still hold `rest`. False on a tree without a gather plan (pristine)."""
-    ok = True
+def wait_for_pending_gathers(s):
+    """Wait on the work of every pending layer-wise gather without consuming the bucket
+    groups' handles (they stay pending for megatron): the data has landed, as it would on a
+    fast network before the next call. Makes scenarios that touch grad_data under a pending
+    gather deterministic."""
     for g in s.bucket_groups:
-        for bk in g.buckets:
-            if not hasattr(bk, "layerwise_gather_plan"):
-                return all_ranks(False)
-            plan = bk.layerwise_gather_plan
-            if plan is None:  # nothing to gather in this bucket
-                ok &= bool(torch.all(bk.grad_data == rest))
-                continue
-            nbytes = plan.written_numel * bk.params_list[0].dtype.itemsize
-            n = -(-nbytes // bk.grad_data.element_size())
-            ok &= int(torch.count_nonzero(bk.grad_data[:n])) == 0
-            ok &= bool(torch.all(bk.grad_data[n:] == rest))
+        for work in getattr(g.param_gather_handle, "handles", None) or []:
+            work.wait()
+
+
+# ---------------------------------------------------------------- share patterns (spec)
+def shares_of(params_by_rank):
+    """Elements each DP rank owns in a bucket (or buffer)."""
+    return [sum(p.numel() for p in ps) for ps in params_by_rank]
+
+
+def written_numel(params_by_rank):
+    """Param-dtype elements of grad_data a series gather of this bucket writes (and must
+    zero), by the design: the DP x share region for equal shares; otherwise the slots of the
+    ranks owning more than one param (a single param is broadcast in place)."""
+    if not params_by_rank:
+        return 0
+    shares = shares_of(params_by_rank)
+    if max(shares) == 0:
+        return 0
+    if min(shares) == max(shares):
+        return sum(shares)
+    return sum(s for s, ps in zip(shares, params_by_rank) if len(ps) > 1)
+
+
+def bucket_pattern(params_by_rank):
+    """"none", "equal", or "unequal" plus which owner kinds occur, for the coverage report."""
+    if not params_by_rank or max(shares_of(params_by_rank)) == 0:
+        return {"kind": "none"}
+    shares = shares_of(params_by_rank)
+    kinds = {len(ps) for ps in params_by_rank}
+    return {
+        "kind": "equal" if min(shares) == max(shares) else "unequal",
+        "empty_owner": 0 in kinds,
+        "single_param_owner": 1 in kinds,
+        "multi_param_owner": any(k > 1 for k in kinds),
+        "multi_param_owners": sum(1 for ps in params_by_rank if len(ps) > 1),
+    }
+
+
+def grad_bytes(s):
+    """Copies of every bucket's grad_data as bytes."""
+    return [g.detach().view(-1).view(torch.uint8).clone() for g in s.grad_datas()]
+
+
+def fill_grad_bytes(s, value=0x11):
+    """Every byte of grad_data = value: nonzero in any dtype view (consumed grads)."""
+    for g in s.grad_datas():
+        g.view(-1).view(torch.uint8).fill_(value)
+
+
+def zeroed_exactly_where_written(s, before):
+    """Per bucket: the bytes the sync changed are all zero, and there are exactly as many
+    as the series' gather writes (written_numel x param itemsize). grad_data held nonzero
+    bytes everywhere before (fill_grad_bytes)."""
+    ok = True
+    for bk, old in zip(s.buckets, before):
+        new = bk.grad_data.detach().view(-1).view(torch.uint8)
+        changed = new != old
+        expected = written_numel(bk.layerwise_params_list) * bk.params_list[0].element_size()
+        ok &= int(torch.count_nonzero(new[changed])) == 0
+        ok &= int(changed.sum()) == expected
     return all_ranks(ok)
 
 
+def pattern_report(s):
+    return [bucket_pattern(bk.layerwise_params_list) for bk in s.buckets]
+
+
 # ---------------------------------------------------------------------------- scenarios
-def sc_gather(dtype, fp32_grad, bucket_size):
+def sc_gather(cfg):
     """Forward pre-hooks gather owners' values; grad_data zero before backward; main_grad
     after backward equals the same model with overlap off."""
-    a = Setup(dtype, fp32_grad, overlap=True, bucket_size=bucket_size)
-    b = Setup(dtype, fp32_grad, overlap=False, bucket_size=bucket_size)
+    a = Setup(cfg, overlap=True)
+    b = Setup(cfg, overlap=False)
     a.ddp.zero_grad_buffer()
     b.ddp.zero_grad_buffer()
     a.simulate_step(step=1)
     b.set_all_targets(step=1)
-    empty_slot_buckets = 0
-    for g in a.ddp.bucket_groups:
-        for bk in g.buckets:
-            if bk.layerwise_param_flat_sizes and 0 in bk.layerwise_param_flat_sizes:
-                empty_slot_buckets += 1
     # Forward of microbatch 1 runs every pre-hook; check right after it, before backward.
     out = a.ddp(a.batch(1, 0))
     params_ok = all_ranks(a.params_equal_targets(1))
@@ -272,23 +380,34 @@ def sc_gather(dtype, fp32_grad, bucket_size):
     a.ddp.finish_grad_sync()
     b.forward_backward(1, 1)
     diff = max_abs_diff(a.main_grads(), b.main_grads())
+    patterns = pattern_report(a)
+    # The pre-hook pair again, over grad_data holding consumed grads (nonzero bytes).
+    a.ddp.zero_grad_buffer()
+    a.simulate_step(step=12)
+    fill_grad_bytes(a)
+    before = grad_bytes(a)
+    for g in a.ddp.bucket_groups:
+        sync_bucket_group(g, "async")
     return {
         "params_equal_owner_values": params_ok,
         "grad_data_zero_after_gather": grad_zero,
+        "async_zeroed_exactly_where_written": zeroed_exactly_where_written(a, before),
         "main_grad_equals_overlap_off": all_ranks(diff == 0.0),
         "main_grad_max_abs_diff": diff,
-        "num_buckets": sum(len(g.buckets) for g in a.ddp.bucket_groups),
-        "buckets_with_empty_rank_slot": empty_slot_buckets,
+        "num_buckets": len(patterns),
+        "bucket_patterns": patterns,
+        "buckets_per_group": [len(g.buckets) for g in a.bucket_groups],
     }
 
 
-def sc_microbatches(dtype, fp32_grad, bucket_size):
+def sc_microbatches(cfg):
     """Grads over 1, 2, 4 microbatches: equal to overlap off (bitwise) and to the sum of
-    per-microbatch grads (fp32 rounding tolerance)."""
+    per-microbatch grads (within the rounding of n additions in the grad dtype)."""
     res = {}
+    eps = 1e-5 if cfg.fp32_grad or cfg.dtype == torch.float32 else 2 * torch.finfo(cfg.dtype).eps
     for n in (1, 2, 4):
-        a = Setup(dtype, fp32_grad, overlap=True, bucket_size=bucket_size)
-        b = Setup(dtype, fp32_grad, overlap=False, bucket_size=bucket_size)
+        a = Setup(cfg, overlap=True)
+        b = Setup(cfg, overlap=False)
         a.ddp.zero_grad_buffer()
         a.simulate_step(step=2)
         a.forward_backward(2, n)
@@ -309,39 +428,44 @@ def sc_microbatches(dtype, fp32_grad, bucket_size):
         scale = max(float(x.abs().max()) for x in per_mb_sum)
         res[f"mb{n}_equals_overlap_off"] = all_ranks(exact == 0.0)
         res[f"mb{n}_max_abs_diff"] = exact
-        res[f"mb{n}_equals_sum_of_microbatches"] = all_ranks(vs_sum <= 1e-5 * max(scale, 1.0))
+        res[f"mb{n}_equals_sum_of_microbatches"] = all_ranks(vs_sum <= eps * n * max(scale, 1.0))
         res[f"mb{n}_sum_max_abs_diff"] = vs_sum
     return res
 
 
-def train_overlap_and_sync(dtype, fp32_grad, bucket_size, steps, expert=False):
+def train_overlap_and_sync(cfg, steps, expert=False):
     """Train the same model `steps` real optimizer steps twice: with the overlapped
-    (pre-hook) gather and with the optimizer's synchronous gather.
+    (pre-hook) gather and with the optimizer's synchronous gather in step().
 
     Returns:
-        (overlap Setup, its grad norms, sync Setup, its grad norms, max |param diff|).
+        (overlap Setup, its grad norms, sync Setup, its grad norms, max |param diff|,
+        whether every grad_data was all zero whenever the sync path's step() returned).
     """
     runs = {}
+    zero_after_step = True
     for name, overlap in (("overlap", True), ("sync", False)):
-        s = Setup(dtype, fp32_grad, overlap=overlap, bucket_size=bucket_size, expert=expert)
+        s = Setup(cfg, overlap=overlap, expert=expert)
         norms = []
         for step in range(steps):
             s.ddp.zero_grad_buffer()
             s.opt.zero_grad()
             s.forward_backward(step, 2)
             norms.append(float(s.opt.step()[1]))
+            if not overlap:
+                zero_after_step &= all(int(torch.count_nonzero(g)) == 0 for g in s.grad_datas())
         if overlap:  # the last update is gathered by the next forward's pre-hooks
             s.ddp.start_param_sync(force_sync=True)
         runs[name] = (s, norms)
     (a, na), (b, nb) = runs["overlap"], runs["sync"]
     diff = max_abs_diff([p.detach() for p in a.params], [p.detach() for p in b.params])
-    return a, na, b, nb, diff
+    return a, na, b, nb, diff, all_ranks(zero_after_step)
 
 
-def sc_training(dtype, fp32_grad, bucket_size, steps=4):
+def sc_training(cfg, steps=4):
     """Real optimizer steps: overlapped (pre-hook) gather vs the optimizer's synchronous
-    gather; params and grad norms bitwise equal, params equal on every rank."""
-    a, na, b, nb, diff = train_overlap_and_sync(dtype, fp32_grad, bucket_size, steps)
+    gather; params and grad norms bitwise equal, params equal on every rank; on the
+    synchronous path main_grad (grad_data) is all zero whenever step() returns."""
+    a, na, b, nb, diff, zero_after_step = train_overlap_and_sync(cfg, steps)
     # Every rank must hold the same params after the gather.
     same = True
     for p in a.params:
@@ -355,6 +479,7 @@ def sc_training(dtype, fp32_grad, bucket_size, steps=4):
         "grad_norms_overlap": na,
         "grad_norms_sync": nb,
         "params_equal_across_ranks": all_ranks(same),
+        "main_grad_zero_after_step": zero_after_step,
         # Bitwise fingerprints, compared by the test with the pristine tree's run.
         "params_sha256_overlap": params_sha256(a.params),
         "params_sha256_sync": params_sha256(b.params),
@@ -369,16 +494,24 @@ def params_sha256(params):
     return h.hexdigest()
 
 
-def sc_forced_sync(dtype, fp32_grad, bucket_size):
+def gather_lists_cleared(s):
+    return all_ranks(all(bk.layerwise_gather_list is None for bk in s.buckets))
+
+
+def sc_forced_sync(cfg):
     """Forced sync (eval / checkpoint): with no gather pending, and with one pending."""
-    s = Setup(dtype, fp32_grad, overlap=True, bucket_size=bucket_size)
+    s = Setup(cfg, overlap=True)
     res = {}
-    # (a) nothing pending: disable_forward_pre_hook(param_sync=True), as at eval.
+    # (a) nothing pending: disable_forward_pre_hook(param_sync=True), as at eval; grad_data
+    # holds the grads the step consumed (nonzero bytes).
     s.ddp.zero_grad_buffer()
-    s.simulate_step(step=3, grad_fill=0.5)
+    s.simulate_step(step=3)
+    fill_grad_bytes(s)
+    before = grad_bytes(s)
     s.ddp.disable_forward_pre_hook(param_sync=True)
     res["idle_params_synced"] = all_ranks(s.params_equal_targets(3))
-    res["idle_written_region_zero_rest_untouched"] = written_region_zero(s, rest=0.5)
+    res["idle_zeroed_exactly_where_written"] = zeroed_exactly_where_written(s, before)
+    res["idle_gather_lists_cleared"] = gather_lists_cleared(s)
     s.ddp.enable_forward_pre_hook()
     s.ddp.zero_grad_buffer()
     with cpu_runtime.record_collectives() as gathers:
@@ -399,10 +532,18 @@ def sc_forced_sync(dtype, fp32_grad, bucket_size):
     s.simulate_step(step=5)
     for g in s.ddp.bucket_groups:
         g.start_param_sync()
+    res["pending_gather_list_set_while_in_flight"] = all_ranks(
+        all(
+            (bk.layerwise_gather_list is not None)
+            == (bucket_pattern(bk.layerwise_params_list)["kind"] != "none")
+            for bk in s.buckets
+        )
+    )
     for g in s.ddp.bucket_groups:
         g.start_param_sync(force_sync=True)
     res["pending_params_synced"] = all_ranks(s.params_equal_targets(5))
     res["pending_grad_data_zero"] = grads_all_zero(s)
+    res["pending_gather_lists_cleared"] = gather_lists_cleared(s)
     with cpu_runtime.record_collectives() as gathers:
         out = s.ddp(s.batch(5, 0))
     res["pending_no_regather_in_forward"] = all_ranks(len(gathers) == 0)
@@ -410,9 +551,9 @@ def sc_forced_sync(dtype, fp32_grad, bucket_size):
     return res
 
 
-def sc_free_overlap_buffers(dtype, fp32_grad, bucket_size):
+def sc_free_overlap_buffers(cfg):
     """free_overlap_buffers() (checkpoint save) with a gather pending."""
-    s = Setup(dtype, fp32_grad, overlap=True, bucket_size=bucket_size)
+    s = Setup(cfg, overlap=True)
     s.ddp.zero_grad_buffer()
     s.simulate_step(step=6)
     s.ddp.start_param_sync()  # async dispatch of every bucket group
@@ -420,6 +561,7 @@ def sc_free_overlap_buffers(dtype, fp32_grad, bucket_size):
     res = {
         "params_synced": all_ranks(s.params_equal_targets(6)),
         "grad_data_zero": grads_all_zero(s),
+        "gather_lists_cleared": gather_lists_cleared(s),
     }
     with cpu_runtime.record_collectives() as gathers:
         s.ddp(s.batch(6, 0))
@@ -428,39 +570,46 @@ def sc_free_overlap_buffers(dtype, fp32_grad, bucket_size):
     return res
 
 
-def sc_offload(dtype, fp32_grad, bucket_size):
-    """offload_grad_buffers() -> forced sync -> restore_grad_buffers(): falls back to a
-    temporary receive buffer (warned once per bucket), never writes freed storage."""
-    s = Setup(dtype, fp32_grad, overlap=True, bucket_size=bucket_size)
+def sc_zero_grad_buffer(cfg):
+    """zero_grad_buffer() with a gather pending (dispatched right after the step, e.g. to
+    overlap it with data loading), whose data has landed in grad_data."""
+    s = Setup(cfg, overlap=True)
+    s.ddp.zero_grad_buffer()
+    s.simulate_step(step=7)
+    s.ddp.start_param_sync()
+    wait_for_pending_gathers(s)
+    s.ddp.zero_grad_buffer()
+    res = {
+        "params_synced": all_ranks(s.params_equal_targets(7)),
+        "grad_data_zero": grads_all_zero(s),
+    }
+    with cpu_runtime.record_collectives() as gathers:
+        s.ddp(s.batch(7, 0))
+    res["no_regather_in_forward"] = all_ranks(len(gathers) == 0)
+    res["params_synced_after_forward"] = all_ranks(s.params_equal_targets(7))
+    return res
+
+
+def sc_offload(cfg):
+    """offload_grad_buffers() -> forced sync -> restore_grad_buffers(): the gather receives
+    into a temporary of the gathered size per bucket, never into the freed storage."""
+    s = Setup(cfg, overlap=True)
     s.ddp.zero_grad_buffer()
     s.simulate_step(step=7)
     s.ddp.offload_grad_buffers(synchronize=False, empty_cache=False)
-    records = []
-
-    class Grab(logging.Handler):
-        def emit(self, record):
-            records.append(record.getMessage())
-
-    handler = Grab()
-    lg = logging.getLogger("megatron.core.distributed.param_and_grad_buffer")
-    lg.addHandler(handler)
-    try:
+    with AllocationCounter() as c:
         s.ddp.start_param_sync(force_sync=True)
-        s.ddp.start_param_sync(force_sync=True)
-    finally:
-        lg.removeHandler(handler)
+    s.ddp.start_param_sync(force_sync=True)
     still_freed = all(g.untyped_storage().nbytes() == 0 for g in s.grad_datas())
     synced = s.params_equal_targets(7)
     s.ddp.restore_grad_buffers(synchronize=False)
-    n_buckets = sum(
-        1
-        for g in s.ddp.bucket_groups
-        for b in g.buckets
-        if b.layerwise_param_flat_sizes and sum(b.layerwise_param_flat_sizes) > 0
+    expected = sum(
+        sum(shares_of(bk.layerwise_params_list)) * bk.params_list[0].element_size()
+        for bk in s.buckets
+        if bk.layerwise_params_list and max(shares_of(bk.layerwise_params_list)) > 0
     )
-    warnings = [r for r in records if "cannot serve as the receive buffer" in r]
     # After restore, a normal step must give the same grads as overlap off.
-    b = Setup(dtype, fp32_grad, overlap=False, bucket_size=bucket_size)
+    b = Setup(cfg, overlap=False)
     b.set_all_targets(7)
     s.ddp.zero_grad_buffer()
     b.ddp.zero_grad_buffer()
@@ -470,13 +619,13 @@ def sc_offload(dtype, fp32_grad, bucket_size):
     return {
         "params_synced": all_ranks(synced),
         "storage_stayed_freed": all_ranks(still_freed),
-        "fallback_warned_once_per_bucket": all_ranks(len(warnings) == n_buckets),
-        "fallback_warnings": len(warnings),
+        "temporary_is_the_gathered_size": all_ranks(c.temporary_bytes == expected),
+        "temporary_bytes": c.temporary_bytes,
         "main_grad_after_restore_equals_overlap_off": all_ranks(diff == 0.0),
     }
 
 
-def _theory_bytes(s, buckets):
+def _theory_bytes(buckets):
     """theory_upstream_bytes summed over `buckets` (per-rank lists set by the optimizer)."""
     rank = parallel_state.get_data_parallel_rank()
     return sum(
@@ -486,35 +635,37 @@ def _theory_bytes(s, buckets):
     )
 
 
-def _collective_summary(path, calls):
-    """The collective model's numbers for one path (harness.cpu_runtime.collectives)."""
-    return {
-        f"{path}_nccl_model_temporary_bytes": sum(c.nccl_temporary_bytes for c in calls),
-        f"{path}_collective_launches": sum(c.ops for c in calls),
-        f"{path}_collective_forms": sorted({c.form for c in calls}),
-    }
+def sync_bucket_group(g, path: str) -> None:
+    """One layer-wise param sync of bucket group g: "async" is the forward pre-hook pair
+    (start_param_sync, then finish_param_sync without chaining), "forced" is
+    start_param_sync(force_sync=True) as at eval and checkpoint save."""
+    if path == "async":
+        g.start_param_sync()
+        g.finish_param_sync(skip_next_bucket_dispatch=True)
+    else:
+        g.start_param_sync(force_sync=True)
 
 
-def sync_bucket_groups(s, path: str) -> None:
-    """One layer-wise param sync of every bucket group of `s.ddp`: "async" is the forward
-    pre-hook pair (start_param_sync, then finish_param_sync without chaining), "forced"
-    is start_param_sync(force_sync=True) as at eval and checkpoint save."""
-    for g in s.ddp.bucket_groups:
-        if path == "async":
-            g.start_param_sync()
-            g.finish_param_sync(skip_next_bucket_dispatch=True)
-        else:
-            g.start_param_sync(force_sync=True)
-
-def sc_alloc(dtype, fp32_grad, bucket_size):
-    """Bytes allocated by the layer-wise param sync (TorchDispatchMode counter)."""
+def sc_alloc(cfg):
+    """Per bucket group (async and forced paths) and per step (the optimizer's path): the
+    megatron temporaries (TorchDispatchMode counter) and the collective model's numbers
+    (ops, zero-size ops, launches, NCCL temporary bytes); and the per-rank shares, so that
+    the test can compare the trees bucket by bucket."""
     res = {}
-    s = Setup(dtype, fp32_grad, overlap=True, bucket_size=bucket_size)
-    buckets = [b for g in s.ddp.bucket_groups for b in g.buckets]
-    res["theory_upstream_bytes"] = _theory_bytes(s, buckets)
+    s = Setup(cfg, overlap=True)
+    res["theory_upstream_bytes"] = _theory_bytes(s.buckets)
+    res["bucket_shares"] = [
+        [shares_of(bk.layerwise_params_list) if bk.layerwise_params_list else None for bk in g.buckets]
+        for g in s.ddp.bucket_groups
+    ]
+    res["bucket_param_counts"] = [
+        [[len(ps) for ps in bk.layerwise_params_list] if bk.layerwise_params_list else None
+         for bk in g.buckets]
+        for g in s.ddp.bucket_groups
+    ]
     # Control: the CPU runtime layer's uneven all_gather alone allocates nothing.
     sizes = [3 + r for r in range(dist.get_world_size())]
-    buf = torch.zeros(sum(sizes), dtype=dtype)
+    buf = torch.zeros(sum(sizes), dtype=cfg.dtype)
     slots = list(buf.split(sizes))
     with AllocationCounter() as c:
         dist.all_gather(slots, slots[dist.get_rank()])
@@ -523,24 +674,30 @@ def sc_alloc(dtype, fp32_grad, bucket_size):
     for path in ("async", "forced"):
         s.ddp.zero_grad_buffer()
         s.simulate_step(step=8)
-        with AllocationCounter() as c, cpu_runtime.record_collectives() as calls:
-            sync_bucket_groups(s, path)
-        res[f"{path}_bytes"] = c.temporary_bytes
-        res[f"{path}_alloc_calls"] = c.alloc_calls
-        res.update(_collective_summary(path, calls))
+        per_group, total_bytes, total_calls = [], 0, 0
+        for g in s.ddp.bucket_groups:
+            with AllocationCounter() as c, cpu_runtime.record_collectives() as calls:
+                sync_bucket_group(g, path)
+            per_group.append(cpu_runtime.summarize(calls))
+            total_bytes += c.temporary_bytes
+            total_calls += c.alloc_calls
+        res[f"{path}_bytes"] = total_bytes
+        res[f"{path}_alloc_calls"] = total_calls
+        res[f"{path}_per_bucket_group"] = per_group
         res[f"{path}_params_synced"] = all_ranks(s.params_equal_targets(8))
         for g in s.ddp.bucket_groups:
             g.param_gather_dispatched = False
     # The optimizer's synchronous path (no overlap).
-    o = Setup(dtype, fp32_grad, overlap=False, bucket_size=bucket_size)
+    o = Setup(cfg, overlap=False)
     o.simulate_step(step=9)
     with AllocationCounter() as c, cpu_runtime.record_collectives() as calls:
         o.opt.allgather_params()
     res["optimizer_bytes"] = c.temporary_bytes
-    res.update(_collective_summary("optimizer", calls))
     res["optimizer_alloc_calls"] = c.alloc_calls
+    res["optimizer_step"] = cpu_runtime.summarize(calls)
     res["optimizer_params_synced"] = all_ranks(o.params_equal_targets(9))
     owners = o.opt.dp_cp_params_list
+    res["optimizer_shares"] = None if owners is None else shares_of(owners)
     res["theory_upstream_optimizer_bytes"] = (
         0
         if owners is None
@@ -551,102 +708,196 @@ def sc_alloc(dtype, fp32_grad, bucket_size):
     return res
 
 
+# ------------------------------------------------------------------- collectives (spec)
 class CollectiveSpy:
-    """Records each all_gather / all_gather_into_tensor call: its name and whether its
-    output (every slot of a list output) and input lie inside `storages` (untyped
-    storages, e.g. the buckets' grad_data). The calls go through unchanged."""
-
-    NAMES = ("all_gather", "all_gather_into_tensor")
-
-    def __init__(self, storages):
-        self.ranges = [(s.data_ptr(), s.data_ptr() + s.nbytes()) for s in storages]
-        self.calls = []
-
-    def inside(self, t):
-        return any(
-            lo <= t.data_ptr() and t.data_ptr() + t.numel() * t.element_size() <= hi
-            for lo, hi in self.ranges
-        )
+    """Records each broadcast and all_gather_into_tensor call (tensor addresses and sizes,
+    the broadcast root) in order; the calls go through unchanged to the collective model,
+    whose records (launch ids) are collected alongside."""
 
     def __enter__(self):
-        self._orig = {n: getattr(dist, n) for n in self.NAMES}
+        self.calls = []
+        self._orig = {n: getattr(dist, n) for n in ("broadcast", "all_gather_into_tensor")}
+        orig_b, orig_g = self._orig["broadcast"], self._orig["all_gather_into_tensor"]
 
-        def spy(name, orig):
-            def fn(output, inp, *a, **k):
-                outs = list(output) if isinstance(output, (list, tuple)) else [output]
-                # An empty tensor has no address (data_ptr() is 0): nothing to check.
-                aliased = all(self.inside(t) for t in outs + [inp] if t.numel())
-                self.calls.append((name, aliased))
-                return orig(output, inp, *a, **k)
+        def broadcast(tensor, src=None, group=None, async_op=False, group_src=None):
+            self.calls.append(
+                ("broadcast", tensor.data_ptr(), tensor.numel(), tensor.element_size(), src)
+            )
+            return orig_b(tensor, src, group=group, async_op=async_op, group_src=group_src)
 
-            return fn
+        def all_gather_into_tensor(out, inp, group=None, async_op=False):
+            self.calls.append(("all_gather_into_tensor", out.data_ptr(), out.numel(), out.element_size(),
+                               inp.data_ptr(), inp.numel()))
+            return orig_g(out, inp, group=group, async_op=async_op)
 
-        for n, orig in self._orig.items():
-            setattr(dist, n, spy(n, orig))
+        dist.broadcast, dist.all_gather_into_tensor = broadcast, all_gather_into_tensor
+        self._records = cpu_runtime.record_collectives()
+        self.records = self._records.__enter__()
         return self
 
     def __exit__(self, *exc):
-        for n, orig in self._orig.items():
-            setattr(dist, n, orig)
+        self._records.__exit__(*exc)
+        for n, fn in self._orig.items():
+            setattr(dist, n, fn)
 
 
-def expected_collective(bucket, dp_size):
-    """The collective the series' rule gives a bucket (None: nothing to gather), from its
-    per-rank shares and grad_data size: equal shares -> all_gather_into_tensor; unequal
-    -> padded all_gather_into_tensor when dp x max(share) fits in grad_data viewed as the
-    param dtype (these models' padding is far below the (dp - 1) MiB bound), else the
-    list all_gather."""
-    if dp_size == 1 or bucket.layerwise_params_list is None:
-        return None
-    shares = [sum(p.numel() for p in ps) for ps in bucket.layerwise_params_list]
-    if sum(shares) == 0:
-        return None
-    if min(shares) == max(shares):
-        return "all_gather_into_tensor"
-    g = bucket.grad_data
-    capacity = g.numel() * g.element_size() // bucket.params_list[0].dtype.itemsize
-    return "all_gather_into_tensor" if dp_size * max(shares) <= capacity else "all_gather"
+def _aligned_fits(recv, numels):
+    """Whether every slot can start 16-byte aligned (from recv's storage start) within recv."""
+    align = max(1, NCCL_ALIGN_BYTES // recv.element_size())
+    end = recv.storage_offset()
+    for n in numels:
+        end = -(-end // align) * align + n
+    return end - recv.storage_offset() <= recv.numel()
 
 
-def sc_collectives(dtype, fp32_grad, bucket_size):
-    """Which collective each path calls per bucket, and that it writes into grad_data:
-    the async (pre-hook) path, the forced sync and the optimizer's synchronous gather, on
-    the uneven model and on one of identical layers (equal shares)."""
+def check_gather_calls(params_by_rank, recv, calls, records, group):
+    """The calls of one bucket's (or grad buffer's) gather against the design.
+
+    Returns {check: bool} and {counter: int}: "form": equal shares -> one
+    all_gather_into_tensor of DP x share elements whose input is this rank's chunk of the
+    output; otherwise one broadcast per rank owning a param, in rank order, rooted at its
+    global rank, with its share; "one_launch": all of them one NCCL group launch;
+    "in_place": a single-param owner's broadcast is that param's storage; "in_grad_data":
+    every other tensor lies in recv's storage; "disjoint": slots in rank order, not
+    overlapping; "aligned_or_packed": every slot 16-byte aligned with less than 16 bytes of
+    gap where recv has room for that, else packed from recv's start.
+    """
+    dp, rank = len(params_by_rank), dist.get_rank(group)
+    shares = shares_of(params_by_rank)
+    st = recv.untyped_storage()
+    lo, hi = st.data_ptr(), st.data_ptr() + st.nbytes()
+    item = recv.element_size()
+    ok = dict.fromkeys(
+        ("form", "one_launch", "in_place", "in_grad_data", "disjoint", "aligned_or_packed"), True
+    )
+    seen = dict.fromkeys(
+        ("into_tensor", "broadcast_in_place", "broadcast_slot", "aligned_with_gap", "packed_fallback"),
+        0,
+    )
+    if max(shares) == 0:
+        ok["form"] = not calls
+        return ok, seen
+    ok["one_launch"] = len({r.launch_id for r in records}) == 1
+    equal = min(shares) == max(shares)
+    if equal:
+        ok["form"] = [c[0] for c in calls] == ["all_gather_into_tensor"]
+        if not ok["form"]:
+            return ok, seen
+        _, out_ptr, out_numel, _, inp_ptr, inp_numel = calls[0]
+        ok["form"] = out_numel == dp * shares[0] and inp_numel == shares[0]
+        ok["form"] &= inp_ptr == out_ptr + rank * shares[0] * item
+        regions = [(out_ptr, out_numel)]
+        seen["into_tensor"] = 1
+    else:
+        owners = [r for r in range(dp) if params_by_rank[r]]
+        expect = [("broadcast", torch.distributed.get_global_rank(group, r), shares[r]) for r in owners]
+        got = [(c[0], c[4], c[2]) for c in calls if c[0] == "broadcast"]
+        ok["form"] = got == expect and len(calls) == len(expect)
+        if not ok["form"]:
+            return ok, seen
+        regions = []
+        for r, c in zip(owners, calls):
+            if len(params_by_rank[r]) == 1:
+                ok["in_place"] &= c[1] == params_by_rank[r][0].data_ptr()
+                seen["broadcast_in_place"] += 1
+            else:
+                regions.append((c[1], c[2]))
+                seen["broadcast_slot"] += 1
+    ok["in_grad_data"] = all(lo <= p and p + n * item <= hi for p, n in regions)
+    if not regions:  # single-param owners only: nothing received into grad_data
+        return ok, seen
+    offsets = [(p - recv.data_ptr()) // item for p, _ in regions]
+    ends = [o + n for o, (_, n) in zip(offsets, regions)]
+    ok["disjoint"] = all(offsets[i + 1] >= ends[i] for i in range(len(regions) - 1))
+    align = max(1, NCCL_ALIGN_BYTES // item)
+    packed = offsets == [0] + ends[:-1]
+    if _aligned_fits(recv, [n for _, n in regions]):
+        gaps = [offsets[0]] + [o - e for o, e in zip(offsets[1:], ends)]
+        ok["aligned_or_packed"] = all(p % NCCL_ALIGN_BYTES == 0 for p, _ in regions) and all(
+            0 <= g < align for g in gaps
+        )
+        seen["aligned_with_gap"] = int(not packed)
+    else:
+        ok["aligned_or_packed"] = packed
+        seen["packed_fallback"] = 1
+    return ok, seen
+
+
+def sc_collectives(_cfg=None):
+    """Which collectives each path issues per bucket (async pre-hook pair and forced sync,
+    one bucket group at a time) and per grad buffer (the optimizer's gather in step()),
+    checked against the design (check_gather_calls) on COLLECTIVE_MODELS. Call patterns
+    and layout only: the values gathered are checked by the other scenarios."""
     res = {}
-    dp = parallel_state.get_data_parallel_world_size()
-    for model, widths in (("uneven", WIDTHS), ("equal", EQUAL_WIDTHS)):
+    group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+    for key_model, name in COLLECTIVE_MODELS.items():
+        cfg = parse_config(name)
         for path in ("async", "forced", "optimizer"):
-            s = Setup(
-                dtype,
-                fp32_grad,
-                overlap=path != "optimizer",
-                bucket_size=bucket_size,
-                widths=widths,
-            )
+            s = Setup(cfg, overlap=path != "optimizer")
             s.ddp.zero_grad_buffer()
             s.simulate_step(step=11)
-            buckets = [b for g in s.ddp.bucket_groups for b in g.buckets]
-            expected = [e for e in (expected_collective(b, dp) for b in buckets) if e]
-            storages = {id(st): st for st in (g.untyped_storage() for g in s.grad_datas())}
-            with CollectiveSpy(storages.values()) as spy:
-                if path == "optimizer":
+            checks, counts = {}, {}
+
+            def add(ok, seen):
+                for k, v in ok.items():
+                    checks[k] = checks.get(k, True) and v
+                for k, v in seen.items():
+                    counts[k] = counts.get(k, 0) + v
+
+            if path == "optimizer":
+                with CollectiveSpy() as spy:
                     s.opt.allgather_params()
-                else:
-                    sync_bucket_groups(s, path)
-            key = f"{model}_{path}"
-            names = [n for n, _ in spy.calls]
-            res[f"{key}_collectives_as_rule"] = all_ranks(names == expected)
-            res[f"{key}_outputs_alias_grad_data"] = all_ranks(all(a for _, a in spy.calls))
-            res[f"{key}_params_synced"] = all_ranks(s.params_equal_targets(11))
-            res[f"{key}_calls"] = names
-            res[f"{key}_buckets"] = len(buckets)
+                calls, records = spy.calls, spy.records
+                for buf in s.ddp.buffers:
+                    by_rank = [
+                        [p for p in ps if p in buf.param_index_map] for ps in s.opt.dp_cp_params_list
+                    ]
+                    shares = shares_of(by_rank)
+                    # Calls this buffer's gather makes by the design (see check_gather_calls).
+                    n = int(max(shares) > 0) if min(shares) == max(shares) else sum(map(bool, by_rank))
+                    mine, calls = calls[:n], calls[n:]
+                    recs, records = records[:n], records[n:]
+                    recv = buf.grad_data.view(buf.param_dtype)
+                    add(*check_gather_calls(by_rank, recv, mine, recs, group))
+                checks["form"] = checks.get("form", True) and not calls
+            else:
+                for g in s.ddp.bucket_groups:
+                    (bk,) = g.buckets
+                    with CollectiveSpy() as spy:
+                        sync_bucket_group(g, path)
+                    recv = bk.grad_data.view(bk.params_list[0].dtype)
+                    add(*check_gather_calls(
+                        bk.layerwise_params_list, recv, spy.calls, spy.records, group
+                    ))
+            for k, v in checks.items():
+                res[f"{key_model}_{path}_{k}"] = all_ranks(v)
+            for k, v in counts.items():
+                res[f"{key_model}_{path}_n_{k}"] = v
     return res
 
 
-def sc_small_dp(dtype, fp32_grad, bucket_size, expert=False):
+def sc_async_without_ddp(cfg):
+    """The layer-wise optimizer with --overlap-param-gather (async_allgather) over a model
+    chunk that is not megatron's DDP (it carries a ddp_config, as get_megatron_optimizer
+    needs, but no bucket groups to gather through). Raises on every rank; the worker
+    records the error."""
+    torch.manual_seed(1234)
+    tc = TransformerConfig(num_layers=1, hidden_size=IN_DIM, num_attention_heads=1,
+                           params_dtype=cfg.dtype, bf16=cfg.dtype == torch.bfloat16,
+                           use_cpu_initialization=True)
+    module = TinyNet(tc, widths=cfg.widths).to(cfg.dtype)
+    module.ddp_config = DDPConfig(overlap_param_gather=True, use_distributed_optimizer=False)
+    opt_config = OptimizerConfig(optimizer='muon', lr=0.02, bf16=cfg.dtype == torch.bfloat16,
+                                 params_dtype=cfg.dtype, use_distributed_optimizer=False,
+                                 overlap_param_gather=True)
+    get_megatron_muon_optimizer(opt_config, [module], layer_wise_distributed_optimizer=True)
+    return {"built": True}
+
+
+def sc_small_dp(cfg, expert=False):
     """DP size 1 (run with one rank) or expert-DP size 1 (expert=True, EP = world): the
     optimizer builds, training runs, params match the synchronous path."""
-    _, na, _, nb, diff = train_overlap_and_sync(dtype, fp32_grad, bucket_size, 3, expert)
+    _, na, _, nb, diff, _ = train_overlap_and_sync(cfg, 3, expert)
     return {
         "trains": True,
         "params_overlap_equal_sync": all_ranks(diff == 0.0),
@@ -660,14 +911,17 @@ SCENARIOS = {
     "training": sc_training,
     "forced_sync": sc_forced_sync,
     "free_overlap_buffers": sc_free_overlap_buffers,
+    "zero_grad_buffer": sc_zero_grad_buffer,
     "offload": sc_offload,
     "alloc": sc_alloc,
     "collectives": sc_collectives,
+    "async_without_ddp": sc_async_without_ddp,
     "small_dp": sc_small_dp,
-    "expert_dp1": lambda *a: sc_small_dp(*a, expert=True),
+    "expert_dp1": lambda cfg: sc_small_dp(cfg, expert=True),
 }
+#: Scenarios that build their own models: run once per job, keyed "models/<scenario>".
+MODEL_INDEPENDENT = {"collectives"}
 
-DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 #: "<scenario>:<rank>" makes that rank raise at the start of that scenario (tests of the
 #: failure handling: the other ranks are then inside the scenario's collectives).
 FAIL_ENV = "LAYERWISE_WORKER_FAIL"
@@ -690,16 +944,20 @@ def worker_arg_parser(doc: str, out_help: str, scenarios, default_configs: str) 
     ap.add_argument("--out", required=True, help=out_help)
     ap.add_argument("--scenarios", default=",".join(scenarios))
     ap.add_argument("--configs", default=default_configs,
-                    help="comma list of <bf16|fp32>-<fp32grad|samegrad>-<many|one> "
-                    "(many: about one param per bucket, one: a single bucket)")
+                    help=f"comma list of <bf16|fp32>-<fp32grad|samegrad>-<{'|'.join(MODELS)}>")
     return ap
 
 
 def main(argv=None):
     ap = worker_arg_parser(__doc__, "JSON results path (written by rank 0)", SCENARIOS,
-                           "bf16-fp32grad-many,fp32-fp32grad-one")
+                           "bf16-fp32grad-mixed")
     ap.add_argument("--expert-parallel", type=int, default=1)
     args = ap.parse_args(argv)
+    configs = [parse_config(c) for c in args.configs.split(",")]
+    names = args.scenarios.split(",")
+    unknown = [n for n in names if n not in SCENARIOS]
+    if unknown:
+        raise SystemExit(f"unknown scenarios {unknown}; expected some of {sorted(SCENARIOS)}")
 
     dist.init_process_group(backend="gloo")
     tree = check_expected_tree()
@@ -710,21 +968,17 @@ def main(argv=None):
     # traceback (harness.ranks.Outcomes) instead of hanging in a collective.
     outcomes = Outcomes(prefix="layerwise_worker")
     forced = _forced_failure()
-    for cfg in args.configs.split(","):
-        dname, gname, bname = cfg.split("-")
-        dtype = DTYPES[dname]
-        fp32_grad = gname == "fp32grad"
-        # "many": ~one param per bucket (also buckets where a rank owns nothing).
-        bucket_size = 1 if bname == "many" else None
-        for name in args.scenarios.split(","):
-            key = f"{cfg}/{name}"
-            with outcomes.step(key) as step:
-                if forced == (name, dist.get_rank()):
-                    raise RuntimeError(f"forced failure of {key} on rank {dist.get_rank()} ({FAIL_ENV})")
-                step.result = SCENARIOS[name](dtype, fp32_grad, bucket_size)
-            results[key] = step.result
-            if dist.get_rank() == 0:
-                print(f"{PROGRESS} {key} {time.monotonic():.3f}", flush=True)
+    jobs = [(cfg, n) for cfg in configs for n in names if n not in MODEL_INDEPENDENT]
+    jobs += [(None, n) for n in names if n in MODEL_INDEPENDENT]
+    for cfg, name in jobs:
+        key = f"{cfg.name if cfg else 'models'}/{name}"
+        with outcomes.step(key) as step:
+            if forced == (name, dist.get_rank()):
+                raise RuntimeError(f"forced failure of {key} on rank {dist.get_rank()} ({FAIL_ENV})")
+            step.result = SCENARIOS[name](cfg)
+        results[key] = step.result
+        if dist.get_rank() == 0:
+            print(f"{PROGRESS} {key} {time.monotonic():.3f}", flush=True)
     if dist.get_rank() == 0:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1, sort_keys=True)

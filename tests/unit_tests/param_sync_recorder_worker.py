@@ -96,7 +96,7 @@ def main(argv=None) -> int:
     expt_group = lw.parallel_state.get_expert_data_parallel_group()
     expected = {"steps": {}, "between_steps": {}}
 
-    s = lw.Setup(torch.bfloat16, True, overlap=True, bucket_size=1, expert=True)
+    s = lw.Setup(lw.parse_config("bf16-fp32grad-many"), overlap=True, expert=True)
     dense, expert = s.ddp.bucket_groups, s.ddp.expert_parallel_bucket_groups
     per_kind = {"dense": _theory(dense, dp_group), "expert": _theory(expert, expt_group)}
     nccl_kind = {"dense": _list_gather_nccl(_bucket_shares(dense), 2),
@@ -130,7 +130,7 @@ def main(argv=None) -> int:
     expected["between_steps"]["2"] = {"megatron_bytes": per_kind, "upstream_nccl_bytes": nccl_kind,
                                       "entry_calls": {"dense": len(dense), "expert": len(expert)}}  # fmt: skip
 
-    o = lw.Setup(torch.bfloat16, True, overlap=False, bucket_size=1, expert=True)
+    o = lw.Setup(lw.parse_config("bf16-fp32grad-many"), overlap=False, expert=True)
     o.simulate_step(step=11)
     owners = {"dense": (o.opt.dp_cp_params_list, dp_group), "expert": (o.opt.expt_dp_params_list, expt_group)}
     with recorder.training_step(3):
@@ -143,7 +143,7 @@ def main(argv=None) -> int:
                               "upstream_nccl_bytes": {"optimizer": _list_gather_nccl(optimizer_shares, 2)},
                               "entry_calls": {"optimizer": 1}}  # fmt: skip
 
-    e = lw.Setup(torch.bfloat16, True, overlap=True, bucket_size=None, widths=lw.EQUAL_WIDTHS)
+    e = lw.Setup(lw.parse_config("bf16-fp32grad-equal"), overlap=True)
     (bucket,) = [b for g in e.ddp.bucket_groups for b in g.buckets]
     shares = bucket.layerwise_param_flat_sizes
     assert len(set(shares)) == 1, f"equal shares expected, got {shares}"

@@ -1,183 +1,353 @@
-"""Single-process tests of the bucket-level layer-wise gather of the series.
+"""Single-process tests of the series' bucket-level layer-wise param all-gather.
 
-They exercise _ParamAndGradBucket's plan (set_layerwise_params_list), copy-in
-(start_layerwise_gather) and copy-out (finish_layerwise_gather) directly: the receive
-layout inside grad_data, the collective form each share pattern gets, the zeroing of
-exactly the written region, the offload fallback and the assertion on a too-narrow
-grad_data. The collective itself is replaced by a recorder that returns at once (one
-process); what a real gloo group does with it is tested in test_layerwise_collectives.py.
-Patched tree only: these methods do not exist upstream.
+megatron/core/distributed/param_and_grad_buffer.py (patched tree only; 0.17.1 has none of
+these functions):
+
+- ``layerwise_recv_buffer(grad_data, param_dtype, numel)``: grad_data viewed as the param
+  dtype; a temporary only while grad_data is offloaded; asserts capacity;
+- ``_layerwise_slots(recv, numels)``: consecutive slots, 16-byte aligned where recv has
+  room, packed otherwise;
+- ``start_layerwise_param_gather`` / ``finish_layerwise_param_gather``: the collective
+  chosen from the per-rank shares (equal: one ``all_gather_into_tensor``; unequal: one
+  broadcast per rank that owns something, in one coalescing block, a single-param owner's
+  straight into its param), then the copy-out and the zeroing of exactly what was written.
+
+The collectives are replaced by ``StandIn``: it records every call and delivers what the
+other DP ranks would send (their owners' values), so one process plays one rank of a group
+of any size. What real gloo ranks do is tested in test_layerwise_param_sync.py.
 """
 
-import logging
+from __future__ import annotations
+
+import contextlib
+import itertools
 
 import pytest
 import torch
 
 from megatron.core.distributed import param_and_grad_buffer as pgb
-from megatron.core.distributed.param_and_grad_buffer import _ParamAndGradBucket
 
-LOGGER = "megatron.core.distributed.param_and_grad_buffer"
-
-
-def make_bucket(
-    param_dtype, grad_dtype, shapes=((3, 2), (5,), (4,)), owners=(0, 1, 1), pad=3, fill=0.0
-):
-    """A bucket over params of `shapes`, rank owners[i] owning param i; grad_data has
-    `pad` extra elements (DDP may pad) and holds `fill` (grads a step consumed)."""
-    torch.manual_seed(0)
-    params = [torch.nn.Parameter(torch.randn(s).to(param_dtype)) for s in shapes]
-    numel = sum(p.numel() for p in params)
-    grad_data = torch.full((numel + pad,), fill, dtype=grad_dtype)
-    index, offset = {}, 0
-    for p in params:
-        index[p] = (offset, offset + p.numel(), 0)
-        offset += p.numel()
-    bucket = _ParamAndGradBucket(params, None, grad_data, 0, numel, 1.0, 0, index, [])
-    per_rank = [[p for p, o in zip(params, owners) if o == r] for r in range(max(owners) + 1)]
-    bucket.set_layerwise_params_list(per_rank)
-    return bucket, params, grad_data
+GARBAGE = -777.0  # what a rank holds for a param another rank owns, before the gather
+GLOBAL_OFFSET = 100  # the stand-in's global rank of group rank r is 100 + r
 
 
-@pytest.fixture
-def collectives(monkeypatch):
-    """Records (name, output, input) of every all-gather call; the call returns None."""
-    calls = []
+class StandIn:
+    """Recording stand-in for the collectives start_layerwise_param_gather() calls.
 
-    def recorder(name):
-        def fn(output, inp, group=None, async_op=False):
-            calls.append((name, output, inp))
+    Plays group rank ``rank`` of ``world``. ``truth[r]`` is the flat value of the params
+    that rank r sends. A broadcast from another root writes that root's value into the
+    tensor; ``all_gather_into_tensor`` writes every other rank's chunk. A call from this
+    rank checks that what it sends is its own params' value (the copy-in happened).
 
-        return fn
+    Attributes:
+        calls: (name, tensor or (out, inp), group rank of the root or None, async_op,
+            coalescing block id or None), in call order.
+        blocks: async_ops flag of each coalescing block entered.
+    """
 
-    monkeypatch.setattr(torch.distributed, "all_gather", recorder("all_gather"))
-    monkeypatch.setattr(
-        torch.distributed, "all_gather_into_tensor", recorder("all_gather_into_tensor")
+    def __init__(self, rank, params_by_rank, truth):
+        self.rank, self.params_by_rank, self.truth = rank, params_by_rank, truth
+        self.calls, self.blocks, self._block = [], [], None
+
+    def install(self, monkeypatch):
+        monkeypatch.setattr(torch.distributed, "get_rank", lambda group=None: self.rank)
+        monkeypatch.setattr(
+            torch.distributed, "get_global_rank", lambda group, r: GLOBAL_OFFSET + r
+        )
+        monkeypatch.setattr(torch.distributed, "broadcast", self.broadcast)
+        monkeypatch.setattr(torch.distributed, "all_gather_into_tensor", self.all_gather_into_tensor)
+        monkeypatch.setattr(pgb, "_coalescing_manager", self.coalescing_manager)
+
+    def _sends_own(self, t):
+        assert torch.equal(t.detach().reshape(-1), self.truth[self.rank]), "sent stale params"
+
+    def broadcast(self, tensor, src, group=None, async_op=False):
+        root = src - GLOBAL_OFFSET
+        self.calls.append(("broadcast", tensor, root, async_op, self._block))
+        if root == self.rank:
+            self._sends_own(tensor)
+        else:
+            tensor.view(-1).copy_(self.truth[root])
+        return object() if async_op else None
+
+    def all_gather_into_tensor(self, out, inp, group=None, async_op=False):
+        self.calls.append(("all_gather_into_tensor", (out, inp), None, async_op, self._block))
+        self._sends_own(inp)
+        n = inp.numel()
+        assert out.numel() == n * len(self.truth)
+        for r, chunk in enumerate(out.split(n)):
+            if r != self.rank:
+                chunk.copy_(self.truth[r])
+        return object() if async_op else None
+
+    @contextlib.contextmanager
+    def coalescing_manager(self, group, device=None, async_ops=False):
+        assert self._block is None, "nested coalescing blocks"
+        self._block = len(self.blocks)
+        self.blocks.append(async_ops)
+        try:
+            yield "coalescing-manager"
+        finally:
+            self._block = None
+
+
+def make_case(shapes_by_rank, rank, param_dtype, grad_dtype, grad_numel, fill=0.5):
+    """Params owned per rank (shapes), as group rank `rank` holds them before a gather (own
+    params at their value, the others' GARBAGE), a grad_data of `grad_numel` x grad_dtype
+    holding `fill` (grads the step consumed), and the flat value each rank sends."""
+    gen = torch.Generator().manual_seed(0)
+    params_by_rank, truth, values = [], [], {}
+    for shapes in shapes_by_rank:
+        ps = []
+        for shape in shapes:
+            value = torch.randn(shape, generator=gen).to(param_dtype)
+            p = torch.nn.Parameter(value.clone())
+            values[p] = value
+            ps.append(p)
+        params_by_rank.append(ps)
+        truth.append(
+            torch.cat([values[p].reshape(-1) for p in ps]) if ps else torch.empty(0, dtype=param_dtype)
+        )
+    with torch.no_grad():
+        for r, ps in enumerate(params_by_rank):
+            if r != rank:
+                for p in ps:
+                    p.fill_(GARBAGE)
+    grad_data = torch.full((grad_numel,), fill, dtype=grad_dtype)
+    return params_by_rank, truth, values, grad_data
+
+
+def in_storage(t, owner):
+    st = owner.untyped_storage()
+    lo, hi = st.data_ptr(), st.data_ptr() + st.nbytes()
+    return lo <= t.data_ptr() and t.data_ptr() + t.numel() * t.element_size() <= hi
+
+
+def byte_range(t, owner):
+    """[start, end) of t in bytes from the start of owner's storage."""
+    start = t.data_ptr() - owner.untyped_storage().data_ptr()
+    return start, start + t.numel() * t.element_size()
+
+
+def gather(monkeypatch, shapes_by_rank, rank, param_dtype, grad_dtype, grad_numel, async_op=True):
+    """One start+finish on rank `rank`; returns (stand-in, params, values, grad_data,
+    grad_data before, written regions)."""
+    params_by_rank, truth, values, grad_data = make_case(
+        shapes_by_rank, rank, param_dtype, grad_dtype, grad_numel
     )
-    return calls
+    before = grad_data.clone()
+    stand_in = StandIn(rank, params_by_rank, truth)
+    stand_in.install(monkeypatch)
+    numel = sum(t.numel() for t in truth)
+    recv = pgb.layerwise_recv_buffer(grad_data, param_dtype, numel)
+    work, pending = pgb.start_layerwise_param_gather(recv, params_by_rank, None, async_op)
+    written = list(pending[0])
+    pgb.finish_layerwise_param_gather(*pending)
+    return stand_in, work, params_by_rank, values, grad_data, before, written
 
 
-def in_storage(t, storage_owner):
-    base = storage_owner.untyped_storage().data_ptr()
-    return base <= t.data_ptr() < base + storage_owner.untyped_storage().nbytes()
+def assert_params_are_owner_values(params_by_rank, values):
+    for ps in params_by_rank:
+        for p in ps:
+            assert torch.equal(p.detach(), values[p]), "a param is not its owner's value"
+
+
+def assert_zeroed_exactly(grad_data, before, written):
+    """grad_data bytes inside the written regions are zero, all others as before."""
+    now, old = grad_data.view(torch.uint8), before.view(torch.uint8)
+    mask = torch.zeros(now.numel(), dtype=torch.bool)
+    for t in written:
+        lo, hi = byte_range(t, grad_data)
+        mask[lo:hi] = True
+    assert mask.any()
+    assert torch.count_nonzero(now[mask]) == 0, "the gather left bytes it wrote in grad_data"
+    assert torch.equal(now[~mask], old[~mask]), "the gather changed grad_data it did not write"
+
+
+# ------------------------------------------------------------------- equal shares
+@pytest.mark.parametrize("rank", [0, 1, 2])
+def test_equal_shares_one_all_gather_into_tensor_into_grad_data(monkeypatch, rank):
+    """Shares 6, 6, 6 (a single-param owner among them): one all_gather_into_tensor whose
+    output is one region of grad_data and whose input is this rank's chunk of it, filled
+    with its params; the region (and only it) zero after the copy-out."""
+    shapes = [[(3, 2)], [(2,), (4,)], [(1,), (5,)]]
+    stand_in, work, params, values, grad, before, written = gather(
+        monkeypatch, shapes, rank, torch.float32, torch.float32, grad_numel=21
+    )
+    ((name, (out, inp), _, async_op, block),) = stand_in.calls
+    assert (name, async_op, block) == ("all_gather_into_tensor", True, None)
+    assert work is not None
+    assert out.numel() == 18 and in_storage(out, grad) and out.data_ptr() % 16 == 0
+    assert inp.data_ptr() == out.data_ptr() + rank * 6 * 4 and inp.numel() == 6
+    assert len(written) == 1 and written[0].data_ptr() == out.data_ptr()
+    assert written[0].numel() == 18
+    assert_params_are_owner_values(params, values)
+    assert_zeroed_exactly(grad, before, written)
+
+
+def test_equal_shares_sync_returns_no_work(monkeypatch):
+    stand_in, work, *_ = gather(
+        monkeypatch, [[(4,)], [(2, 2)]], 0, torch.float32, torch.float32, 8, async_op=False
+    )
+    assert work is None and stand_in.calls[0][3] is False
+
+
+# ----------------------------------------------------------------- unequal shares
+# Rank 0 owns two params (11 elements), rank 1 nothing, rank 2 one param (4), rank 3 two (5).
+UNEQUAL = [[(3, 2), (5,)], [], [(4,)], [(2,), (3,)]]
+
+
+@pytest.mark.parametrize("rank", range(4))
+def test_unequal_shares_broadcast_from_exactly_the_owners(monkeypatch, rank):
+    """One broadcast per rank that owns a param (none for the empty one), rooted at the
+    owner's global rank, with the owner's share, all in one coalescing block; params are
+    the owners' values afterwards on every rank."""
+    stand_in, work, params, values, grad, before, _ = gather(
+        monkeypatch, UNEQUAL, rank, torch.bfloat16, torch.float32, grad_numel=40
+    )
+    assert [(c[0], c[2], c[1].numel()) for c in stand_in.calls] == [
+        ("broadcast", 0, 11),
+        ("broadcast", 2, 4),
+        ("broadcast", 3, 5),
+    ]
+    assert {c[4] for c in stand_in.calls} == {0} and stand_in.blocks == [True]
+    assert work == "coalescing-manager"  # its wait() waits on the whole group
+    assert_params_are_owner_values(params, values)
+
+
+def test_unequal_shares_sync_returns_no_work(monkeypatch):
+    stand_in, work, *_ = gather(
+        monkeypatch, UNEQUAL, 1, torch.bfloat16, torch.float32, 40, async_op=False
+    )
+    assert work is None and stand_in.blocks == [False]
+
+
+@pytest.mark.parametrize("rank", [0, 2])
+def test_single_param_owner_broadcasts_in_place(monkeypatch, rank):
+    """Rank 2 owns one param: its broadcast is that param's own storage on every rank (the
+    receivers get it straight into param.data); no slot, nothing copied or zeroed for it."""
+    stand_in, _, params, values, grad, _, written = gather(
+        monkeypatch, UNEQUAL, rank, torch.bfloat16, torch.float32, grad_numel=40
+    )
+    (single,) = params[2]
+    tensor = stand_in.calls[1][1]
+    assert tensor.data_ptr() == single.data_ptr() and tensor.shape == single.shape
+    assert not in_storage(tensor, grad)
+    assert len(written) == 2 and all(in_storage(t, grad) for t in written)
+    assert [t.numel() for t in written] == [11, 5]  # the multi-param owners' slots only
 
 
 @pytest.mark.parametrize(
-    "shares,capacity,itemsize,form",
+    "grad_dtype,grad_numel,starts",
     [
-        ([8, 8, 8, 8], 32, 2, "into_tensor"),
-        ([6, 9], 30, 2, "padded"),  # 2 x 9 = 18 fits, 3 elements of padding
-        ([6, 9], 17, 2, "list"),  # 18 does not fit
-        ([0, 9], 18, 2, "padded"),  # a rank that owns nothing: its slot is padding
-        # 2 MiB of padding at DP 2 is more than one launch is worth (1 MiB).
-        ([0, 1 << 20], 1 << 22, 2, "list"),
-        # The same padding at DP 4 saves 3 launches: padded.
-        ([0, 0, 0, 1 << 18], 1 << 22, 2, "padded"),
+        # fp32 grad_data of 40 = 80 bf16 elements: slot starts rounded up to 16 bytes.
+        (torch.float32, 40, [0, 16]),
+        # bf16 grad_data of 20 elements: 16 + 5 > 20, so the slots are packed.
+        (torch.bfloat16, 20, [0, 11]),
     ],
 )
-def test_collective_form_rule(shares, capacity, itemsize, form):
-    assert pgb._choose_layerwise_gather_form(shares, capacity, itemsize) == form
-
-
-def test_list_form_slots_are_exact_contiguous_views_of_grad_data(collectives):
-    # bf16 grads, no DDP padding: grad_data.view(bf16) has 15 elements, padding needs 2 x 9.
-    bucket, params, grad = make_bucket(torch.bfloat16, torch.bfloat16, pad=0)
-    plan = bucket.layerwise_gather_plan
-    assert (plan.form, plan.offsets, plan.written_numel) == ("list", [0, 6], 15)
-    bucket.start_layerwise_gather(None, local_rank=0, async_op=False)
-    ((name, out, inp),) = collectives
-    assert name == "all_gather" and [s.numel() for s in out] == [6, 9]
-    assert out[0].data_ptr() == grad.data_ptr() and out[1].data_ptr() == grad[6:].data_ptr()
-    assert inp is out[0]
-    # The local share was copied straight into its slot.
-    assert torch.equal(out[0], params[0].detach().reshape(-1))
-
-
-def test_padded_form_input_and_output_alias_grad_data(collectives):
-    bucket, params, grad = make_bucket(torch.bfloat16, torch.float32)
-    plan = bucket.layerwise_gather_plan
-    assert (plan.form, plan.offsets, plan.written_numel) == ("padded", [0, 9], 18)
-    bucket.start_layerwise_gather(None, local_rank=1, async_op=False)
-    ((name, out, inp),) = collectives
-    view = grad.view(torch.bfloat16)
-    assert name == "all_gather_into_tensor"
-    assert out.data_ptr() == view.data_ptr() and out.numel() == 18
-    assert inp.data_ptr() == view[9:].data_ptr() and inp.numel() == 9
-    assert torch.equal(inp, torch.cat([params[1].detach(), params[2].detach()]))
-
-
-def test_copy_out_fills_params_and_zeroes_only_the_written_region(collectives):
-    # grad_data (19 fp32 elements) holds consumed grads (0.5).
-    bucket, params, grad = make_bucket(torch.bfloat16, torch.float32, pad=4, fill=0.5)
-    assert bucket.layerwise_gather_plan.form == "padded"  # 18 bf16 = 9 fp32 written
-    bucket.start_layerwise_gather(None, local_rank=0, async_op=False)
-    out = collectives[0][1]
-    incoming = torch.arange(9, dtype=torch.bfloat16)
-    out[9:18].copy_(incoming)  # what the all-gather delivers from rank 1
-    bucket.finish_layerwise_gather(local_rank=0)
-    assert torch.equal(params[1].detach(), incoming[:5])
-    assert torch.equal(params[2].detach(), incoming[5:])
-    assert torch.count_nonzero(grad[:9]) == 0, "the written region must be zero"
-    assert torch.equal(grad[9:], torch.full((10,), 0.5)), "grad_data beyond it is untouched"
-    assert bucket.layerwise_gather is None
-
-
-def test_copy_out_can_leave_zeroing_to_zero_grad_buffer(collectives):
-    bucket, _, grad = make_bucket(torch.float32, torch.float32)
-    bucket.start_layerwise_gather(None, local_rank=0, async_op=False)
-    bucket.finish_layerwise_gather(local_rank=0, zero_grad_data=False)
-    assert torch.count_nonzero(grad) > 0  # the local share is still there
-
-
-def test_equal_shares_gather_into_tensor(collectives):
-    bucket, params, grad = make_bucket(
-        torch.float32, torch.float32, shapes=((2, 2), (4,), (3,), (3,)), owners=(0, 1, 0, 1)
+def test_slots_aligned_where_there_is_room_packed_otherwise(monkeypatch, grad_dtype, grad_numel, starts):
+    stand_in, _, params, values, grad, before, written = gather(
+        monkeypatch, UNEQUAL, 1, torch.bfloat16, grad_dtype, grad_numel
     )
-    plan = bucket.layerwise_gather_plan
-    assert (plan.form, plan.offsets, plan.written_numel) == ("into_tensor", [0, 7], 14)
-    bucket.start_layerwise_gather(None, local_rank=1, async_op=False)
-    ((name, out, inp),) = collectives
-    assert name == "all_gather_into_tensor" and out.data_ptr() == grad.data_ptr()
-    assert inp.data_ptr() == grad[7:].data_ptr() and inp.numel() == 7
+    slots = [stand_in.calls[0][1], stand_in.calls[2][1]]
+    assert [(t.data_ptr() - grad.data_ptr()) // 2 for t in slots] == starts
+    assert [t.data_ptr() for t in slots] == [t.data_ptr() for t in written]
+    assert_params_are_owner_values(params, values)
+    assert_zeroed_exactly(grad, before, written)
 
 
-def test_views_are_computed_once(collectives):
-    bucket, _, _ = make_bucket(torch.bfloat16, torch.float32)
-    for _ in range(2):
-        bucket.start_layerwise_gather(None, local_rank=0, async_op=False)
-        bucket.finish_layerwise_gather(local_rank=0)
-    assert collectives[0][1] is collectives[1][1] and collectives[0][2] is collectives[1][2]
+@pytest.mark.parametrize("rank", range(4))
+def test_zeroes_exactly_what_the_gather_wrote(monkeypatch, rank):
+    """grad_data holds consumed grads (0.5): after the copy-out the multi-param owners'
+    slots (the local one included) are zero, every other byte is as before."""
+    _, _, params, values, grad, before, written = gather(
+        monkeypatch, UNEQUAL, rank, torch.bfloat16, torch.float32, grad_numel=40
+    )
+    assert_params_are_owner_values(params, values)
+    assert_zeroed_exactly(grad, before, written)
 
 
-def test_offloaded_grad_data_falls_back_to_a_temporary(collectives, caplog):
-    bucket, params, grad = make_bucket(torch.bfloat16, torch.float32)
-    grad.untyped_storage().resize_(0)
-    with caplog.at_level(logging.WARNING, logger=LOGGER):
-        for _ in range(2):
-            bucket.start_layerwise_gather(None, local_rank=1, async_op=False)
-            name, out, _ = collectives[-1]
-            # Same collective as with grad_data, so that every rank calls the same one.
-            assert name == "all_gather_into_tensor"
-            assert not in_storage(out, grad) and out.numel() == 18
-            out[:6].copy_(torch.full((6,), 3.0))
-            bucket.finish_layerwise_gather(local_rank=1)
-    warnings = [r for r in caplog.records if "cannot serve as the receive buffer" in r.message]
-    assert len(warnings) == 1, "warn once per bucket"
-    assert f"bucket {bucket.bucket_id}" in warnings[0].message
-    assert torch.equal(params[0].detach(), torch.full((3, 2), 3.0, dtype=params[0].dtype))
-    assert grad.untyped_storage().nbytes() == 0, "freed storage was written"
+# ------------------------------------------------------------------------- slots
+def test_slots_align_to_the_storage_not_to_the_view():
+    """A bucket's grad_data is a view at an offset into the buffer's: the slots are
+    aligned in memory (16 bytes), consecutive and disjoint."""
+    storage = torch.zeros(64, dtype=torch.bfloat16)
+    recv = storage[3:]
+    slots = pgb._layerwise_slots(recv, [5, 7, 9])
+    assert [t.numel() for t in slots] == [5, 7, 9]
+    assert all(t.data_ptr() % 16 == 0 for t in slots)
+    assert [(t.data_ptr() - storage.data_ptr()) // 2 for t in slots] == [8, 16, 24]
 
 
-def test_grad_data_narrower_than_params_asserts_with_sizes():
+@pytest.mark.parametrize(
+    "dtype,numel,numels,starts",
+    [
+        (torch.float32, 12, [3, 5], [0, 4]),  # 4 fp32 elements = 16 bytes
+        (torch.float32, 8, [3, 5], [0, 3]),  # 4 + 5 > 8: packed
+        (torch.bfloat16, 13, [5, 5], [0, 8]),
+        (torch.bfloat16, 12, [5, 5], [0, 5]),
+    ],
+)
+def test_slot_layout(dtype, numel, numels, starts):
+    recv = torch.zeros(numel, dtype=dtype)
+    slots = pgb._layerwise_slots(recv, numels)
+    assert [t.storage_offset() for t in slots] == starts
+    assert [t.numel() for t in slots] == numels
+
+
+# ------------------------------------------------------------------ receive buffer
+def test_receive_buffer_is_grad_data_viewed_as_the_param_dtype():
+    grad = torch.zeros(10, dtype=torch.float32)
+    recv = pgb.layerwise_recv_buffer(grad, torch.bfloat16, 20)
+    assert recv.dtype == torch.bfloat16 and recv.numel() == 20
+    assert recv.data_ptr() == grad.data_ptr()
+
+
+def test_receive_buffer_too_small_asserts_with_sizes():
+    grad = torch.zeros(5, dtype=torch.float32)
     with pytest.raises(AssertionError) as err:
-        make_bucket(torch.float32, torch.bfloat16)
+        pgb.layerwise_recv_buffer(grad, torch.bfloat16, 11)
     msg = str(err.value)
-    assert "bucket 0" in msg and "torch.bfloat16" in msg and "torch.float32" in msg
-    assert "15" in msg and "18" in msg  # gathered numel, grad_data numel
+    assert "5 x torch.float32" in msg and "11 x torch.bfloat16" in msg
 
 
-def test_unsharded_bucket_has_nothing_to_gather():
-    bucket, _, _ = make_bucket(torch.float32, torch.float32)
-    bucket.set_layerwise_params_list(None)
-    assert bucket.layerwise_recv_numel == 0 and bucket.layerwise_param_flat_sizes is None
-    assert bucket.layerwise_gather_plan is None
+@pytest.mark.parametrize("rank", [0, 1])
+def test_offloaded_grad_data_gets_a_temporary_and_is_never_written(monkeypatch, rank):
+    """offload_grad_buffers() freed grad_data's storage: the gather receives into a fresh
+    tensor of exactly its numel; the freed storage stays 0 bytes; params are synced."""
+    params_by_rank, truth, values, grad = make_case(UNEQUAL, rank, torch.bfloat16, torch.float32, 40)
+    grad.untyped_storage().resize_(0)
+    stand_in = StandIn(rank, params_by_rank, truth)
+    stand_in.install(monkeypatch)
+    recv = pgb.layerwise_recv_buffer(grad, torch.bfloat16, 20)
+    assert recv.numel() == 20 and recv.dtype == torch.bfloat16 and recv.untyped_storage().nbytes() == 40
+    work, pending = pgb.start_layerwise_param_gather(recv, params_by_rank, None, True)
+    assert all(in_storage(t, recv) for t in pending[0])
+    pgb.finish_layerwise_param_gather(*pending)
+    assert grad.untyped_storage().nbytes() == 0, "freed grad_data storage was written"
+    assert_params_are_owner_values(params_by_rank, values)
+
+
+def test_every_share_pattern_of_three_ranks_gathers_the_owners_values(monkeypatch):
+    """Every assignment of 4 params (1, 2, 1, 2 elements) to 3 ranks (empty, single and
+    multi-param owners, equal and unequal shares), from every rank: params are the owners'
+    values, no zero-size collective, grad_data zeroed exactly where written."""
+    shapes = [(1,), (2,), (1,), (2,)]
+    forms = set()
+    for owners in itertools.product(range(3), repeat=len(shapes)):
+        by_rank = [[s for s, o in zip(shapes, owners) if o == r] for r in range(3)]
+        for rank in range(3):
+            with monkeypatch.context() as m:
+                stand_in, _, params, values, grad, before, written = gather(
+                    m, by_rank, rank, torch.bfloat16, torch.float32, grad_numel=16
+                )
+            forms.add(stand_in.calls[0][0])
+            tensors = [c[1][1] if c[0] == "all_gather_into_tensor" else c[1] for c in stand_in.calls]
+            assert all(t.numel() > 0 for t in tensors), (owners, rank)
+            assert_params_are_owner_values(params, values)
+            if written:
+                assert_zeroed_exactly(grad, before, written)
+            else:
+                assert torch.equal(grad, before)
+    assert forms == {"all_gather_into_tensor", "broadcast"}

@@ -24,6 +24,10 @@ from harness.trees import REPO_ROOT, series_patches, tree_parent
 
 BLACK = [sys.executable, "-m", "black", "--check", "-q", "-l", "100", "-S", "-C"]
 ISORT = [sys.executable, "-m", "isort", "--check-only", "-q", "--profile", "black", "-l", "100"]
+# Names reserved for examples and placeholders (RFC 2606, RFC 6761): never a real mailbox.
+PLACEHOLDER_MAIL = re.compile(
+    r"[@.](invalid|example|test|localhost)$|@example\.(com|net|org)$", re.I
+)
 
 
 def touched_files():
@@ -59,7 +63,7 @@ def test_patch_header(patch):
     headers = re.sub(r"\n[ \t]+", " ", text.split("\n\n", 1)[0])  # unfold (RFC 5322)
     author = re.search(r"^From: (.+) <([^>]+)>$", headers, flags=re.M)
     assert author, f"{patch.name}: no 'From: Name <mail>' author line"
-    assert not author.group(2).endswith(".invalid") and not author.group(2).endswith("@invalid")
+    assert not PLACEHOLDER_MAIL.search(author.group(2)), f"{patch.name}: placeholder author mail"
     trailers = body.rstrip().splitlines()
     signed = re.fullmatch(r"Signed-off-by: (.+) <([^>]+)>", trailers[-1])
     assert signed, f"{patch.name}: the message must end with a Signed-off-by: trailer"

@@ -10,9 +10,10 @@ What is asserted:
 * the runs really ran upstream's tests: every rank reported, and every file has passing tests
   on pristine (a broken plugin or an all-skipped file fails here, not silently);
 * every test that passes on pristine passes on patched, at 2 and at 4 ranks;
-* the two ``TestFreeOverlapBuffers`` tests that read ``bucket.layerwise_gather_list`` (removed
-  by the series) pass on patched through the series' own test patch, and so do the
-  regression tests that patch adds (they are counted like every other patched test).
+* the two ``TestFreeOverlapBuffers`` tests that read ``bucket._layerwise_src_buffer`` (removed
+  by the series; ``bucket.layerwise_gather_list`` is kept, holding the gather in flight) pass
+  on patched through the series' own test patch, and so do the regression tests that patch
+  adds (they are counted like every other patched test).
 """
 
 from __future__ import annotations
@@ -23,8 +24,9 @@ from tests.upstream_tests import upstream_runner as ur
 
 pytestmark = [pytest.mark.slow, pytest.mark.gloo]
 
-#: Upstream tests that inspect ``bucket.layerwise_gather_list``, which the series removes. The
-#: series carries their update in its last patch (tests/unit_tests/ of a checkout only).
+#: Upstream tests that inspect ``bucket._layerwise_src_buffer``, which the series removes (it
+#: keeps ``bucket.layerwise_gather_list``). The series carries their update in its last patch
+#: (tests/unit_tests/ of a checkout only).
 CHANGED_BY_SERIES = (
     "tests/unit_tests/distributed/test_param_and_grad_buffer.py::TestFreeOverlapBuffers::test_bucket_group_clears_buffers",
     "tests/unit_tests/distributed/test_param_and_grad_buffer.py::TestFreeOverlapBuffers::test_bucket_group_noop_when_no_buffers",
