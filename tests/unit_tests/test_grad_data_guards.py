@@ -48,13 +48,13 @@ TIMEOUT_S = 600
 GUARD_ERROR = "LayerwiseGradDataConflictError"
 # What each guard says: the call, what it found, and (start_param_sync) what to do.
 GRAD_SYNC_MESSAGE = re.compile(
-    r"start_grad_sync\(\): backward accumulated grads .*layer-wise param all-gather .*pending"
-    r".*forward pre-hook",
+    r"start_grad_sync\(\): a layer-wise param all-gather into grad_data was still pending "
+    r".*forward pre-hook.*did not run in forward",
     re.S,
 )
 PARAM_SYNC_MESSAGE = re.compile(
-    r"start_param_sync\(\): grad_data holds grads of this step that finish_grad_sync\(\) has "
-    r"not reduced yet.*Start it after finish_grad_sync\(\) and the optimizer step",
+    r"start_param_sync\(\): grad_data holds grads of this step .*no optimizer step has "
+    r"consumed yet.*Start it after the optimizer step",
     re.S,
 )
 
