@@ -166,10 +166,15 @@ def summary() -> Dict[str, object]:
 def report() -> None:
     """Print ``MARKER + json(summary())`` when installed (one line, flushed)."""
     if _installed:
-        print(MARKER + json.dumps(summary(), sort_keys=True), flush=True)
+        # One write of the whole line: the ranks share stdout, and print() writes the text
+        # and its newline separately, so another rank's output could land in between.
+        sys.stdout.write(MARKER + json.dumps(summary(), sort_keys=True) + "\n")
+        sys.stdout.flush()
 
 
 def parse_log(text: str) -> List[Dict[str, object]]:
     """Every rank's summary from a run's stdout, sorted by rank (empty when none)."""
-    found = [json.loads(line.split(MARKER, 1)[1]) for line in text.splitlines() if MARKER in line]
+    decoder = json.JSONDecoder()
+    # raw_decode: the JSON object ends the record even if other output follows on the line.
+    found = [decoder.raw_decode(line.split(MARKER, 1)[1])[0] for line in text.splitlines() if MARKER in line]
     return sorted(found, key=lambda s: s["rank"])
