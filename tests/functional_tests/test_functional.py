@@ -54,6 +54,14 @@ MUTANT_RUNS = [(rc.DEFAULT_CASE, m) for m in MUTANTS if m not in INVISIBLE_TO_TR
 pytestmark = [pytest.mark.slow, pytest.mark.gloo]
 
 
+def records_memory(name: str) -> bool:
+    """Whether the suite records a case's param-sync memory: where a check reads it, the
+    default case (the main job's memory block) and cases with EXPECT_PARAM_SYNC (the MoE
+    case's expert gathers). Counting every op of a training step costs about a third more
+    CPU per run; scripts/run_functional_test.sh records every case."""
+    return name == rc.DEFAULT_CASE or bool(rc.load_case(rc.find_case(name)).expect_param_sync)
+
+
 @pytest.fixture(scope="session")
 def case_results():
     """Run each case at most once per session; {case: comparison dict}."""
@@ -61,7 +69,7 @@ def case_results():
 
     def get(name):
         if name not in cache:
-            cache[name] = rc.run_case(name, device="cpu")
+            cache[name] = rc.run_case(name, device="cpu", record_memory=records_memory(name))
         return cache[name]
 
     return get
