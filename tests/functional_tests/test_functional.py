@@ -50,6 +50,11 @@ MORE_MUTANT_CASES = {MOE_CASE: ("no_zeroing",)}
 MUTANT_RUNS = [(rc.DEFAULT_CASE, m) for m in MUTANTS if m not in INVISIBLE_TO_TRAINING] + [
     (case, m) for case, names in MORE_MUTANT_CASES.items() for m in names
 ]
+# A mutant run stops after this many steps (``--exit-interval``: the case's learning-rate
+# schedule is kept, so the steps it runs are those of the full run). Every mutant above
+# diverges by step 3 (default case) or 2 (MoE case); a run that stops early is compared
+# step by step over the steps it has, and a divergence there is the verdict.
+MUTANT_STEPS = 8
 
 pytestmark = [pytest.mark.slow, pytest.mark.gloo]
 
@@ -143,7 +148,7 @@ def test_mutant_is_caught(case_results, tmp_path, case, mutant):
     """The case with a mutant as the "patched" side must not be "identical".
 
     The upstream side is reused from the session's run of the case (same machine, same
-    session), so each mutant costs one training run.
+    session), so each mutant costs one training run, of MUTANT_STEPS steps.
     """
     case_results(case)
     tree = make_mutant_tree(MUTANTS_DIR / f"{mutant}.patch", tmp_path / "tree")
@@ -153,14 +158,15 @@ def test_mutant_is_caught(case_results, tmp_path, case, mutant):
         out_root=tmp_path / "functional",
         reuse_upstream=rc.OUT_ROOT / case / "upstream",
         record_memory=False,  # only the verdict matters here
+        model_args={"--exit-interval": MUTANT_STEPS},
     )
     if mutant in CRASHES_IN_TRAINING:
         # Must be a crash during training, not one at exit that any flaky run could give.
         done = comparison["iterations_completed"]["patched"]
         assert comparison["verdict"] in ("diverged", "failed"), comparison["verdict_line"]
         if comparison["verdict"] == "failed":
-            train_iters = rc.load_case(rc.find_case(case)).train_iters
-            assert done is not None and done < train_iters, (done, comparison["verdict_line"])
+            assert done is not None and done < MUTANT_STEPS, (done, comparison["verdict_line"])
     else:
         assert comparison["verdict"] == "diverged", comparison["verdict_line"]
         assert comparison["first_divergent_step"] is not None
+        assert comparison["first_divergent_step"] <= MUTANT_STEPS

@@ -925,6 +925,9 @@ MODEL_INDEPENDENT = {"collectives"}
 #: "<scenario>:<rank>" makes that rank raise at the start of that scenario (tests of the
 #: failure handling: the other ranks are then inside the scenario's collectives).
 FAIL_ENV = "LAYERWISE_WORKER_FAIL"
+#: Seconds a rank waits at least for the others' outcome of a scenario (harness.ranks.Outcomes
+#: floor_s, default 30): the failure test sets it low so as not to wait out the default.
+FLOOR_ENV = "LAYERWISE_WORKER_OUTCOME_FLOOR_S"
 #: Rank 0 prints "<PROGRESS> <config>/<scenario> <monotonic s>" after each scenario.
 PROGRESS = "[layerwise_worker] done"
 
@@ -966,7 +969,7 @@ def main(argv=None):
     # A scenario that raises on every rank is data (the pristine tree crashes where the
     # series fixes it); one that raises on some ranks only ends the job with that rank's
     # traceback (harness.ranks.Outcomes) instead of hanging in a collective.
-    outcomes = Outcomes(prefix="layerwise_worker")
+    outcomes = Outcomes(prefix="layerwise_worker", floor_s=float(os.environ.get(FLOOR_ENV, 30)))
     forced = _forced_failure()
     jobs = [(cfg, n) for cfg in configs for n in names if n not in MODEL_INDEPENDENT]
     jobs += [(None, n) for n in names if n in MODEL_INDEPENDENT]

@@ -470,7 +470,8 @@ def run_case(
         comparison["verdict_line"] = f"failed: {data_note}"
     comparison["wall_s"] = {v: round(r.wall_s, 1) for v, r in results.items()}
     comparison["iterations_completed"] = {
-        v: (case.train_iters if r.metrics is not None and not r.failures else r.iterations_completed)
+        v: (max(max(m.steps, default=0) for m in r.metrics.values())
+            if r.metrics and not r.failures else r.iterations_completed)
         for v, r in results.items()
     }
     comparison["data"] = {"path": data_path, "provenance": data.provenance(artifacts)}
