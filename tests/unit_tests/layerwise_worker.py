@@ -558,15 +558,21 @@ def sc_free_overlap_buffers(cfg):
     s.simulate_step(step=6)
     s.ddp.start_param_sync()  # async dispatch of every bucket group
     s.ddp.free_overlap_buffers()
+    return _completed_then_forward(s, 6, gather_lists_cleared=gather_lists_cleared(s))
+
+
+def _completed_then_forward(s, step, **checks):
+    """Checks after a call that had to complete the pending gather of `step`: params
+    synced, grad_data zero (plus `checks`); then a forward that must not gather again."""
     res = {
-        "params_synced": all_ranks(s.params_equal_targets(6)),
+        "params_synced": all_ranks(s.params_equal_targets(step)),
         "grad_data_zero": grads_all_zero(s),
-        "gather_lists_cleared": gather_lists_cleared(s),
+        **checks,
     }
     with cpu_runtime.record_collectives() as gathers:
-        s.ddp(s.batch(6, 0))
+        s.ddp(s.batch(step, 0))
     res["no_regather_in_forward"] = all_ranks(len(gathers) == 0)
-    res["params_synced_after_forward"] = all_ranks(s.params_equal_targets(6))
+    res["params_synced_after_forward"] = all_ranks(s.params_equal_targets(step))
     return res
 
 
@@ -579,15 +585,7 @@ def sc_zero_grad_buffer(cfg):
     s.ddp.start_param_sync()
     wait_for_pending_gathers(s)
     s.ddp.zero_grad_buffer()
-    res = {
-        "params_synced": all_ranks(s.params_equal_targets(7)),
-        "grad_data_zero": grads_all_zero(s),
-    }
-    with cpu_runtime.record_collectives() as gathers:
-        s.ddp(s.batch(7, 0))
-    res["no_regather_in_forward"] = all_ranks(len(gathers) == 0)
-    res["params_synced_after_forward"] = all_ranks(s.params_equal_targets(7))
-    return res
+    return _completed_then_forward(s, 7)
 
 
 def sc_offload(cfg):
