@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import shlex
 import signal
 import subprocess
@@ -142,6 +141,22 @@ def merge_ranks(rank_reports: Iterable[dict]) -> tuple:
     return results, {k: v for k, v in reasons.items() if results.get(k) == "skipped"}
 
 
+def _wait(proc: subprocess.Popen, timeout_s: float):
+    """``(returncode, rusage)`` of ``proc`` alone (its ranks included), so that runs in
+    threads side by side each get their own CPU time; 124 after killing it at the timeout."""
+    deadline = time.monotonic() + timeout_s
+    returncode = None
+    while True:
+        pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+        if pid:
+            proc.returncode = os.waitstatus_to_exitcode(status)
+            return (124 if returncode == 124 else proc.returncode), usage
+        if returncode is None and time.monotonic() > deadline:
+            os.killpg(proc.pid, signal.SIGKILL)
+            returncode = 124
+        time.sleep(0.2)
+
+
 def run(tree: str, nproc: int, files: Sequence[str] | None = None, timeout_s: float = 900) -> Run:
     """Run ``files`` (default ``FILES_BY_NPROC[nproc]``) of ``tree`` on ``nproc`` gloo ranks.
 
@@ -158,23 +173,16 @@ def run(tree: str, nproc: int, files: Sequence[str] | None = None, timeout_s: fl
     out_dir.mkdir(parents=True, exist_ok=True)
     argv, env = command(checkout, files, nproc, out_dir)
     log_path = out_dir / "pytest.log"
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.monotonic()
     with open(log_path, "w") as log:
         log.write(shlex.join(argv) + "\n")
         log.flush()
         proc = subprocess.Popen(argv, env=env, cwd=checkout, stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True)
-        try:
-            returncode = proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            returncode = 124
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        returncode, usage = _wait(proc, timeout_s)
     result = Run(tree=tree, nproc=nproc, files=files, returncode=returncode, log=str(log_path))
     result.wall_s = time.monotonic() - start
-    result.cpu_s = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    result.cpu_s = usage.ru_utime + usage.ru_stime
     reports = []
     for r in range(nproc):
         path = out_dir / f"rank{r}.json"
