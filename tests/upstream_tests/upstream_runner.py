@@ -145,15 +145,15 @@ def _wait(proc: subprocess.Popen, timeout_s: float):
     """``(returncode, rusage)`` of ``proc`` alone (its ranks included), so that runs in
     threads side by side each get their own CPU time; 124 after killing it at the timeout."""
     deadline = time.monotonic() + timeout_s
-    returncode = None
+    killed = False
     while True:
         pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
         if pid:
             proc.returncode = os.waitstatus_to_exitcode(status)
-            return (124 if returncode == 124 else proc.returncode), usage
-        if returncode is None and time.monotonic() > deadline:
+            return (124 if killed else proc.returncode), usage
+        if not killed and time.monotonic() > deadline:
             os.killpg(proc.pid, signal.SIGKILL)
-            returncode = 124
+            killed = True
         time.sleep(0.2)
 
 
