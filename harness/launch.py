@@ -1,8 +1,10 @@
-"""Build torchrun command lines in one place, and launch training with a timeout.
+"""Build rank command lines in one place, and launch training with a timeout.
 
 Every multi-rank run of the harness (training, the unit-test workers, the bench, the GPU
 check) gets its command line from ``torchrun_command``, so that they all run the same
-launcher with the same environment::
+launcher with the same environment: torchrun on GPUs; on CPU ``harness/fork_ranks.py``,
+which gives each rank torchrun's environment but forks the ranks from one process that
+imported torch and megatron once (upstream's tests, ``tests/upstream_tests``, keep torchrun)::
 
     from harness import launch
     argv, env = launch.torchrun_command("tests/unit_tests/layerwise_worker.py", ["--out", "r.json"],
@@ -45,6 +47,22 @@ CPU_RUNTIME_ENV = "MEGATRON_CPU_RUNTIME"
 #: ``pretrain_gpt.py`` from the checkout, through the thin launcher
 #: ``harness/upstream_pretrain_gpt.py`` (CPU runtime layer, tree check, clean rank exit).
 PRETRAIN_SCRIPT = Path(__file__).resolve().parent / "upstream_pretrain_gpt.py"
+#: The CPU launcher: torchrun's ranks, forked from one process that imported torch once.
+FORK_RANKS = Path(__file__).resolve().parent / "fork_ranks.py"
+#: ``preload`` of the workers that build megatron-core models, DDP and optimizers themselves
+#: (tests/unit_tests/*_worker.py): the fork launcher imports these once per run.
+CORE_PRELOAD: Tuple[str, ...] = (
+    "megatron.core.distributed", "megatron.core.optimizer", "megatron.core.optimizer.muon",
+    "megatron.core.optimizer.layer_wise_optimizer", "megatron.core.models.gpt",
+    "megatron.core.models.gpt.gpt_layer_specs",
+)
+#: ``preload`` of a training rank: ``CORE_PRELOAD``, megatron.training and the megatron.core
+#: modules that pretrain_gpt.py, gpt_builders.py and model_provider.py import.
+PRETRAIN_PRELOAD: Tuple[str, ...] = CORE_PRELOAD + (
+    "megatron.training", "megatron.training.training", "megatron.training.arguments",
+    "megatron.core.datasets.blended_megatron_dataset_builder", "megatron.core.datasets.gpt_dataset",
+    "megatron.core.tokenizers.utils.build_tokenizer",
+)
 
 #: Flags every harness run gets, on CPU and GPU alike (UPSTREAM_NOTES, "What the CPU prototype
 #: needed"): megatron-core's local layers, init on CPU, and none of the fused kernels that only
@@ -135,12 +153,22 @@ def torchrun_command(
     cpu: bool = True,
     extra_env: Optional[Dict[str, str]] = None,
     python: str = sys.executable,
+    preload: Sequence[str] = (),
+    launcher: Optional[str] = None,
 ) -> Tuple[List[str], Dict[str, str]]:
-    """The one builder of torchrun command lines: ``nproc`` ranks of ``script`` on one node.
+    """The one builder of rank command lines: ``nproc`` ranks of ``script`` on one node.
 
-    ``argv`` is ``python -m torch.distributed.run --standalone --nproc-per-node N script
-    *script_args`` (``--standalone``: a free local rendezvous port, so concurrent runs do
-    not collide). The environment selects the megatron tree and the runtime:
+    ``argv`` is, by ``launcher``:
+
+    * ``"torchrun"`` (the default on GPUs): ``python -m torch.distributed.run --standalone
+      --nproc-per-node N script *script_args`` (``--standalone``: a free local rendezvous
+      port, so concurrent runs do not collide);
+    * ``"fork"`` (the default on CPU): ``python harness/fork_ranks.py --nproc-per-node N
+      [--preload M,...] script *script_args``: the same ranks, environment and failure
+      handling, forked from one process that imported torch (and ``preload``) once, which
+      saves each CPU rank about 5 s of CPU at start-up (``harness/fork_ranks.py``).
+
+    The environment selects the megatron tree and the runtime:
 
     * ``PYTHONPATH`` / ``MEGATRON_EXPECT_TREE``: from ``harness.trees.env_for_tree(tree)``;
       ``tree=None`` keeps the caller's ``PYTHONPATH`` and puts the repo root after it.
@@ -159,17 +187,26 @@ def torchrun_command(
         tree: "upstream", "patched", a directory holding megatron/, or None (see above).
         cpu: CPU runtime layer on (gloo) or off (GPUs).
         extra_env: merged into the environment last.
-        python: the interpreter that runs torchrun.
+        python: the interpreter that runs the launcher.
+        preload: modules the fork launcher imports before forking, after installing the
+            CPU runtime when requested (e.g. ``PRETRAIN_PRELOAD``); ignored by torchrun.
+        launcher: "fork", "torchrun", or None (fork on CPU, torchrun on GPUs).
 
     Returns:
         ``(argv, env)``: pass both to ``subprocess``; ``format_command`` prints them.
 
     Raises:
-        ValueError: ``nproc`` < 1, or an unknown tree (``env_for_tree``).
+        ValueError: ``nproc`` < 1, an unknown tree (``env_for_tree``), an unknown launcher,
+            or ``"fork"`` for a GPU run (a forking process must not have initialised CUDA;
+            NCCL ranks are torchrun's).
         FileNotFoundError: a tree or ``script`` that does not exist.
     """
     if int(nproc) < 1:
         raise ValueError(f"torchrun_command: nproc must be >= 1, got {nproc!r}")
+    launcher = launcher or ("fork" if cpu else "torchrun")
+    if launcher not in ("fork", "torchrun") or (launcher == "fork" and not cpu):
+        raise ValueError(f"torchrun_command: launcher must be 'torchrun', or 'fork' on CPU; got "
+                         f"{launcher!r} with cpu={cpu}")
     script = Path(script).resolve()
     if not script.is_file():
         raise FileNotFoundError(f"torchrun_command: no script at {script}")
@@ -186,9 +223,12 @@ def torchrun_command(
     else:
         env.pop(CPU_RUNTIME_ENV, None)
     env.update(extra_env or {})
-    argv = [python, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(int(nproc)),
-            str(script), *map(str, script_args)]
-    return argv, env
+    if launcher == "fork":
+        argv = [python, str(FORK_RANKS), "--nproc-per-node", str(int(nproc)),
+                *(["--preload", ",".join(preload)] if preload else [])]
+    else:
+        argv = [python, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(int(nproc))]
+    return [*argv, str(script), *map(str, script_args)], env
 
 
 def pretrain_command(
@@ -224,7 +264,7 @@ def pretrain_command(
         PRETRAIN_SCRIPT,
         ["--distributed-backend", "gloo" if cpu else "nccl",
          *(RUNTIME_FLAGS if runtime_flags else ()), *megatron_args],
-        nproc, tree=tree, cpu=cpu, extra_env=extra_env,
+        nproc, tree=tree, cpu=cpu, extra_env=extra_env, preload=PRETRAIN_PRELOAD,
     )
 
 
@@ -363,7 +403,7 @@ def run_pretrain(
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """``python -m harness.launch``: build (and run) one torchrun command line.
+    """``python -m harness.launch``: build (and run) one rank command line.
 
     Forms::
 
@@ -372,8 +412,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     ``pretrain`` trains upstream's pretrain_gpt.py (``PRETRAIN_SCRIPT``); ``--tiny-gpt ITERS`` puts
     ``tiny_gpt_args(ITERS)`` before MEGATRON_ARGS (later flags win). ``--dry-run`` prints
-    the command (``format_command``: ``env VAR=... python -m torch.distributed.run ...``,
-    runnable as is from any directory) and exits 0; otherwise the command runs in the
+    the command (``format_command``: ``env VAR=... python .../fork_ranks.py ...`` on CPU,
+    ``... python -m torch.distributed.run ...`` with ``--device cuda``; runnable as is from
+    any directory) and exits 0; otherwise the command runs in the
     foreground with the caller's stdout/stderr and its exit code is returned. Exit code 2
     on bad arguments (unknown tree, missing script, nproc < 1).
     """

@@ -1,4 +1,4 @@
-"""Rank-process lifecycle under torchrun: agree on failures, bound waits, exit cleanly.
+"""Rank-process lifecycle under a launcher (torchrun, harness/fork_ranks.py): agree on failures, bound waits, exit cleanly.
 
 Three problems of multi-rank workers, solved once here:
 
@@ -8,13 +8,13 @@ Three problems of multi-rank workers, solved once here:
   so it cannot pair with a collective of a stuck peer) and wait for the others' outcomes.
   All ranks failed alike: the failure is data (e.g. the pristine tree crashing where the
   series fixes it) and the run goes on. Some failed: the first failing rank's traceback is
-  printed and the rank process exits 1, so torchrun stops the job at once.
+  printed and the rank process exits 1, so the launcher stops the job at once.
 * **Waits sized by measurement.** ``Outcomes`` times each step; the wait for the others'
   outcomes and the process group's own timeout are ``factor`` times the slowest step so
   far, with a floor for the first step (start-up and model building are in it).
 * **Exit.** ``exit_rank`` flushes stdout/stderr, destroys the process group and ends the
   process with ``os._exit``: gloo's threads can abort the interpreter's own teardown
-  ("terminate called without an active exception"), which torchrun reports as a failure
+  ("terminate called without an active exception"), which the launcher reports as a failure
   of a job that finished. ``end_training_rank`` does it for a ``pretrain()`` rank, after
   closing the metric writers that ``os._exit`` would not flush.
 

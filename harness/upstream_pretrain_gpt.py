@@ -29,8 +29,10 @@ cannot do on CPU, before it runs:
 Then ``pretrain_gpt.py`` runs as ``__main__`` with the command line unchanged (upstream's
 flag names). Usage, as ``harness.launch.pretrain_command`` builds it::
 
-    MEGATRON_CPU_RUNTIME=1 PYTHONPATH=<tree>:<repo> torchrun --nproc-per-node 2 \\
-        harness/upstream_pretrain_gpt.py --distributed-backend gloo ... <megatron flags>
+    MEGATRON_CPU_RUNTIME=1 PYTHONPATH=<tree>:<repo> python harness/fork_ranks.py --nproc-per-node 2 \\
+        --preload <PRETRAIN_PRELOAD> harness/upstream_pretrain_gpt.py --distributed-backend gloo ...
+
+(``torchrun --nproc-per-node 2`` in place of ``fork_ranks.py`` runs the same ranks.)
 
 Environment: ``MEGATRON_LM_CHECKOUT`` (the checkout whose ``pretrain_gpt.py`` runs; default
 ``build/megatron-lm/core_v0.17.1``, built by ``scripts/setup.sh``, else ``$MEGATRON_LM``, the

@@ -60,7 +60,7 @@ from harness.bench import stats  # noqa: E402
 from harness.bench.report import readme_block, write_markdown, write_plot  # noqa: E402
 from harness.bench.theory import nccl_list_all_gather  # noqa: E402
 from harness.bench.trees import ANCHORS, BENCH_TREES, all_trees  # noqa: E402
-from harness.launch import torchrun_command  # noqa: E402
+from harness.launch import CORE_PRELOAD, torchrun_command  # noqa: E402
 from harness.trees import env_for_tree  # noqa: E402
 
 WORKER = REPO_ROOT / "harness" / "bench" / "sync_worker.py"
@@ -121,7 +121,7 @@ def run_real(trees: dict, dp: int, cfg: dict, device: str, raw: Path, fake: bool
                  "--models", cfg["models"], "--bucket-sizes", cfg["real_bucket_sizes"],
                  "--dp-sizes", cfg["fake_dp"] if fake else "", "--ranks", cfg["fake_ranks"],
                  "--fake-bucket-sizes", cfg["fake_bucket_sizes"]],
-                nproc=dp, tree=tree, cpu=device == "cpu",
+                nproc=dp, tree=tree, cpu=device == "cpu", preload=CORE_PRELOAD,
             )  # fmt: skip
             logs[label] = raw / f"{label}-real-dp{dp}.log"
             procs[label] = subprocess.Popen(
@@ -318,7 +318,7 @@ def run_step_memory(trees: dict, cfg: dict, device: str, raw: Path) -> list:
     for dp, (label, tree) in ((int(d), t) for d in cfg["step_memory"].split(",") for t in trees.items()):
         out = raw / f"{label}-step-memory-dp{dp}.json"
         argv, env = torchrun_command(STEP_WORKER, ["--out", str(out), "--tree", label],
-                                     nproc=dp, tree=tree, cpu=device == "cpu")  # fmt: skip
+                                     nproc=dp, tree=tree, cpu=device == "cpu", preload=CORE_PRELOAD)  # fmt: skip
         print(f"[bench] {label}: step memory, DP={dp}", flush=True)
         proc = subprocess.run(argv, env=_env(env), cwd=REPO_ROOT, capture_output=True, text=True,
                               timeout=WORKER_TIMEOUT_S)  # fmt: skip

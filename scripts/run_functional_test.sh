@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # scripts/run_functional_test.sh: the main job. Sets up on first use (scripts/setup.sh),
 # prepares the offline training data if missing, then, for each test case, trains the
-# pristine upstream tree and the patched tree with torchrun and compares them:
+# pristine upstream tree and the patched tree (CPU ranks forked by harness/fork_ranks.py,
+# GPU ranks by torchrun) and compares them:
 # exactly with each other, per step with the committed golden values.
 #
 # Usage: scripts/run_functional_test.sh [--device cpu|cuda] [--update-golden] [--list] [CASE ...|all]

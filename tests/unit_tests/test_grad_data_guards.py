@@ -33,7 +33,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from harness.launch import torchrun_command
+from harness.launch import CORE_PRELOAD, torchrun_command
 from harness.trees import REPO_ROOT, make_mutant_tree
 
 WORKER = Path(__file__).with_name("grad_data_guard_worker.py")
@@ -73,6 +73,7 @@ def run_worker(tree, out: Path) -> dict:
         ["--out", str(out), "--scenarios", SCENARIOS, "--configs", CONFIG],
         nproc=len(RANKS),
         tree=tree,
+        preload=CORE_PRELOAD,
     )
     proc = subprocess.run(
         cmd, env=env, capture_output=True, text=True, timeout=TIMEOUT_S, cwd=REPO_ROOT

@@ -1,7 +1,8 @@
-"""Tests of harness/launch.py: the one torchrun command-line builder and its CLI.
+"""Tests of harness/launch.py: the one rank command-line builder and its CLI.
 
 The CLI is run as a subprocess with ``--dry-run``; the printed line is parsed back into
-environment and argv and checked for what torchrun will do with it.
+environment and argv and checked for what the launcher (harness/fork_ranks.py on CPU,
+torchrun on GPUs) will do with it.
 """
 
 from __future__ import annotations
@@ -36,16 +37,25 @@ def dry_run(*cli_args: str, env=None):
     return 0, assigns, words[i:], proc.stderr
 
 
+def fork_parts(argv):
+    """(nproc, preload list, script, script args) of a harness/fork_ranks.py command line."""
+    assert argv[1:3] == [str(launch.FORK_RANKS), "--nproc-per-node"], argv[:3]
+    rest = argv[4:]
+    preload = rest[1].split(",") if rest[0] == "--preload" else []
+    rest = rest[2:] if preload else rest
+    return int(argv[3]), preload, rest[0], rest[1:]
+
+
 def test_cli_pretrain_upstream_four_ranks():
     rc, env, argv, err = dry_run("--tree", "upstream", "--nproc", "4", "pretrain", "--tiny-gpt", "3",
                                  "--", "--seed", "7")
     assert rc == 0, err
-    assert argv[1:7] == ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
-                         str(REPO_ROOT / "harness" / "upstream_pretrain_gpt.py")]
+    nproc, preload, script, script_args = fork_parts(argv)
+    assert (nproc, script) == (4, str(REPO_ROOT / "harness" / "upstream_pretrain_gpt.py"))
+    assert preload == list(launch.PRETRAIN_PRELOAD)
     assert env["PYTHONPATH"].split(os.pathsep)[0] == str(REPO_ROOT / "build" / "upstream")
     assert env["MEGATRON_EXPECT_TREE"] == str(REPO_ROOT / "build" / "upstream" / "megatron")
     assert env["MEGATRON_CPU_RUNTIME"] == "1"
-    script_args = argv[7:]
     assert script_args[:2] == ["--distributed-backend", "gloo"]
     # tiny_gpt_args(3) then the user's flags, last: argparse lets the last --seed win.
     assert script_args[script_args.index("--train-iters") + 1] == "3"
@@ -57,6 +67,7 @@ def test_cli_cuda_drops_inherited_cpu_runtime():
                                  env=dict(os.environ, MEGATRON_CPU_RUNTIME="1"))
     assert rc == 0, err
     assert "MEGATRON_CPU_RUNTIME" not in env
+    assert argv[1:3] == ["-m", "torch.distributed.run"]  # GPU ranks: torchrun, never forked
     assert argv[argv.index("--distributed-backend") + 1] == "nccl"
     assert argv[argv.index("--nproc-per-node") + 1] == "8"
 
@@ -65,8 +76,7 @@ def test_cli_script_keeps_its_arguments():
     worker = "tests/unit_tests/layerwise_worker.py"
     rc, env, argv, err = dry_run("script", worker, "--", "--out", "r.json", "--scenarios", "gather")
     assert rc == 0, err
-    assert argv[argv.index("--standalone") + 3:] == [str(REPO_ROOT / worker), "--out", "r.json",
-                                                     "--scenarios", "gather"]
+    assert fork_parts(argv) == (2, [], str(REPO_ROOT / worker), ["--out", "r.json", "--scenarios", "gather"])
 
 
 def test_cli_tree_directory_selects_that_tree():
@@ -89,7 +99,7 @@ def test_pretrain_command_is_torchrun_command_of_the_entry():
     """Training and every other launch share one builder: same launcher, same environment."""
     argv, env = launch.pretrain_command("patched", ["--seed", "1"], 2)
     argv2, env2 = launch.torchrun_command(launch.PRETRAIN_SCRIPT, argv[argv.index(str(launch.PRETRAIN_SCRIPT)) + 1:],
-                                          2, tree="patched")
+                                          2, tree="patched", preload=launch.PRETRAIN_PRELOAD)
     assert (argv, env) == (argv2, env2)
     assert argv[argv.index("--distributed-backend") + 2:][: len(launch.RUNTIME_FLAGS)] == list(launch.RUNTIME_FLAGS)
 

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from harness.launch import LaunchError, run_command, torchrun_command
+from harness.launch import CORE_PRELOAD, LaunchError, run_command, torchrun_command
 from harness.ranks import FIRST_FAILURE
 from harness.trees import (
     REPO_ROOT,
@@ -80,6 +80,7 @@ def launch_worker(tree, nproc, out: Path, scenarios, configs=CONFIGS, expert_par
         nproc,
         tree=tree,
         extra_env=extra_env,
+        preload=CORE_PRELOAD,
     )
     return run_command(
         cmd,

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from harness import param_sync_recorder as psr
-from harness.launch import LaunchError, run_command, torchrun_command
+from harness.launch import CORE_PRELOAD, LaunchError, run_command, torchrun_command
 from tests.functional_tests.python_test_utils import memory_report
 
 WORKER = Path(__file__).with_name("param_sync_recorder_worker.py")
@@ -82,7 +82,7 @@ def worker_runs(tmp_path_factory):
     def get(tree):
         if tree not in cache:
             out = tmp_path_factory.mktemp(f"recorder_{tree}")
-            argv, env = torchrun_command(WORKER, ["--out", str(out)], 2, tree=tree)
+            argv, env = torchrun_command(WORKER, ["--out", str(out)], 2, tree=tree, preload=CORE_PRELOAD)
             try:
                 run_command(argv, env, run_dir=out / "logs", timeout_s=300, what=f"recorder worker on {tree}")
             except LaunchError as e:

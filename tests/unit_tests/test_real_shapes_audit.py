@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 
 from harness.bench import real_shapes
-from harness.launch import LaunchError, run_command, torchrun_command
+from harness.launch import CORE_PRELOAD, LaunchError, run_command, torchrun_command
 from harness.trees import REPO_ROOT, env_for_tree, tree_parent
 
 SCRIPT = REPO_ROOT / "scripts" / "audit_param_sync.py"
@@ -82,7 +82,7 @@ def allocated(tmp_path_factory):
     """The check model's buckets on 4 real gloo ranks, allocated, on the patched tree."""
     out = tmp_path_factory.mktemp("allocated") / "real.json"
     cmd, env = torchrun_command(CHECK_WORKER, ["--model", CHECK_MODEL, "--out", str(out)], CHECK_DP,
-                                tree="patched", extra_env={"PYTHONWARNINGS": "ignore"})  # fmt: skip
+                                tree="patched", extra_env={"PYTHONWARNINGS": "ignore"}, preload=CORE_PRELOAD)  # fmt: skip
     try:
         run_command(cmd, env, run_dir=out.with_suffix(".logs"), timeout_s=TIMEOUT_S, what="check worker x4")
     except LaunchError as exc:

@@ -10,8 +10,8 @@ test case folder ``tests/functional_tests/test_cases/<model>/<case>/``:
    selects the megatron tree); ``${VAR}``
    in MODEL_ARGS expands to DATA_PATH, TENSORBOARD_PATH, CHECKPOINT_SAVE_PATH,
    CHECKPOINT_LOAD_PATH.
-2. Both variants train with torchrun: CPU gloo ranks by default (``--device cpu``), NCCL
-   on GPUs with ``--device cuda``. TEST_TYPE ``ckpt-resume`` trains N iterations saving
+2. Both variants train through ``harness.launch``: CPU gloo ranks by default (``--device cpu``,
+   forked by ``harness/fork_ranks.py``), NCCL on GPUs with ``--device cuda`` (torchrun). TEST_TYPE ``ckpt-resume`` trains N iterations saving
    at MODEL_ARGS --save-interval, then resumes from that checkpoint to N; the resumed
    steps must equal the straight run bit for bit.
 3. The tensorboard event files become ``metrics.json`` / ``metrics_exact.json``
