@@ -25,7 +25,8 @@ Python objects after import, never a file of the checkout:
    the patched ``megatron/`` of the wheel tree.
 5. Every rank writes ``$UPSTREAM_TESTS_RESULTS/rank<R>.json``: ``{nodeid: outcome}`` with
    outcome ``passed``, ``failed`` (setup, call or teardown), ``skipped`` (and the skip reason in
-   ``skip_reasons``). ``upstream_runner.merge_ranks`` combines the ranks.
+   ``skip_reasons``, a failure's crash message in ``fail_reasons``). ``upstream_runner.merge_ranks``
+   combines the ranks.
 6. Every process group a test creates (``torch.distributed.new_group``, which megatron's
    ``parallel_state.initialize_model_parallel`` calls for each of its groups) is destroyed
    after the test's teardown, then ``parallel_state.destroy_model_parallel()`` clears the
@@ -66,6 +67,7 @@ _CREATED_GROUPS: list = []
 # Item 5: nodeid -> outcome, and nodeid -> skip reason.
 _RESULTS: dict = {}
 _SKIPS: dict = {}
+_FAILS: dict = {}  # nodeid -> the failure's crash message
 
 
 def _stub_download_module() -> None:
@@ -182,6 +184,8 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     results, skips = _RESULTS, _SKIPS
     if report.failed:
         results[report.nodeid] = "failed"
+        crash = getattr(report.longrepr, "reprcrash", None)
+        _FAILS.setdefault(report.nodeid, crash.message if crash else report.longreprtext[-500:])
     elif report.skipped:
         if results.get(report.nodeid) != "failed":
             results[report.nodeid] = "skipped"
@@ -209,5 +213,6 @@ def _write_results(out: Path, exitstatus: int) -> None:
         "exitstatus": int(exitstatus),
         "results": _RESULTS,
         "skip_reasons": _SKIPS,
+        "fail_reasons": _FAILS,
     }
     path.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")

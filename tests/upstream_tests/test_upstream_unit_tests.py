@@ -61,6 +61,8 @@ def test_upstream_tests_ran(tree, nproc):
         empty = [f for f, c in counts.items() if c["passed"] == 0]
         assert not empty, f"no passing upstream test in {empty} on {nproc} ranks; see {run.log}"
     assert run.returncode != 124, f"timed out; see {run.log}"
+    failed = {k for k, v in run.results.items() if v == "failed"}
+    assert failed <= set(run.fail_reasons), f"failures without a message: {failed - set(run.fail_reasons)}"
 
 
 @pytest.mark.parametrize("nproc", sorted(ur.FILES_BY_NPROC))
