@@ -169,7 +169,6 @@ def main(argv: Optional[List[str]] = None) -> int:
             for fd in pipes:
                 os.close(fd)
             os.close(write_fd)
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
             _run_rank(rank, ns.nproc_per_node, read_fd, script, ns.script_args)
         os.close(read_fd)
         pipes.append(write_fd)
