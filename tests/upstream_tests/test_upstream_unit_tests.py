@@ -10,6 +10,10 @@ What is asserted:
 * the runs really ran upstream's tests: every rank reported, and every file has passing tests
   on pristine (a broken plugin or an all-skipped file fails here, not silently);
 * every test that passes on pristine passes on patched, at 2 and at 4 ranks;
+* every test that exists only on patched (the regression tests the series' last patch adds to
+  upstream's files) passes there, at 2 and at 4 ranks: a skip or a failure of one fails
+  ``test_tests_only_on_patched_pass``, which the comparison above cannot see (it walks
+  pristine's tests);
 * the two ``TestFreeOverlapBuffers`` tests that read ``bucket._layerwise_src_buffer`` (removed
   by the series; ``bucket.layerwise_gather_list`` is kept, holding the gather in flight) pass
   on patched through the series' own test patch, and so do the regression tests that patch
@@ -70,6 +74,15 @@ def test_patched_passes_every_test_that_pristine_passes(nproc):
     pristine, patched = _run("pristine", nproc), _run("patched", nproc)
     bad = ur.regressions(pristine, patched)
     assert not bad, f"pass on pristine, not on patched ({nproc} ranks): {bad}; logs {patched.log}"
+
+
+@pytest.mark.parametrize("nproc", sorted(ur.FILES_BY_NPROC))
+def test_tests_only_on_patched_pass(nproc):
+    """The regression tests the series adds pass on patched (and were collected at all)."""
+    pristine, patched = _run("pristine", nproc), _run("patched", nproc)
+    assert ur.patched_only(pristine, patched), f"no test that only patched has ran ({nproc} ranks); see {patched.log}"
+    bad = ur.new_test_failures(pristine, patched)
+    assert not bad, f"only on patched, not passed ({nproc} ranks): {bad}; logs {patched.log}"
 
 
 @pytest.mark.parametrize("nproc", sorted(n for n, files in ur.FILES_BY_NPROC.items()

@@ -174,15 +174,17 @@ def _wait(proc: subprocess.Popen, timeout_s: float):
 
 
 def run(tree: str, nproc: int, files: Sequence[str] | None = None, timeout_s: float = 900,
-        out_dir: Path | None = None, retry: bool = True) -> Run:
+        out_dir: Path | None = None, retry: bool = True, checkout: Path | None = None) -> Run:
     """Run ``files`` (default ``FILES_BY_NPROC[nproc]``) of ``tree`` on ``nproc`` gloo ranks,
     logs and rank reports in ``out_dir`` (default ``RESULTS_DIR/<tree>-np<nproc>``). With
     ``retry``, tests failed by ``GLOO_CONNECT_FAILURE`` run once more (in ``out_dir/retry``).
+    ``checkout`` replaces ``CHECKOUTS[tree]`` (e.g. a copy of the patched checkout with a
+    deliberate bug in it); ``tree`` stays the run's label.
 
     Raises:
         FileNotFoundError: the checkout is missing (run scripts/setup.sh).
     """
-    checkout = CHECKOUTS[tree]
+    checkout = Path(checkout or CHECKOUTS[tree])
     files = list(files or FILES_BY_NPROC[nproc])
     if not (checkout / ".git").is_dir():
         raise FileNotFoundError(f"{checkout} is missing; run scripts/setup.sh")
@@ -213,7 +215,7 @@ def run(tree: str, nproc: int, files: Sequence[str] | None = None, timeout_s: fl
         return result
     unconnected = connect_failures(result)
     if retry and unconnected:
-        again = run(tree, nproc, unconnected, timeout_s, out_dir / "retry", retry=False)
+        again = run(tree, nproc, unconnected, timeout_s, out_dir / "retry", retry=False, checkout=checkout)
         result.retried = {k: result.fail_reasons[k] for k in unconnected}
         result.results.update({k: again.results.get(k, "failed") for k in unconnected})
         result.fail_reasons.update(again.fail_reasons)
@@ -239,6 +241,19 @@ def regressions(pristine: Run, patched: Run) -> List[str]:
         for k, v in pristine.results.items()
         if v == "passed" and patched.results.get(k) != "passed"
     )
+
+
+def patched_only(pristine: Run, patched: Run) -> List[str]:
+    """Tests that patched ran and pristine did not: those the series adds (its last patch
+    adds regression tests to upstream's files)."""
+    return sorted(k for k in patched.results if k not in pristine.results)
+
+
+def new_test_failures(pristine: Run, patched: Run) -> List[str]:
+    """Tests that exist only on patched (``patched_only``) and do not pass there
+    (nodeid: outcome). A skip counts: a regression test that never runs checks nothing."""
+    return [f"{k}: {patched.results[k]}" for k in patched_only(pristine, patched)
+            if patched.results[k] != "passed"]
 
 
 def write_json(runs: Sequence[Run], path: Path = RESULTS_DIR / "results.json") -> Path:
@@ -293,7 +308,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     for n in sorted({r.nproc for r in runs}):
         pair = [r for r in runs if r.nproc == n]
         if len(pair) == 2:
-            bad += regressions(*sorted(pair, key=lambda r: r.tree != "pristine"))
+            pri, pat = sorted(pair, key=lambda r: r.tree != "pristine")
+            bad += regressions(pri, pat) + [f"(only on patched) {b}" for b in new_test_failures(pri, pat)]
     for b in bad:
         print(f"REGRESSION {b}")
     return 1 if bad else 0
