@@ -6,14 +6,19 @@
    in each bucket) of an ALLOCATED megatron DDP + LayerWiseDistributedOptimizer on 4 real
    gloo ranks (tests/unit_tests/real_shapes_check_worker.py). The comparison has teeth:
    the audit of a tree whose ping-pong sharding order is reversed fails it.
-2. The audit runs (``--quick --models dsv2_lite_ep8``: DP 8 and 64, every tree; about a
-   minute on 2 cores): every cell is there, its structural checks hold, the collective
-   counts of the pristine tree follow from the shares the optimizer made (two sources of
-   one run), 0.18.2's layout padding equals what megatron itself logs, and the report has
-   a table per model and a plot.
+2. The audit runs (``--quick``: Llama-3-8B TP 1 and the DeepSeek-V2-Lite-like MoE at DP 8 and
+   64, every tree; about 30 s on 2 cores): every cell is there, its structural checks hold,
+   the collective counts of the pristine tree follow from the shares the optimizer made (two
+   sources of one run), 0.18.2's layout padding equals what megatron itself logs, and the
+   report has a table per model and a plot.
+3. The README's claims for the series hold on every series cell of that run, on every path
+   (async, forced, optimizer): 0 bytes of megatron temporaries and of NCCL temporaries, no
+   zero-size NCCL call, no more NCCL calls and group launches than 0.17.1 wherever 0.17.1
+   runs, and exactly the other ranks' shares on the wire (``series_claim_failures``). The
+   same check on a tree with a deliberate bug (``tests/mutants/``) fails.
 
-Nothing here pins a number of the series: rerunning the audit after the series changes
-must change its numbers, not these tests.
+Nothing here pins a count of the series (only the claimed 0 bytes and 0 zero-size calls):
+rerunning the audit after the series changes must change its numbers, not these tests.
 """
 
 from __future__ import annotations
@@ -28,14 +33,19 @@ import pytest
 
 from harness.bench import real_shapes
 from harness.launch import CORE_PRELOAD, LaunchError, run_command, torchrun_command
-from harness.trees import REPO_ROOT, env_for_tree, tree_parent
+from harness.trees import REPO_ROOT, env_for_tree, make_mutant_tree, tree_parent
 
 SCRIPT = REPO_ROOT / "scripts" / "audit_param_sync.py"
 WORKER = REPO_ROOT / "harness" / "bench" / "real_shapes_worker.py"
 CHECK_WORKER = Path(__file__).with_name("real_shapes_check_worker.py")
 CHECK_MODEL = "check_moe_ep2"
 CHECK_DP = 4
-AUDIT_MODEL = "dsv2_lite_ep8"
+AUDIT_MODEL = "dsv2_lite_ep8"  # the MoE of the quick audit: expert-DP buckets, 0.17.1's crash
+PATHS = ("async", "forced", "optimizer")
+#: A deliberate bug for the claims' check: a single-param owner's broadcast goes through a
+#: copy of the param (megatron allocates it), on the model whose owners mostly send one param.
+CLAIM_MUTANT = REPO_ROOT / "tests" / "mutants" / "single_param_received_into_a_copy.patch"
+CLAIM_MUTANT_CELL = "llama3_8b_tp1:64"
 TIMEOUT_S = 600
 #: The ping-pong deal of LayerWiseDistributedOptimizer.shard_params (0.17.1), and reversed.
 PING_PONG = "dp_cp_loop = list(range(dp_cp_size)) + list(range(dp_cp_size))[::-1]"
@@ -127,10 +137,9 @@ def test_comparison_fails_with_reversed_ping_pong(allocated, tmp_path):
 # ---------------------------------------------------------------- the audit itself
 @pytest.fixture(scope="module")
 def audit(tmp_path_factory):
-    """``audit_param_sync.py --quick --models dsv2_lite_ep8`` into a temporary directory:
-    (out_dir, rc, data)."""
+    """``audit_param_sync.py --quick`` into a temporary directory: (out_dir, rc, data)."""
     out = tmp_path_factory.mktemp("audit")
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--models", AUDIT_MODEL, "--out-dir", str(out)],
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--out-dir", str(out)],
                           cwd=REPO_ROOT, capture_output=True, text=True, timeout=TIMEOUT_S)  # fmt: skip
     assert proc.returncode in (0, 1), proc.stdout[-3000:] + proc.stderr[-3000:]
     return out, proc.returncode, json.loads((out / "real_shapes.json").read_text())
@@ -146,12 +155,13 @@ def test_every_cell_ran_and_checks_hold(audit):
     start_param_sync), which the record keeps as data; the run's own checks hold."""
     _, rc, data = audit
     assert data["meta"]["checks_failed"] == [] and rc == 0
-    got = {(c["tree"], c["dp"]) for c in data["cells"]}
-    assert got == {(t, dp) for t in real_shapes.TREES for dp in real_shapes.QUICK_DP_SIZES}
+    got = {(c["tree"], c["model"], c["dp"]) for c in data["cells"]}
+    assert got == {(t, m, dp) for t in real_shapes.TREES for m in real_shapes.QUICK_MODELS
+                   for dp in real_shapes.QUICK_DP_SIZES}  # fmt: skip
     for c in data["cells"]:
         assert "error" not in c, (c["tree"], c["dp"], c["error"])
-        assert c["expert_dp"] == c["dp"] // real_shapes.MODELS[AUDIT_MODEL].ep
-        for path in ("async", "forced", "optimizer"):
+        assert c["expert_dp"] == c["dp"] // real_shapes.MODELS[c["model"]].ep
+        for path in PATHS:
             r = c["paths"][path]
             if c["tree"] == "upstream" and c["expert_dp"] == 1 and path != "optimizer":
                 assert r["error"].startswith("TypeError: 'NoneType' object is not iterable"), r
@@ -182,7 +192,7 @@ def test_pristine_temporaries(audit):
     """0.17.1 receives into fresh tensors: its async path allocates > 0 bytes, and its
     NCCL temporaries are the flat outputs of the equal-share buckets (DP x share x 2 B)."""
     _, _, data = audit
-    (c,) = _cells(data, tree="upstream", dp=64)
+    (c,) = _cells(data, tree="upstream", model=AUDIT_MODEL, dp=64)
     r = c["paths"]["async"]
     assert r["megatron_peak_bytes"] > 0
     equal = [b for b in c["buckets"] if b.get("layerwise") and b.get("shares_equal") and b["max_share"] > 0]
@@ -196,7 +206,14 @@ def test_layout_padding_is_megatrons_own(audit):
     equals the total_padding megatron logs for its layout ("overhead=...%"), and it grows
     with DP; its gathers are all_gather_into_tensor in place (0 temporaries)."""
     _, _, data = audit
-    cells = sorted(_cells(data, tree="mcore_0.18_layout"), key=lambda c: c["dp"])
+    for model in real_shapes.QUICK_MODELS:
+        _layout_padding_is_megatrons_own(sorted(_cells(data, tree="mcore_0.18_layout", model=model), key=lambda c: c["dp"]))
+    for c in _cells(data, tree="upstream"):
+        assert c["padding_elements"] == 0
+
+
+def _layout_padding_is_megatrons_own(cells):
+    assert [c["dp"] for c in cells] == sorted(real_shapes.QUICK_DP_SIZES)
     for c in cells:
         layerwise_pad = sum(b["numel"] - b["param_numel"] for b in c["buckets"] if b["layerwise"])
         assert c["megatron_layout_log"], "megatron logged no layout"
@@ -206,20 +223,88 @@ def test_layout_padding_is_megatrons_own(audit):
         assert set(r["forms"]) == {"all_gather_into_tensor"}
         assert r["megatron_peak_bytes"] == 0 == r["nccl_temporary_bytes"]
     assert cells[-1]["padding_bytes"] > cells[0]["padding_bytes"] > 0
-    for c in _cells(data, tree="upstream"):
-        assert c["padding_elements"] == 0
 
 
 def test_markdown_and_plot(audit):
     out, _, data = audit
     md = (out / "real_shapes.md").read_text()
     assert data["meta"]["command"] in md
-    section = md.split("## " + real_shapes.MODELS[AUDIT_MODEL].title, 1)[1]
-    rows = [ln for ln in section.split("\n## ", 1)[0].splitlines() if ln.startswith("| ") and ln[2:3].isdigit()]
-    assert len(rows) == len(real_shapes.TREES) * len(real_shapes.QUICK_DP_SIZES)
+    for model in real_shapes.QUICK_MODELS:
+        section = md.split("## " + real_shapes.MODELS[model].title, 1)[1]
+        rows = [ln for ln in section.split("\n## ", 1)[0].splitlines() if ln.startswith("| ") and ln[2:3].isdigit()]
+        assert len(rows) == len(real_shapes.TREES) * len(real_shapes.QUICK_DP_SIZES), model
     assert "real_shapes.png" in md
     png = (out / "real_shapes.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+
+
+# ---------------------------------------------------------------- the series' claims
+def series_claim_failures(cells: list, pristine: list) -> list:
+    """The README's claims for the series, one message per failure (empty: all hold).
+
+    For every series cell (``cells``) and every path: it ran; megatron allocated 0 bytes and
+    NCCL would allocate 0 bytes (temporaries and peaks); no zero-size NCCL call; at least one
+    NCCL call, and wherever 0.17.1 ran the same cell and path (``pristine``, same model and
+    DP), at most its NCCL calls (``ops``) and group launches; on the async and optimizer
+    paths, exactly the bytes of the params other ranks own on the wire (the series never
+    pads)."""
+    fails = []
+    up = {(c["model"], c["dp"]): c for c in pristine}
+    for c in cells:
+        for path in PATHS:
+            where = f"{c['tree']}/{c['model']}/dp{c['dp']}/{path}"
+            r = c.get("paths", {}).get(path)
+            if r is None or "error" in r:
+                fails.append(f"{where}: did not run: {r and r['error']}")
+                continue
+            for key in ("megatron_temporary_bytes", "megatron_peak_bytes", "nccl_temporary_bytes",
+                        "nccl_peak_bytes", "zero_size_ops"):  # fmt: skip
+                if r[key] != 0:
+                    fails.append(f"{where}: {key} {r[key]}, claimed 0")
+            if r["ops"] < 1:
+                fails.append(f"{where}: no NCCL call")
+            u = up.get((c["model"], c["dp"]), {}).get("paths", {}).get(path)
+            if u is not None and "error" not in u:
+                for key in ("ops", "launches"):
+                    if r[key] > u[key]:
+                        fails.append(f"{where}: {key} {r[key]} > 0.17.1's {u[key]}")
+            if path != "forced" and r["wire_bytes"] != c["exact_receive_bytes"]:
+                fails.append(f"{where}: received {r['wire_bytes']} B, others own {c['exact_receive_bytes']} B")
+    return fails
+
+
+def test_series_claims_hold_on_every_series_cell(audit):
+    """0 bytes (megatron and NCCL), no zero-size call, NCCL calls and launches at most
+    0.17.1's, on every cell and path of the quick audit; every cell but 0.17.1's known
+    crashes (expert-DP 1, async and forced paths) is compared with 0.17.1."""
+    _, _, data = audit
+    series, pristine = _cells(data, tree="patched"), _cells(data, tree="upstream")
+    assert len(series) == len(real_shapes.QUICK_MODELS) * len(real_shapes.QUICK_DP_SIZES)
+    assert series_claim_failures(series, pristine) == []
+    compared = {(c["model"], c["dp"], p) for c in pristine for p in PATHS if "error" not in c["paths"][p]}
+    crashed = {(c["model"], c["dp"], p) for c in pristine if c["expert_dp"] == 1 for p in ("async", "forced")}
+    assert compared == {(c["model"], c["dp"], p) for c in series for p in PATHS} - crashed
+
+
+def test_series_claims_fail_on_a_mutant(audit, tmp_path):
+    """Teeth: the same check on a tree whose single-param owners broadcast through a copy
+    (``CLAIM_MUTANT``) fails on megatron's temporaries, and on nothing else."""
+    _, _, data = audit
+    tree = make_mutant_tree(CLAIM_MUTANT, tmp_path / "tree")
+    env = env_for_tree(tree)
+    env.update(MEGATRON_CPU_RUNTIME="force", OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    out = tmp_path / "mutant.json"
+    proc = subprocess.run([sys.executable, str(WORKER), "--tree", "patched", "--cells", CLAIM_MUTANT_CELL, "--out", str(out)],
+                          cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    from scripts.audit_param_sync import exact_receive_bytes
+
+    cells = []
+    for rec in json.loads(out.read_text()):
+        rec["exact_receive_bytes"] = exact_receive_bytes(rec)
+        cells.append(rec)
+    fails = series_claim_failures(cells, _cells(data, tree="upstream"))
+    assert fails and all("megatron_" in f and "claimed 0" in f for f in fails), fails
 
 
 # ---------------------------------------------------------------- worker pieces, in process
