@@ -95,13 +95,32 @@ def test_cli_bad_input_exits_2_with_a_message(bad):
     assert rc == 2 and "error:" in err, err
 
 
-def test_pretrain_command_is_torchrun_command_of_the_entry():
-    """Training and every other launch share one builder: same launcher, same environment."""
-    argv, env = launch.pretrain_command("patched", ["--seed", "1"], 2)
-    argv2, env2 = launch.torchrun_command(launch.PRETRAIN_SCRIPT, argv[argv.index(str(launch.PRETRAIN_SCRIPT)) + 1:],
-                                          2, tree="patched", preload=launch.PRETRAIN_PRELOAD)
-    assert (argv, env) == (argv2, env2)
-    assert argv[argv.index("--distributed-backend") + 2:][: len(launch.RUNTIME_FLAGS)] == list(launch.RUNTIME_FLAGS)
+def test_pretrain_command_trains_upstreams_entry_on_the_tree():
+    """CPU: forked gloo ranks (harness/fork_ranks.py, the training imports preloaded) run
+    upstream's pretrain_gpt.py on the patched tree, backend first, then the CPU runtime's
+    flags (local transformer implementation, CPU initialization), the caller's flags last;
+    extra_env reaches the ranks."""
+    argv, env = launch.pretrain_command("patched", ["--seed", "1"], 2, extra_env={"X_LAUNCH_TEST": "1"})
+    nproc, preload, script, args = fork_parts(argv)
+    assert (nproc, script) == (2, str(REPO_ROOT / "harness" / "upstream_pretrain_gpt.py"))
+    assert {"megatron.training", "megatron.core.optimizer.layer_wise_optimizer"} <= set(preload)
+    assert args[:2] == ["--distributed-backend", "gloo"] and args[-2:] == ["--seed", "1"]
+    flags = args[2:-2]
+    assert flags[flags.index("--transformer-impl") + 1] == "local" and "--use-cpu-initialization" in flags
+    assert env["PYTHONPATH"].split(os.pathsep)[0] == str(REPO_ROOT)
+    assert env["MEGATRON_EXPECT_TREE"] == str(REPO_ROOT / "megatron")
+    assert (env["MEGATRON_CPU_RUNTIME"], env["X_LAUNCH_TEST"]) == ("1", "1")
+
+
+def test_pretrain_command_on_gpus_without_runtime_flags():
+    """cpu=False: torchrun of the same entry with nccl and no CPU runtime; runtime_flags=False:
+    only the backend before the caller's flags."""
+    argv, env = launch.pretrain_command("upstream", ["--seed", "1"], 8, cpu=False, runtime_flags=False)
+    assert argv[1:] == ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "8",
+                        str(REPO_ROOT / "harness" / "upstream_pretrain_gpt.py"),
+                        "--distributed-backend", "nccl", "--seed", "1"]  # fmt: skip
+    assert "MEGATRON_CPU_RUNTIME" not in env
+    assert env["MEGATRON_EXPECT_TREE"] == str(REPO_ROOT / "build" / "upstream" / "megatron")
 
 
 def test_tree_none_keeps_callers_pythonpath(monkeypatch):
