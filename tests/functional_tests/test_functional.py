@@ -22,6 +22,7 @@ import pytest
 
 from harness import param_sync_trace
 from harness.trees import REPO_ROOT, make_mutant_tree
+from tests.functional_tests.python_test_utils import memory_report
 from tests.functional_tests.python_test_utils import run_case as rc
 
 MUTANTS_DIR = REPO_ROOT / "tests" / "mutants"
@@ -92,13 +93,32 @@ def test_case_identical_and_within_golden(case_results, case):
     )
 
 
+@pytest.mark.smoke
 def test_default_case_learns(case_results):
-    """The tiny GPT must actually train on the real text: lm loss falls by > 10 %."""
+    """Smoke test (passes on pristine 0.17.1 too; not a check of the series): the tiny GPT
+    must actually train on the real text: lm loss falls by > 10 %."""
     case_results(rc.DEFAULT_CASE)
     metrics = json.loads((rc.OUT_ROOT / rc.DEFAULT_CASE / "patched" / "metrics.json").read_text())
     loss = metrics["lm loss"]["values"]
     first, last = loss["1"], loss[str(metrics["lm loss"]["end_step"])]
     assert last < 0.9 * first, (first, last)
+
+
+@pytest.mark.parametrize("case", [c for c in rc.all_cases() if records_memory(c)])
+def test_series_param_sync_allocates_nothing(case_results, case):
+    """The memory block printed next to the verdict, asserted: in every training step and
+    every forced sync between steps, on every rank, the series' layer-wise param sync
+    allocates 0 bytes of megatron tensors and 0 bytes of NCCL temporaries (collective model),
+    while it really gathers; 0.17.1, counted the same way in the same run, allocates some."""
+    memory = case_results(case)["memory"]
+    patched, upstream = memory["patched"], memory["upstream"]
+    got = memory_report.step_maxima(patched)
+    assert {k: got[k] for k in ("megatron_bytes", "nccl_temporary_bytes", "between_megatron_bytes",
+                                "between_nccl_temporary_bytes")} == dict.fromkeys(
+        ("megatron_bytes", "nccl_temporary_bytes", "between_megatron_bytes", "between_nccl_temporary_bytes"), 0), (
+        memory_report.format_memory(memory))  # fmt: skip
+    assert patched["kinds"] and all(k["calls"] > 0 and k["wire_bytes"] > 0 for k in patched["kinds"].values()), patched["kinds"]
+    assert memory_report.step_maxima(upstream)["megatron_bytes"] > 0, memory_report.format_memory(memory)
 
 
 def test_vpp_case_gathers_every_chunk_through_the_schedule(case_results):
