@@ -64,8 +64,19 @@ def bench(tmp_path_factory):
         text=True,
         timeout=TIMEOUT_S,
     )
-    assert proc.returncode in (0, 1), f"rc={proc.returncode}\n{(proc.stdout + proc.stderr)[-4000:]}"
-    return out, json.loads((out / "param_sync.json").read_text())
+    assert (out / "param_sync.json").is_file(), f"rc={proc.returncode}\n{(proc.stdout + proc.stderr)[-4000:]}"
+    return out, json.loads((out / "param_sync.json").read_text()), proc.returncode
+
+
+@pytest.mark.gloo
+def test_the_benchmarks_own_checks_hold(bench):
+    """The benchmark's structural claims (scripts/bench_param_sync.py checks(): the series'
+    0 bytes, no zero-size call, calls and launches at most upstream's, ...) all hold, and so
+    its exit status is 0."""
+    _, data, rc = bench
+    failed = {k: v for k, v in data["meta"]["checks"].items() if v}
+    assert data["meta"]["checks"] and not failed, failed
+    assert rc == 0
 
 
 def _records(bench, **want):
@@ -184,7 +195,7 @@ def test_real_ranks_synced_and_control_identical(bench):
 
 @pytest.mark.gloo
 def test_markdown_and_plot(bench):
-    out, data = bench
+    out, data, _ = bench
     md = (out / "param_sync.md").read_text()
     assert data["meta"]["command"] in md.split("```")[1]
     assert "negative control" in md and "param_sync.png" in md
