@@ -93,6 +93,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--update-golden", action="store_true",
                     help="record golden values in OUT/golden even where the case folder has some")
     ap.add_argument("--model-args", default="{}", help="JSON object of MODEL_ARGS entries to add or replace")
+    ap.add_argument("--megatron-defaults", action="store_true",
+                    help="no harness runtime flags: Transformer Engine, fused wgrad into main_grad, fused kernels")
     ap.add_argument("--case", default=plan.CASE, help="functional test case (default: %(default)s)")
     args = ap.parse_args(argv)
     if args.shared_gpu and args.backend != "gloo":
@@ -117,6 +119,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         golden_path=golden_out if args.update_golden else repo_golden,
         model_args={**plan.functional_overrides(args.backend), **extra_args},
         extra_env=plan.SHARED_GPU_ENV if args.shared_gpu else None,
+        runtime_flags=not args.megatron_defaults,
     )
     case = run_case.load_case(folder)
     comparison = record_golden(comparison, args.out / case.name, golden_out, tolerances.rules_for(case.metrics))

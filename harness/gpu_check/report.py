@@ -113,6 +113,14 @@ def summarize_memory(run: dict, run_dir: Path) -> dict:
             if run["backend"] == "nccl" and any(b != 0 for b in sync):
                 out["problems"].append(
                     f"patched {path} allocated on NCCL: {[fmt_bytes(b) for b in sync]} per rank")
+        if run.get("config") == "equal_shares":
+            # What the run is for: a bucket whose shares are equal, gathered by the series with
+            # one all_gather_into_tensor. Without both, it proved nothing.
+            if not pa["buckets_with_equal_shares"]:
+                out["problems"].append("equal_shares: no bucket with equal shares (the model config does not "
+                                       "make them at this DP size)")
+            if not pa["sync_gather_calls"]["into_tensor"]:
+                out["problems"].append("equal_shares: the patched param sync made no all_gather_into_tensor")
     out["ok"] = not out["problems"]
     return out
 

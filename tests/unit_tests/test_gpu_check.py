@@ -143,7 +143,8 @@ def test_nccl_runs_only_with_two_or_more_gpus(one_gpu, two_gpus, tmp_path):
     assert not any(r["backend"] == "nccl" for r in one_gpu[0]["runs"])
     plan, _ = two_gpus
     nccl = {r["name"]: r for r in plan["runs"] if r["backend"] == "nccl"}
-    assert set(nccl) == {"functional_nccl", "memory_nccl", "memory_nccl_equal_shares"}
+    assert set(nccl) == {"functional_nccl", "functional_nccl_te", "functional_nccl_sync", "functional_nccl_eval",
+                         "memory_nccl", "memory_nccl_equal_shares"}
     for run in nccl.values():
         assert run["devices"] == [f"cuda:{i}" for i in range(run["nproc"])], "one rank per GPU"
         for x in run["launches"]:
@@ -520,3 +521,57 @@ def test_a_no_golden_verdict_without_recorded_values_fails(results):
     (results / run / plan_mod.CASE / "comparison.json").write_text(json.dumps(no_golden_comparison(results, run)))
     entry = next(r for r in report.summarize(results)["runs"] if r["name"] == run)
     assert not entry["ok"] and entry["problems"], "no golden values and nothing recorded is not a pass"
+
+
+def test_nccl_plan_trains_with_te_fused_wgrad_the_optimizer_path_and_eval(two_gpus):
+    """Each NCCL functional run, as megatron parses its flags: the TE run has none of the
+    harness's local flags (Transformer Engine, fused wgrad into main_grad); the sync run has
+    no --overlap-param-gather (the optimizer's gather); the eval run evaluates every 10 steps."""
+    plan, _ = two_gpus
+    runs = {r["name"]: r for r in plan["runs"] if r["kind"] == "functional" and r["backend"] == "nccl"}
+    attrs = ["transformer_impl", "gradient_accumulation_fusion", "overlap_param_gather", "eval_interval",
+             "distributed_backend", "optimizer", "accumulate_allreduce_grads_in_fp32"]
+    cases, names = [], []
+    for name, run in runs.items():
+        for x in run["launches"]:
+            _, argv = parse_launch(x["command"])
+            cases.append({"argv": torchrun_parts(argv)[2], "world_size": 2, "attrs": attrs})
+            names.append(name)
+    results = validate_megatron_args(cases)
+    by_name = {}
+    for name, r in zip(names, results):
+        assert r["ok"], (name, r)
+        assert by_name.setdefault(name, r["attrs"]) == r["attrs"], "both trees get the same flags"
+    assert all(a["distributed_backend"] == "nccl" and a["optimizer"] == "dist_muon" for a in by_name.values())
+    te, plain = by_name["functional_nccl_te"], by_name["functional_nccl"]
+    assert (te["transformer_impl"], te["gradient_accumulation_fusion"]) == ("transformer_engine", True)
+    assert te["accumulate_allreduce_grads_in_fp32"], "fused wgrad accumulates into an fp32 main_grad"
+    assert (plain["transformer_impl"], plain["gradient_accumulation_fusion"]) == ("local", False)
+    assert runs["functional_nccl_te"]["golden_file"] == "golden_values_h200_nccl_te.json"
+    assert plain["overlap_param_gather"] and not by_name["functional_nccl_sync"]["overlap_param_gather"]
+    assert by_name["functional_nccl_eval"]["eval_interval"] == 10 and plain["eval_interval"] > 50
+    assert plan["total_timeout_s"] <= plan["budget_s"]
+
+
+@pytest.mark.parametrize("damage, problem", [
+    (None, None),
+    ("no_equal_bucket", "equal_shares: no bucket with equal shares"),
+    ("no_into_tensor", "equal_shares: the patched param sync made no all_gather_into_tensor"),
+])
+def test_the_equal_shares_run_requires_an_equal_bucket_and_all_gather_into_tensor(results, damage, problem):
+    edit_json(results / "plan.json", lambda d: next(r for r in d["runs"] if r["name"] == "memory_nccl")
+              .update(config="equal_shares"))
+
+    def hurt(doc):
+        for rank in doc["ranks"]:
+            if damage == "no_equal_bucket":
+                for b in rank["buckets"]:
+                    b["shares_equal"] = False
+            elif damage == "no_into_tensor":
+                rank["sync"]["gather_calls"]["into_tensor"] = 0
+    edit_json(results / "memory_nccl" / "patched.json", hurt)
+    run = next(r for r in report.summarize(results)["runs"] if r["name"] == "memory_nccl")
+    if problem is None:
+        assert run["ok"], run["problems"]
+    else:
+        assert not run["ok"] and problem in " ".join(run["problems"])
