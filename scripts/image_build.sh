@@ -101,7 +101,8 @@ step_wheel() {
     mkdir -p build/wheels
     tmp="$(mktemp -d)"
     echo "megatron-core==$version --hash=sha256:$sha" > "$tmp/req.txt"
-    "$PY" -m pip download --disable-pip-version-check --no-cache-dir --no-deps --only-binary=:all: \
+    # No constraints: the base's pip constraints are for installed packages; this only fetches a file.
+    PIP_CONSTRAINT="" "$PY" -m pip download --disable-pip-version-check --no-cache-dir --no-deps --only-binary=:all: \
         --require-hashes -d "$tmp/dl" -r "$tmp/req.txt" \
         || die "could not download $wheel with sha256 $sha ($lock); on another platform than x86_64 the lock's wheel does not apply"
     [[ -f "$tmp/dl/$wheel" ]] || die "pip fetched $(ls "$tmp/dl"), not $wheel ($lock)"
