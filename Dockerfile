@@ -6,10 +6,15 @@
 #   docker build -t megatron-layerwise-ag:core_v0.17.1 .
 #   docker run --gpus all --ipc=host --ulimit memlock=-1 --ulimit stack=67108864 --rm -it \
 #       megatron-layerwise-ag:core_v0.17.1 scripts/launch_pretrain_gpt.sh --accumulate-allreduce-grads-in-fp32
-#   docker run --gpus all --ipc=host --rm -v "$PWD/gpu-results:/results" \
+#   docker run --gpus all --ipc=host --ulimit memlock=-1 --rm -v "$PWD/gpu-results:/results" \
 #       megatron-layerwise-ag:core_v0.17.1 scripts/gpu_check.sh /results/run1
 #
-# Base image: nvcr.io/nvidia/pytorch:25.12-py3, pinned by tag. Why this one:
+# Base image: nvcr.io/nvidia/pytorch:25.12-py3, pinned by tag (BASE_IMAGE). Its digest is not
+# recorded here: we have not pulled it. To pin it by digest as well, pull it once and pass both:
+#   docker pull nvcr.io/nvidia/pytorch:25.12-py3
+#   docker build --build-arg BASE_IMAGE="nvcr.io/nvidia/pytorch:25.12-py3@$(docker inspect \
+#       --format '{{index .RepoDigests 0}}' nvcr.io/nvidia/pytorch:25.12-py3 | cut -d@ -f2)" ...
+# Why this release:
 #   - Python 3.12: NVIDIA's 25.12 release notes install torch under
 #     /usr/local/lib/python3.12/dist-packages (Ubuntu 24.04). megatron-core 0.17.1 needs
 #     Python >= 3.12 (its wheel is cp312, Requires-Python >= 3.12); the 24.xx images have 3.10.
@@ -20,17 +25,22 @@
 #     and apex ships in them as well; the first RUN below fails the build if either is missing.
 #   - Megatron's install guide recommends a previous NGC release over the latest one. 25.12 is
 #     the newest release whose contents we could confirm from NVIDIA's release notes. To try
-#     another tag, change FROM and the LABEL and rebuild: the checks and tests below run again.
-FROM nvcr.io/nvidia/pytorch:25.12-py3
+#     another tag, pass --build-arg BASE_IMAGE=... and rebuild: the checks and tests below run again.
+ARG BASE_IMAGE=nvcr.io/nvidia/pytorch:25.12-py3
+FROM ${BASE_IMAGE}
+ARG BASE_IMAGE
 
 LABEL org.opencontainers.image.title="megatron-layerwise-ag" \
-      org.opencontainers.image.base.name="nvcr.io/nvidia/pytorch:25.12-py3" \
+      org.opencontainers.image.base.name="${BASE_IMAGE}" \
       io.megatron-layerwise-ag.python="3.12" \
       io.megatron-layerwise-ag.megatron-core="0.17.1"
 
-# Megatron-LM source and ref (a tag or branch; `git clone --branch` takes either).
+# Megatron-LM source and ref (a tag or branch; `git clone --branch` takes either). The clone's
+# commit must be requirements/megatron-lm.lock's MLM_COMMIT when the ref is its MLM_TAG; for
+# another ref give the commit you expect (empty: not checked, with a warning).
 ARG MEGATRON_LM_REPO=https://github.com/NVIDIA/Megatron-LM.git
 ARG MEGATRON_LM_REF=core_v0.17.1
+ARG MEGATRON_LM_COMMIT=
 # Which unit tests run as a build step (markers from pytest.ini). gloo tests spawn CPU ranks and
 # slow ones train; both stay for scripts/test.sh and scripts/gpu_check.sh.
 ARG UNIT_TEST_MARKERS="not slow and not gloo"
@@ -41,40 +51,21 @@ ENV PYTHONUNBUFFERED=1 \
     MEGATRON_LM=/workspace/Megatron-LM \
     HARNESS=/workspace/megatron-layerwise-ag
 
-# 1. What we rely on from the base: Python >= 3.12, torch, Transformer Engine, apex. Checked by
-#    presence (find_spec): importing TE needs a GPU driver, which a build does not have.
-RUN python3 -c "import sys; assert sys.version_info >= (3, 12), 'need Python >= 3.12, base has ' + sys.version" \
- && python3 -c "import importlib.util as u, torch; missing = [m for m in ('transformer_engine', 'apex') if u.find_spec(m) is None]; assert not missing, f'base image lacks {missing}'; print('torch', torch.__version__)"
-
-# 2. The harness's own packages (not torch: the base has it, and its pip constraints keep it).
-COPY requirements/docker.txt /tmp/requirements-docker.txt
-RUN python3 -m pip install --no-cache-dir -r /tmp/requirements-docker.txt
-
-# 3. Megatron-LM at the pinned ref, with the C++ dataset helpers built now (not at first run).
-RUN git clone --depth 1 --branch "${MEGATRON_LM_REF}" "${MEGATRON_LM_REPO}" "${MEGATRON_LM}" \
- && make -C "${MEGATRON_LM}/megatron/core/datasets"
-
-# 4. This repo. The harness finds the pristine tree in build/upstream/megatron: copy it from the
-#    clone before the series goes in.
-COPY . ${HARNESS}
+# Every step is scripts/image_build.sh STEP (see its header); CI runs the same steps on a copy
+# of this build context (tests/unit_tests/test_dockerfile.py).
+# 1-3. What we rely on from the base, the harness's packages, Megatron-LM at the locked commit.
+#      Only the script and requirements/ are copied first, so that a change elsewhere in the
+#      repo does not redo the pip install and the clone.
+COPY scripts/image_build.sh ${HARNESS}/scripts/image_build.sh
+COPY requirements ${HARNESS}/requirements
 WORKDIR ${HARNESS}
-RUN mkdir -p build/upstream \
- && cp -a "${MEGATRON_LM}/megatron" build/upstream/megatron
+RUN bash scripts/image_build.sh base requirements megatron-lm
 
-# 5. Apply the series (git am: one commit per patch). apply_patches.sh exits non-zero, and so
-#    fails the build, unless every patch applies with no fuzz and no offset; --check confirms.
-#    The repo's megatron/ then points at the patched checkout, as scripts/setup.sh's would.
-RUN export GIT_COMMITTER_NAME="megatron-layerwise-ag image" GIT_COMMITTER_EMAIL="image@invalid" \
- && bash scripts/apply_patches.sh "${MEGATRON_LM}" \
- && bash scripts/apply_patches.sh "${MEGATRON_LM}" --check \
- && ln -sfn "${MEGATRON_LM}/megatron" megatron
-
-# 6. The functional tests' training data (build/data), so that scripts/gpu_check.sh and
-#    scripts/run_functional_test.sh train at once.
-RUN PYTHONPATH="${HARNESS}" python3 -m harness.data
-
-# 7. The fast unit tests, as a build step.
-RUN PYTHONPATH="${HARNESS}" python3 -m pytest tests/unit_tests -q \
-        -p no:cacheprovider -m "${UNIT_TEST_MARKERS}"
+# 4-7. This repo; the pristine copy and the series applied to the clone; the megatron-core wheel
+#      (pip, sha256 from requirements/megatron-core.lock) and the training data made from it; the
+#      fast unit tests.
+COPY . ${HARNESS}
+RUN bash scripts/image_build.sh trees wheel data
+RUN bash scripts/image_build.sh unit-tests
 
 CMD ["bash"]

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # scripts/gpu_check.sh: the patch series on CUDA, upstream vs patched, results in a folder.
 #
-#   scripts/gpu_check.sh OUT              # about 8 minutes on one H200; more runs with >= 2 GPUs
+#   scripts/gpu_check.sh OUT              # timeouts budget 8 min on one GPU, 30 min with >= 2 (not measured yet)
 #   scripts/gpu_check.sh --dry-run OUT    # print the runs and commands; works without a GPU
 #   scripts/gpu_check.sh --help
 #

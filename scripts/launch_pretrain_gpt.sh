@@ -2,7 +2,8 @@
 # scripts/launch_pretrain_gpt.sh: torchrun upstream's pretrain_gpt.py on a Megatron-LM checkout
 # that carries the series (scripts/apply_patches.sh), with the flags that exercise it.
 #
-# Usage: scripts/launch_pretrain_gpt.sh [--dry-run] [--allow-unpatched] [MEGATRON_LM_DIR] [MEGATRON FLAGS...]
+# Usage: scripts/launch_pretrain_gpt.sh [--dry-run] [--allow-unpatched] [--no-overlap-param-gather]
+#                                     [MEGATRON_LM_DIR] [MEGATRON FLAGS...]
 #
 #   MEGATRON_LM_DIR     the checkout (holds pretrain_gpt.py), as the first argument; else $MEGATRON_LM
 #   MEGATRON FLAGS      pretrain_gpt.py's own flags, passed through unchanged and in order
@@ -12,12 +13,15 @@
 #                       that can be pasted into a shell; run nothing
 #   --allow-unpatched   launch even if scripts/apply_patches.sh --check does not say "applied"
 #                       (an upstream baseline); by default that is an error
+#   --no-overlap-param-gather
+#                       do not add --overlap-param-gather: the params are then gathered by the
+#                       optimizer at the end of step() (the series' patch 0007 path)
 #   -h, --help
 #
 # Added only where the flags do not give them (the same names, so the flags always win):
 #   the series' path:  --optimizer dist_muon --overlap-param-gather --overlap-grad-reduce --bf16
 #                      (dist_muon is the layer-wise optimizer; --overlap-param-gather needs
-#                      --overlap-grad-reduce; --bf16 is left out when --fp16 is given)
+#                      --overlap-grad-reduce; --no-overlap-param-gather leaves it out)
 #   a small GPT:       --num-layers 4 --hidden-size 512 --num-attention-heads 8 --seq-length 1024
 #                      --max-position-embeddings <seq-length> --micro-batch-size 2
 #                      --global-batch-size <micro-batch-size x data-parallel size> --train-iters 100
@@ -28,13 +32,19 @@
 #                      --data-path with --tokenizer-model: --tokenizer-type HuggingFaceTokenizer;
 #                      with --vocab-file and --merge-file: --tokenizer-type GPT2BPETokenizer
 # Refused (megatron's rules for this path): --optimizer other than dist_muon,
-# --use-distributed-optimizer (Muon forbids it). Not Megatron flags, refused with the upstream
+# --use-distributed-optimizer (Muon forbids it), --fp16 (megatron/core/optimizer/muon.py raises
+# 'muon with fp16 is not supported.' when the optimizer is built, after start-up).
+# Warned about: a data-parallel size of 1 (world / (tp x pp x cp)): the layer-wise optimizer then
+# gathers nothing (patch 0002) and none of the series' param-sync code runs. Not Megatron flags, refused with the upstream
 # name: --tp, --pp, --fp32-grad-accum, --bf16-grad-reduce.
 #
 # Environment (as torchrun/Slurm/Kubernetes launchers set them; defaults are one node):
 #   NNODES (else SLURM_NNODES, else 1)      NODE_RANK (else SLURM_NODEID, else 0)
-#   MASTER_ADDR (localhost)                 MASTER_PORT (6000)
-#   GPUS_PER_NODE (else SLURM_GPUS_ON_NODE, else `nvidia-smi -L` count, else 1)
+#   MASTER_ADDR (one node: localhost; several under Slurm: the first host of
+#     `scontrol show hostnames "$SLURM_JOB_NODELIST"`; several otherwise: an error)
+#   MASTER_PORT (6000)
+#   GPUS_PER_NODE (else the entries of CUDA_VISIBLE_DEVICES, else SLURM_GPUS_ON_NODE, else the
+#     `nvidia-smi -L` count, else 1)
 #   TORCHRUN (torchrun)                     MEGATRON_LM (checkout, if not given as argument)
 #   CUDA_DEVICE_MAX_CONNECTIONS: set to 1 when tensor or context parallel size > 1 and it is
 #   unset (megatron's validate_args asserts it before Blackwell); the printed line then starts
@@ -53,7 +63,7 @@ is_posint() { [[ "$1" =~ ^[1-9][0-9]*$ ]]; }
 is_nonneg() { [[ "$1" =~ ^(0|[1-9][0-9]*)$ ]]; }
 
 # ---------------------------------------------------------------- arguments
-checkout="" dry_run=0 allow_unpatched=0
+checkout="" dry_run=0 allow_unpatched=0 overlap_param_gather=1
 flags=()            # megatron flags, verbatim
 declare -A given    # flag name -> its (last) value; "" for a bare flag
 last=""             # the flag that the next word may be a value of
@@ -62,6 +72,7 @@ for a in "$@"; do
         -h|--help) usage; exit 0 ;;
         --dry-run) dry_run=1; last=""; continue ;;
         --allow-unpatched) allow_unpatched=1; last=""; continue ;;
+        --no-overlap-param-gather) overlap_param_gather=0; last=""; continue ;;
         --) last=""; continue ;;   # optional separator before the megatron flags
         --tp|--tp=*) die "--tp is not a Megatron flag: use --tensor-model-parallel-size N" ;;
         --pp|--pp=*) die "--pp is not a Megatron flag: use --pipeline-model-parallel-size N" ;;
@@ -105,18 +116,33 @@ fi
 # ---------------------------------------------------------------- launcher environment
 nnodes="${NNODES:-${SLURM_NNODES:-1}}"
 node_rank="${NODE_RANK:-${SLURM_NODEID:-0}}"
-master_addr="${MASTER_ADDR:-localhost}"
+is_posint "$nnodes" || die "NNODES must be a positive integer, got '$nnodes'"
+is_nonneg "$node_rank" || die "NODE_RANK must be a non-negative integer, got '$node_rank'"
+(( node_rank < nnodes )) || die "NODE_RANK ($node_rank) must be less than NNODES ($nnodes)"
 master_port="${MASTER_PORT:-6000}"
+if [[ -n "${MASTER_ADDR:-}" ]]; then master_addr="$MASTER_ADDR"
+elif (( nnodes == 1 )); then master_addr=localhost
+elif [[ -n "${SLURM_JOB_NODELIST:-}${SLURM_NODELIST:-}" ]]; then
+    # Every node must rendezvous at the same host: Slurm's first node of the job.
+    command -v scontrol >/dev/null 2>&1 \
+        || die "NNODES=$nnodes under Slurm without MASTER_ADDR, and no scontrol to find the head node: export MASTER_ADDR=\$(scontrol show hostnames \"\$SLURM_JOB_NODELIST\" | head -n1) in the batch script"
+    master_addr="$(scontrol show hostnames "${SLURM_JOB_NODELIST:-$SLURM_NODELIST}" 2>/dev/null | head -n1)" || true
+    [[ -n "$master_addr" ]] \
+        || die "NNODES=$nnodes: 'scontrol show hostnames ${SLURM_JOB_NODELIST:-$SLURM_NODELIST}' gave no host; set MASTER_ADDR to the first node"
+else
+    die "NNODES=$nnodes and no MASTER_ADDR: set MASTER_ADDR to a host every node can reach (node 0), the same on every node"
+fi
 if [[ -n "${GPUS_PER_NODE:-}" ]]; then gpus="$GPUS_PER_NODE"
+elif [[ -v CUDA_VISIBLE_DEVICES ]]; then
+    IFS=, read -r -a visible <<< "$CUDA_VISIBLE_DEVICES"
+    gpus="${#visible[@]}"
+    (( gpus > 0 )) || die "CUDA_VISIBLE_DEVICES is empty: no GPU is visible; unset it or list the GPUs (CUDA_VISIBLE_DEVICES=0,1)"
 elif [[ -n "${SLURM_GPUS_ON_NODE:-}" ]]; then gpus="$SLURM_GPUS_ON_NODE"
 elif command -v nvidia-smi >/dev/null 2>&1 && n="$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')" && [[ "$n" -gt 0 ]]; then gpus="$n"
 else gpus=1
 fi
 torchrun_bin="${TORCHRUN:-torchrun}"
 
-is_posint "$nnodes" || die "NNODES must be a positive integer, got '$nnodes'"
-is_nonneg "$node_rank" || die "NODE_RANK must be a non-negative integer, got '$node_rank'"
-(( node_rank < nnodes )) || die "NODE_RANK ($node_rank) must be less than NNODES ($nnodes)"
 is_posint "$gpus" || die "GPUS_PER_NODE must be a positive integer, got '$gpus'"
 [[ "$master_port" =~ ^[0-9]+$ ]] && (( master_port > 0 && master_port < 65536 )) \
     || die "MASTER_PORT must be a port number (1-65535), got '$master_port'"
@@ -125,6 +151,7 @@ is_posint "$gpus" || die "GPUS_PER_NODE must be a positive integer, got '$gpus'"
 # ---------------------------------------------------------------- the flags this script reads
 optimizer="$(val --optimizer dist_muon)"
 [[ "$optimizer" == dist_muon ]] || die "--optimizer $optimizer: this script runs the layer-wise optimizer, --optimizer dist_muon"
+! has --fp16 || die "--fp16 is refused: Muon does not support fp16 (megatron/core/optimizer/muon.py: 'muon with fp16 is not supported.', raised when the optimizer is built); use --bf16"
 ! has --use-distributed-optimizer || die "--use-distributed-optimizer is forbidden with dist_muon (megatron: 'Muon optimizer does not support distributed optimizer')"
 for f in --tensor-model-parallel-size --pipeline-model-parallel-size --context-parallel-size \
          --micro-batch-size --train-iters --seq-length; do
@@ -151,9 +178,11 @@ fi
 defaults=()
 add() { has "$1" || defaults+=("$@"); }   # add FLAG [VALUE...] unless FLAG was given
 add --optimizer dist_muon
-add --overlap-param-gather
+if [[ $overlap_param_gather == 1 ]]; then add --overlap-param-gather
+else ! has --overlap-param-gather || die "--no-overlap-param-gather and --overlap-param-gather exclude each other"
+fi
 add --overlap-grad-reduce
-has --fp16 || add --bf16
+add --bf16
 add --num-layers 4
 add --hidden-size 512
 add --num-attention-heads 8
@@ -185,6 +214,8 @@ elif ! has --mock-data && ! has --train-data-path; then
     add --tokenizer-type NullTokenizer
     [[ "$(val --tokenizer-type NullTokenizer)" != NullTokenizer ]] || add --vocab-size 32768
 fi
+
+(( dp > 1 )) || echo "$PROG: warning: data-parallel size 1 (world $world / tp $tp x pp $pp x cp $cp): the layer-wise optimizer gathers nothing at DP 1 (patch 0002), so none of the series' param-sync code runs; use 2 or more data-parallel ranks to exercise it" >&2
 
 # ---------------------------------------------------------------- the command
 env_words=()

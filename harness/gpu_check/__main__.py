@@ -5,7 +5,7 @@ Usage::
     scripts/gpu_check.sh OUT                      # run on this machine's GPUs, results in OUT
     scripts/gpu_check.sh --dry-run OUT            # print the runs; nothing is run or written
     scripts/gpu_check.sh --dry-run --assume-gpus 8 --assume-gpu-name "NVIDIA H100 80GB HBM3" OUT
-    scripts/gpu_check.sh --update-golden OUT      # also record golden values for this GPU type
+    scripts/gpu_check.sh --update-golden OUT      # record golden values in OUT/<run>/golden even where some exist
 
 Exit codes: 0 every run passed; 1 a run failed or timed out (OUT/report.txt says which and
 why); 2 bad usage or a machine that cannot run the check (no CUDA GPU, trees not generated,
@@ -56,7 +56,7 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--assume-gpu-name", metavar="NAME", help=f"with --dry-run: GPU name (default: "
                     f"cuda:0's name, else {DEFAULT_GPU_NAME!r})")
     ap.add_argument("--update-golden", action="store_true",
-                    help="record the golden values of this GPU type (refused unless patched == upstream)")
+                    help="record golden values in OUT/<run>/golden even where the checkout has some (refused unless patched == upstream; without a golden file for this GPU type they are recorded anyway)")
     return ap
 
 

@@ -8,13 +8,22 @@ compares them bit for bit and with the golden file, and writes
 ``OUT/<case>/comparison.json``, the metrics and ``loss_curves.png``. What differs from
 ``scripts/run_functional_test.sh --device cuda``: the backend may be gloo with both ranks on
 ``cuda:0`` (``--shared-gpu``: ``MEGATRON_SHARED_GPU=1``), and the golden file is per GPU type
-and backend (``plan.golden_file``). ``--update-golden`` records it from this run (refused
-unless patched equals upstream exactly). Exit code 0 only for the verdict "identical".
+and backend (``plan.golden_file``).
+
+Golden values are never written into the checkout (in ``docker run --rm`` it is gone when the
+container exits). When the case folder has no golden file for this GPU type and backend, or
+with ``--update-golden``, the run is compared with no golden file, and if patched equals
+upstream bit for bit (``golden_update.update_golden`` refuses otherwise) the values are
+recorded in ``OUT/golden/<golden file>``; ``comparison.json`` then names that file
+(``golden_recorded``) and the command that commits it (``golden_commit_command``), and the
+run passes. Exit code 0 for the verdict "identical", or "no_golden" with values recorded.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import shlex
 import sys
 from pathlib import Path
 from typing import Optional, Sequence
@@ -22,30 +31,104 @@ from typing import Optional, Sequence
 from harness.gpu_check import plan
 
 
+def passed(comparison: dict) -> bool:
+    """Whether a functional run's comparison passes: "identical", or "no_golden" (patched
+    equal to upstream, no golden file yet) with golden values recorded in OUT."""
+    return comparison.get("verdict") == "identical" or (
+        comparison.get("verdict") == "no_golden" and bool(comparison.get("golden_recorded")))
+
+
+def commit_command(recorded: Path, out_root: Path, case_folder: Path) -> str:
+    """The shell line, run in the checkout, that copies ``recorded`` (a file under the
+    results folder ``out_root``, shown as ``OUT/...``) into ``case_folder`` and commits it."""
+    from harness.trees import REPO_ROOT
+
+    try:
+        dest = case_folder.resolve().relative_to(REPO_ROOT)
+    except ValueError:
+        dest = case_folder
+    try:
+        shown = "OUT/" + str(recorded.resolve().relative_to(out_root.resolve()))
+    except ValueError:
+        shown = str(recorded)
+    target = dest / recorded.name
+    return (f"cp {shlex.quote(shown)} {shlex.quote(str(dest))}/ && git add {shlex.quote(str(target))} && "
+            f"git commit -m {shlex.quote(f'golden values: {recorded.stem} (scripts/gpu_check.sh)')}")
+
+
+def record_golden(comparison: dict, case_out: Path, golden_out: Path, rules) -> dict:
+    """After a "no_golden" verdict: write the golden values of the two runs in ``case_out``
+    (``upstream/``, ``patched/``) to ``golden_out``; the comparison gains ``golden_recorded``
+    (the path) or, where ``golden_update.update_golden`` refuses, a failure and verdict
+    "failed". Other verdicts are returned unchanged."""
+    from tests.functional_tests.python_test_utils import golden_update
+    from tests.functional_tests.python_test_utils import tensorboard_reader as tbr
+
+    if comparison.get("verdict") != "no_golden":
+        return comparison
+    comparison = dict(comparison)
+    try:
+        golden_out.parent.mkdir(parents=True, exist_ok=True)
+        golden_update.update_golden(golden_out, tbr.load_run_metrics(case_out / "upstream"),
+                                    tbr.load_run_metrics(case_out / "patched"), rules)
+    except (golden_update.GoldenUpdateRefused, OSError, ValueError) as exc:
+        comparison["verdict"] = "failed"
+        comparison["verdict_line"] = f"failed: golden values not recorded: {exc}"
+        comparison["failures"] = [*comparison.get("failures", []), f"golden values not recorded: {exc}"]
+        return comparison
+    comparison["golden_recorded"] = str(golden_out)
+    comparison["verdict_line"] = (f"patched == upstream exactly; no golden values for this GPU type yet: "
+                                  f"golden values recorded in OUT ({golden_out})")
+    return comparison
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    """CLI (see the module docstring); exit 0 when ``passed``, else 1; 2 on bad arguments."""
     ap = argparse.ArgumentParser(prog="python -m harness.gpu_check.functional", description=__doc__.splitlines()[0])
     ap.add_argument("--backend", choices=("gloo", "nccl"), required=True)
     ap.add_argument("--shared-gpu", action="store_true", help="all ranks on cuda:0 (gloo only)")
     ap.add_argument("--golden-file", required=True, help="file name in the case folder")
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--timeout", type=float, default=100, help="seconds per training run")
-    ap.add_argument("--update-golden", action="store_true")
+    ap.add_argument("--update-golden", action="store_true",
+                    help="record golden values in OUT/golden even where the case folder has some")
+    ap.add_argument("--model-args", default="{}", help="JSON object of MODEL_ARGS entries to add or replace")
+    ap.add_argument("--megatron-defaults", action="store_true",
+                    help="no harness runtime flags: Transformer Engine, fused wgrad into main_grad, fused kernels")
+    ap.add_argument("--case", default=plan.CASE, help="functional test case (default: %(default)s)")
     args = ap.parse_args(argv)
     if args.shared_gpu and args.backend != "gloo":
         ap.error("--shared-gpu needs --backend gloo (NCCL refuses two ranks on one device)")
     if Path(args.golden_file).name != args.golden_file:
         ap.error(f"--golden-file is a file name in the case folder, got {args.golden_file!r}")
+    try:
+        extra_args = json.loads(args.model_args)
+        assert isinstance(extra_args, dict)
+    except (ValueError, AssertionError):
+        ap.error(f"--model-args must be a JSON object, got {args.model_args!r}")
 
-    from tests.functional_tests.python_test_utils import run_case
+    from tests.functional_tests.python_test_utils import run_case, tolerances
 
-    folder = run_case.find_case(plan.CASE)
+    folder = run_case.find_case(args.case)
+    repo_golden = folder / args.golden_file
+    golden_out = args.out / "golden" / args.golden_file
+    # With --update-golden the run is compared with no golden file (the one in OUT does not
+    # exist yet), so that the verdict is "no_golden" exactly when patched == upstream.
     comparison = run_case.run_case(
-        plan.CASE, device="cuda", update_golden=args.update_golden, timeout_s=args.timeout,
-        out_root=args.out, golden_path=folder / args.golden_file,
-        model_args=plan.functional_overrides(args.backend),
+        args.case, device="cuda", timeout_s=args.timeout, out_root=args.out,
+        golden_path=golden_out if args.update_golden else repo_golden,
+        model_args={**plan.functional_overrides(args.backend), **extra_args},
         extra_env=plan.SHARED_GPU_ENV if args.shared_gpu else None,
+        runtime_flags=not args.megatron_defaults,
     )
-    return 0 if comparison["verdict"] == "identical" else 1
+    case = run_case.load_case(folder)
+    comparison = record_golden(comparison, args.out / case.name, golden_out, tolerances.rules_for(case.metrics))
+    if comparison.get("golden_recorded"):
+        comparison["golden_commit_command"] = commit_command(golden_out, args.out.parent, folder)
+        print(f"  {comparison['verdict_line']}\n  commit them with: {comparison['golden_commit_command']}",
+              flush=True)
+    (args.out / case.name / "comparison.json").write_text(json.dumps(comparison, indent=1) + "\n")
+    return 0 if passed(comparison) else 1
 
 
 if __name__ == "__main__":

@@ -9,13 +9,21 @@ run                           backend    ranks    what
 functional_gloo_shared_gpu    gloo       2        default functional case, both ranks on cuda:0
 memory_gloo_shared_gpu        gloo       2        CUDA memory, ``param_dominated`` GPT, cuda:0
 functional_nccl               nccl       2        default case, cuda:0 and cuda:1 (>= 2 GPUs)
+functional_nccl_te            nccl       2        default case with megatron's defaults:
+                                                  Transformer Engine, fused wgrad into main_grad
+functional_nccl_sync          nccl       2        overlap off: the optimizer's gather (0007)
+functional_nccl_eval          nccl       2        eval every 10 steps: forced param syncs
 memory_nccl                   nccl       <= 8     CUDA memory, one rank per GPU (>= 2 GPUs)
-memory_nccl_equal_shares      nccl       2        equal bucket shares (>= 2 GPUs)
+memory_nccl_equal_shares      nccl       2        equal bucket shares (>= 2 GPUs); requires a
+                                                  bucket with equal shares and the patched
+                                                  all_gather_into_tensor
 ============================  =========  =======  ===========================================
 
-Timeouts are seconds of wall time per run (a functional run trains both trees, a memory
-run starts one torchrun per tree). The one-GPU plan adds up to at most ``BUDGET_S[1]``
-(8 minutes on one H200, start-up of every rank included).
+Timeouts are seconds of wall time per run (a functional run trains both trees, each with half
+the run's timeout less 10 s; a memory run starts one torchrun per tree). They are budgets, not
+measurements: no GPU run has been recorded yet, so they leave room for cold starts (CUDA
+context, NCCL init, Transformer Engine's first kernels). The plan adds up to at most
+``BUDGET_S`` for 1 and for 2 or more GPUs.
 """
 
 from __future__ import annotations
@@ -31,11 +39,15 @@ from harness import launch
 
 #: The functional case every run trains (run_case's default: dist_muon, both overlaps, DP=2).
 CASE = "gpt_dp2_bf16_fp32grad_overlap_layerwise"
+#: Overlap off: the optimizer's synchronous gather through the grad buffers (patch 0007).
+SYNC_CASE = "gpt_dp2_bf16_fp32grad_sync_layerwise"
+#: Eval every 10 iterations: forced param syncs with the pre-hooks disabled (patch 0003).
+EVAL_CASE = "gpt_dp2_bf16_fp32grad_overlap_layerwise_eval"
 TREES = ("upstream", "patched")
 MEMORY_WORKER = Path(__file__).resolve().parent / "memory_worker.py"
 MEMORY_STEPS = 4
 #: Seconds the whole plan may take: 1 GPU, and 2 or more GPUs (the NCCL runs come on top).
-BUDGET_S = {1: 480, 2: 900}
+BUDGET_S = {1: 480, 2: 1800}
 #: Environment for gloo ranks that share cuda:0 (harness.gpu_check.shared_gpu).
 SHARED_GPU_ENV = {"MEGATRON_SHARED_GPU": "1"}
 #: At most this many NCCL ranks in memory_nccl (one node).
@@ -71,6 +83,9 @@ class Run:
         launches: the torchrun commands, upstream first.
         golden_file: functional runs: the golden values' file name (in the case folder).
         config: memory runs: the memory_worker configuration.
+        case: functional runs: the functional test case.
+        runtime_flags: functional runs: the harness's local-layer flags (False: megatron's
+            defaults, Transformer Engine and fused wgrad).
     """
 
     name: str
@@ -82,6 +97,8 @@ class Run:
     launches: List[Launch] = field(default_factory=list)
     golden_file: Optional[str] = None
     config: Optional[str] = None
+    case: Optional[str] = None
+    runtime_flags: bool = True
 
     def as_dict(self) -> dict:
         d = asdict(self)
@@ -125,19 +142,21 @@ def gpu_slug(name: str) -> str:
     return words[0]
 
 
-def golden_file(gpu_name: str, backend: str) -> str:
-    """Golden values of the default case for a GPU type and backend, e.g.
-    ``golden_values_h200_gloo.json`` (2 ranks on one GPU) or ``golden_values_h200_nccl.json``."""
-    return f"golden_values_{gpu_slug(gpu_name)}_{backend}.json"
+def golden_file(gpu_name: str, backend: str, variant: str = "") -> str:
+    """Golden values of a case for a GPU type and backend, e.g. ``golden_values_h200_gloo.json``
+    (2 ranks on one GPU), ``golden_values_h200_nccl.json``, or with ``variant="te"``
+    ``golden_values_h200_nccl_te.json`` (Transformer Engine)."""
+    return f"golden_values_{gpu_slug(gpu_name)}_{backend}{'_' + variant if variant else ''}.json"
 
 
-def functional_launches(run_dir: Path, backend: str, nproc: int, extra_env: Dict[str, str]) -> List[Launch]:
-    """The torchrun lines ``run_case.run_case`` starts for ``CASE`` with these overrides
+def functional_launches(run_dir: Path, backend: str, nproc: int, extra_env: Dict[str, str],
+                        case_name: str = CASE, runtime_flags: bool = True) -> List[Launch]:
+    """The torchrun lines ``run_case.run_case`` starts for ``case_name`` with these overrides
     (``harness.gpu_check.functional`` passes the same ones)."""
     from harness import data
     from tests.functional_tests.python_test_utils import run_case
 
-    case = run_case.load_case(run_case.find_case(CASE))
+    case = run_case.load_case(run_case.find_case(case_name))
     model_args = {**case.model_args, **functional_overrides(backend)}
     out = []
     for tree in TREES:
@@ -148,7 +167,8 @@ def functional_launches(run_dir: Path, backend: str, nproc: int, extra_env: Dict
             "CHECKPOINT_LOAD_PATH": str(run_dir / case.name / tree / "checkpoints"),
         }
         argv, env = launch.pretrain_command(tree, run_case.expand_args(model_args, variables), nproc,
-                                            cpu=False, extra_env={**case.env_vars, **extra_env})
+                                            cpu=False, runtime_flags=runtime_flags,
+                                            extra_env={**case.env_vars, **extra_env})
         out.append(Launch(tree, argv, env))
     return out
 
@@ -190,17 +210,27 @@ def make_plan(gpus: int, gpu_name: str, out: Path, update_golden: bool = False) 
     runs = [
         Run("functional_gloo_shared_gpu", "functional", "gloo", 2, ["cuda:0", "cuda:0"], 210,
             functional_launches(out / "functional_gloo_shared_gpu", "gloo", 2, SHARED_GPU_ENV),
-            golden_file=golden_file(gpu_name, "gloo")),
+            golden_file=golden_file(gpu_name, "gloo"), case=CASE),
         Run("memory_gloo_shared_gpu", "memory", "gloo", 2, ["cuda:0", "cuda:0"], 180,
             memory_launches(out / "memory_gloo_shared_gpu", "gloo", 2, "param_dominated", SHARED_GPU_ENV),
             config="param_dominated"),
     ]
     if gpus >= 2:
         n = min(gpus, MAX_NCCL_RANKS)
+        two = ["cuda:0", "cuda:1"]
         runs += [
-            Run("functional_nccl", "functional", "nccl", 2, ["cuda:0", "cuda:1"], 150,
+            Run("functional_nccl", "functional", "nccl", 2, two, 240,
                 functional_launches(out / "functional_nccl", "nccl", 2, {}),
-                golden_file=golden_file(gpu_name, "nccl")),
+                golden_file=golden_file(gpu_name, "nccl"), case=CASE),
+            Run("functional_nccl_te", "functional", "nccl", 2, two, 300,
+                functional_launches(out / "functional_nccl_te", "nccl", 2, {}, runtime_flags=False),
+                golden_file=golden_file(gpu_name, "nccl", "te"), case=CASE, runtime_flags=False),
+            Run("functional_nccl_sync", "functional", "nccl", 2, two, 240,
+                functional_launches(out / "functional_nccl_sync", "nccl", 2, {}, SYNC_CASE),
+                golden_file=golden_file(gpu_name, "nccl"), case=SYNC_CASE),
+            Run("functional_nccl_eval", "functional", "nccl", 2, two, 240,
+                functional_launches(out / "functional_nccl_eval", "nccl", 2, {}, EVAL_CASE),
+                golden_file=golden_file(gpu_name, "nccl"), case=EVAL_CASE),
             Run("memory_nccl", "memory", "nccl", n, [f"cuda:{i}" for i in range(n)], 150,
                 memory_launches(out / "memory_nccl", "nccl", n, "param_dominated", {}),
                 config="param_dominated"),
@@ -217,8 +247,10 @@ def make_plan(gpus: int, gpu_name: str, out: Path, update_golden: bool = False) 
 def functional_command(run: Run, plan: Plan) -> List[str]:
     """The driver process of a functional run (``python -m harness.gpu_check.functional``)."""
     argv = [sys.executable, "-m", "harness.gpu_check.functional", "--backend", run.backend,
-            "--golden-file", run.golden_file, "--out", str(plan.out / run.name),
+            "--case", run.case or CASE, "--golden-file", run.golden_file, "--out", str(plan.out / run.name),
             "--timeout", str(run.timeout_s // 2 - 10)]
+    if not run.runtime_flags:
+        argv += ["--megatron-defaults"]
     if run.backend == "gloo":
         argv += ["--shared-gpu"]
     if plan.update_golden:

@@ -113,22 +113,40 @@ def summarize_memory(run: dict, run_dir: Path) -> dict:
             if run["backend"] == "nccl" and any(b != 0 for b in sync):
                 out["problems"].append(
                     f"patched {path} allocated on NCCL: {[fmt_bytes(b) for b in sync]} per rank")
+        if run.get("config") == "equal_shares":
+            # What the run is for: a bucket whose shares are equal, gathered by the series with
+            # one all_gather_into_tensor. Without both, it proved nothing.
+            if not pa["buckets_with_equal_shares"]:
+                out["problems"].append("equal_shares: no bucket with equal shares (the model config does not "
+                                       "make them at this DP size)")
+            if not pa["sync_gather_calls"]["into_tensor"]:
+                out["problems"].append("equal_shares: the patched param sync made no all_gather_into_tensor")
     out["ok"] = not out["problems"]
     return out
 
 
 def summarize_functional(run: dict, run_dir: Path, case: str) -> dict:
+    """A functional run's entry: ok for "identical", or for "no_golden" (patched == upstream,
+    no golden values for this GPU type yet) with the values recorded under ``run_dir/golden``
+    (``functional.passed``); ``golden_recorded`` and ``golden_commit_command`` say where and
+    how to commit them."""
+    from harness.gpu_check.functional import passed
+
+    case = run.get("case") or case
     comparison = _load(run_dir / case / "comparison.json")
     if comparison is None:
         return {"ok": False, "verdict": "no result", "problems": [f"{run_dir / case / 'comparison.json'} missing"]}
+    ok = passed(comparison)
     return {
-        "ok": comparison.get("verdict") == "identical",
+        "ok": ok,
+        "golden_recorded": comparison.get("golden_recorded") if ok else None,
+        "golden_commit_command": comparison.get("golden_commit_command") if ok else None,
         "verdict": comparison.get("verdict"),
         "verdict_line": comparison.get("verdict_line"),
         "first_divergence": comparison.get("first_divergence"),
         "golden_file": comparison.get("golden_file"),
         "wall_s": comparison.get("wall_s"),
-        "problems": list(comparison.get("failures", []))[:5],
+        "problems": [] if ok else list(comparison.get("failures", []))[:5],
     }
 
 
@@ -213,11 +231,14 @@ def render(summary: dict) -> str:
     env = summary.get("environment", {})
     verdict = "PASS" if summary["ok"] else "FAIL"
     n_ok = sum(r["ok"] for r in summary["runs"])
+    recorded = [r for r in summary["runs"] if r.get("golden_recorded")]
+    note = (f"; golden values recorded in OUT for {len(recorded)} run(s), commit them (commands below)"
+            if recorded else "")
     lines = [
         f"GPU check: {summary['gpus']} x {summary['gpu_name']}; torch {env.get('torch', '?')}, "
         f"megatron-core {env.get('megatron_core', '?')}, driver {env.get('driver', '?')}; {env.get('date_utc', '')}",
         f"{verdict}: {n_ok}/{len(summary['runs'])} runs ok in {summary['total_seconds']:.0f} s "
-        f"(budget {summary['budget_s']} s)",
+        f"(budget {summary['budget_s']} s){note}",
     ]
     for r in summary["runs"]:
         devices = ",".join(r["devices"])
@@ -227,7 +248,10 @@ def render(summary: dict) -> str:
                      f"{devices}; {r['status']}, {seconds})")
         if r["kind"] == "functional":
             lines.append(f"  verdict: {r.get('verdict_line') or r.get('verdict')}")
-            if r.get("golden_file"):
+            if r.get("golden_recorded"):
+                lines.append(f"  golden values recorded in OUT: {r['golden_recorded']}")
+                lines.append(f"  commit them with: {r['golden_commit_command']}")
+            elif r.get("golden_file"):
                 lines.append(f"  golden values: {Path(r['golden_file']).name}")
         else:
             lines.extend(_memory_lines(r))

@@ -28,6 +28,11 @@ from megatron.training.arguments import parse_args, validate_args
 
 def check(case):
     os.environ["WORLD_SIZE"] = str(case["world_size"])
+    for key, value in case.get("env", {}).items():
+        os.environ[key] = value
+    if case.get("device_arch") is not None:  # the GPU architecture validate_args asks for
+        import megatron.training.arguments as _arguments
+        _arguments.get_device_arch_version = lambda: case["device_arch"]
     os.environ["RANK"] = "0"
     sys.argv = ["pretrain_gpt.py", *case["argv"]]
     sink = io.StringIO()
@@ -72,7 +77,9 @@ def validate_megatron_args(cases: list[dict], tree_parent: Path = ROOT) -> list[
     Args:
         cases: dicts with "argv" (the arguments after the script name), "world_size" (what
             torchrun would export as WORLD_SIZE) and optionally "attrs" (names of parsed
-            arguments to return).
+            arguments to return), "env" (variables set before parsing, e.g. what the launcher
+            exports) and "device_arch" (the compute capability major that validate_args gets
+            from ``get_device_arch_version``, e.g. 9 for Hopper; it asks the GPU at tp > 1).
         tree_parent: directory holding the megatron/ tree to import (repo root: patched).
 
     Returns:

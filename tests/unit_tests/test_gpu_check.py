@@ -143,7 +143,8 @@ def test_nccl_runs_only_with_two_or_more_gpus(one_gpu, two_gpus, tmp_path):
     assert not any(r["backend"] == "nccl" for r in one_gpu[0]["runs"])
     plan, _ = two_gpus
     nccl = {r["name"]: r for r in plan["runs"] if r["backend"] == "nccl"}
-    assert set(nccl) == {"functional_nccl", "memory_nccl", "memory_nccl_equal_shares"}
+    assert set(nccl) == {"functional_nccl", "functional_nccl_te", "functional_nccl_sync", "functional_nccl_eval",
+                         "memory_nccl", "memory_nccl_equal_shares"}
     for run in nccl.values():
         assert run["devices"] == [f"cuda:{i}" for i in range(run["nproc"])], "one rank per GPU"
         for x in run["launches"]:
@@ -451,3 +452,126 @@ def test_memory_worker_on_cpu_ranks_gives_equal_losses_on_both_trees(tmp_path):
     # The series may pad unequal shares (one all_gather_into_tensor of max share per rank).
     padded = sum((len(b["shares"]) - 1) * max(b["shares"]) for b in buckets) * 2
     assert calls["calls"] >= 1 and calls["wire_bytes"] in (exact, padded), (calls, exact, padded)
+
+
+# ------------------------------------------------------- first run on a GPU type: no golden values
+def write_variant_metrics(case_out: Path, variant: str, lm_loss: dict):
+    from tests.functional_tests.python_test_utils import golden_schema
+    from tests.functional_tests.python_test_utils import tensorboard_reader as tbr
+
+    steps = sorted(lm_loss)
+    base = {"lm loss": lm_loss, "grad-norm": {s: 1.0 + s for s in steps}, "num-zeros": {s: 0.0 for s in steps},
+            "params-norm": {s: 10.0 for s in steps}, "learning-rate": {s: 3e-3 for s in steps},
+            "iteration-time": {s: 0.1 for s in steps}}
+    metrics = {m: golden_schema.MetricSeries(steps[0], steps[-1], 1, v) for m, v in base.items()}
+    (case_out / variant).mkdir(parents=True)
+    golden_schema.save(case_out / variant / tbr.EXACT_FILE, metrics)
+    golden_schema.save(case_out / variant / tbr.ROUNDED_FILE, golden_schema.round_all(metrics))
+
+
+def no_golden_comparison(results: Path, run: str) -> dict:
+    path = results / run / plan_mod.CASE / "comparison.json"
+    doc = json.loads(path.read_text())
+    doc.update(verdict="no_golden", verdict_line="no golden values: ... does not exist (patched == upstream exactly)",
+               failures=["no golden values: ... does not exist"])
+    return doc
+
+
+@pytest.mark.parametrize("equal", [True, False], ids=["bit_identical", "divergent"])
+def test_a_run_without_golden_values_records_them_in_out_only_when_bit_identical(results, equal):
+    from harness.gpu_check import functional
+    from tests.functional_tests.python_test_utils import golden_schema, run_case, tolerances
+
+    run = "functional_gloo_shared_gpu"
+    case_out = results / run / plan_mod.CASE
+    loss = {1: 8.328125, 2: 7.5, 3: 7.0}
+    write_variant_metrics(case_out, "upstream", loss)
+    write_variant_metrics(case_out, "patched", loss if equal else {**loss, 2: 7.500001})
+    golden_out = results / run / "golden" / "golden_values_h200_gloo.json"
+    case = run_case.load_case(run_case.find_case(plan_mod.CASE))
+    comparison = functional.record_golden(no_golden_comparison(results, run), case_out, golden_out,
+                                          tolerances.rules_for(case.metrics))
+    if equal:
+        assert functional.passed(comparison) and comparison["golden_recorded"] == str(golden_out)
+        assert golden_schema.load(golden_out)["lm loss"].values == {s: round(v, 5) for s, v in loss.items()}
+        comparison["golden_commit_command"] = functional.commit_command(
+            golden_out, results, run_case.find_case(plan_mod.CASE))
+        # The command, run from a checkout next to OUT, copies the file into the case folder.
+        assert shlex.split(comparison["golden_commit_command"])[:3] == [
+            "cp", f"OUT/{run}/golden/golden_values_h200_gloo.json",
+            f"tests/functional_tests/test_cases/gpt/{plan_mod.CASE}/"]
+    else:
+        assert not functional.passed(comparison) and comparison["verdict"] == "failed"
+        assert not golden_out.exists(), "values of runs that differ are never recorded"
+    (case_out / "comparison.json").write_text(json.dumps(comparison))
+    summary = report.write(results)
+    text = (results / "report.txt").read_text()
+    entry = next(r for r in summary["runs"] if r["name"] == run)
+    if equal:
+        assert summary["ok"] and entry["ok"] and text.splitlines()[1].startswith("PASS: 4/4 runs ok")
+        assert f"  golden values recorded in OUT: {golden_out}" in text.splitlines()
+        assert "golden values recorded in OUT" in text.splitlines()[1]
+    else:
+        assert not summary["ok"] and not entry["ok"] and text.splitlines()[1].startswith("FAIL: 3/4 runs ok")
+        assert any("golden values not recorded" in p for p in entry["problems"])
+
+
+def test_a_no_golden_verdict_without_recorded_values_fails(results):
+    run = "functional_nccl"
+    (results / run / plan_mod.CASE / "comparison.json").write_text(json.dumps(no_golden_comparison(results, run)))
+    entry = next(r for r in report.summarize(results)["runs"] if r["name"] == run)
+    assert not entry["ok"] and entry["problems"], "no golden values and nothing recorded is not a pass"
+
+
+def test_nccl_plan_trains_with_te_fused_wgrad_the_optimizer_path_and_eval(two_gpus):
+    """Each NCCL functional run, as megatron parses its flags: the TE run has none of the
+    harness's local flags (Transformer Engine, fused wgrad into main_grad); the sync run has
+    no --overlap-param-gather (the optimizer's gather); the eval run evaluates every 10 steps."""
+    plan, _ = two_gpus
+    runs = {r["name"]: r for r in plan["runs"] if r["kind"] == "functional" and r["backend"] == "nccl"}
+    attrs = ["transformer_impl", "gradient_accumulation_fusion", "overlap_param_gather", "eval_interval",
+             "distributed_backend", "optimizer", "accumulate_allreduce_grads_in_fp32"]
+    cases, names = [], []
+    for name, run in runs.items():
+        for x in run["launches"]:
+            _, argv = parse_launch(x["command"])
+            cases.append({"argv": torchrun_parts(argv)[2], "world_size": 2, "attrs": attrs})
+            names.append(name)
+    results = validate_megatron_args(cases)
+    by_name = {}
+    for name, r in zip(names, results):
+        assert r["ok"], (name, r)
+        assert by_name.setdefault(name, r["attrs"]) == r["attrs"], "both trees get the same flags"
+    assert all(a["distributed_backend"] == "nccl" and a["optimizer"] == "dist_muon" for a in by_name.values())
+    te, plain = by_name["functional_nccl_te"], by_name["functional_nccl"]
+    assert (te["transformer_impl"], te["gradient_accumulation_fusion"]) == ("transformer_engine", True)
+    assert te["accumulate_allreduce_grads_in_fp32"], "fused wgrad accumulates into an fp32 main_grad"
+    assert (plain["transformer_impl"], plain["gradient_accumulation_fusion"]) == ("local", False)
+    assert runs["functional_nccl_te"]["golden_file"] == "golden_values_h200_nccl_te.json"
+    assert plain["overlap_param_gather"] and not by_name["functional_nccl_sync"]["overlap_param_gather"]
+    assert by_name["functional_nccl_eval"]["eval_interval"] == 10 and plain["eval_interval"] > 50
+    assert plan["total_timeout_s"] <= plan["budget_s"]
+
+
+@pytest.mark.parametrize("damage, problem", [
+    (None, None),
+    ("no_equal_bucket", "equal_shares: no bucket with equal shares"),
+    ("no_into_tensor", "equal_shares: the patched param sync made no all_gather_into_tensor"),
+])
+def test_the_equal_shares_run_requires_an_equal_bucket_and_all_gather_into_tensor(results, damage, problem):
+    edit_json(results / "plan.json", lambda d: next(r for r in d["runs"] if r["name"] == "memory_nccl")
+              .update(config="equal_shares"))
+
+    def hurt(doc):
+        for rank in doc["ranks"]:
+            if damage == "no_equal_bucket":
+                for b in rank["buckets"]:
+                    b["shares_equal"] = False
+            elif damage == "no_into_tensor":
+                rank["sync"]["gather_calls"]["into_tensor"] = 0
+    edit_json(results / "memory_nccl" / "patched.json", hurt)
+    run = next(r for r in report.summarize(results)["runs"] if r["name"] == "memory_nccl")
+    if problem is None:
+        assert run["ok"], run["problems"]
+    else:
+        assert not run["ok"] and problem in " ".join(run["problems"])

@@ -26,7 +26,8 @@ ROOT = Path(__file__).resolve().parents[2]
 LAUNCH = ROOT / "scripts" / "launch_pretrain_gpt.sh"
 LAUNCH_ENV = (
     "NNODES NODE_RANK MASTER_ADDR MASTER_PORT GPUS_PER_NODE MEGATRON_LM TORCHRUN "
-    "SLURM_NNODES SLURM_NODEID SLURM_GPUS_ON_NODE CUDA_DEVICE_MAX_CONNECTIONS"
+    "SLURM_NNODES SLURM_NODEID SLURM_GPUS_ON_NODE CUDA_DEVICE_MAX_CONNECTIONS CUDA_VISIBLE_DEVICES "
+    "SLURM_JOB_NODELIST SLURM_NODELIST"
 ).split()
 SERIES_FLAGS = ["--optimizer", "dist_muon", "--overlap-param-gather", "--overlap-grad-reduce", "--bf16"]
 
@@ -238,6 +239,12 @@ def test_invented_flags_are_refused_with_the_upstream_name(checkouts, invented, 
         (["{patched}", "--micro-batch-size", "-1"], {}, "--micro-batch-size must be a positive integer"),
         (["{patched}", "--", "--use-distributed-optimizer"], {}, "forbidden with dist_muon"),
         (["{patched}", "--optimizer", "adam"], {}, "--optimizer dist_muon"),
+        (["{patched}", "--fp16"], {}, "Muon does not support fp16"),
+        (["{patched}", "--no-overlap-param-gather", "--overlap-param-gather"], {}, "exclude each other"),
+        (["{patched}"], {"NNODES": "2"}, "NNODES=2 and no MASTER_ADDR"),
+        (["{patched}"], {"SLURM_NNODES": "2", "SLURM_NODEID": "0", "SLURM_JOB_NODELIST": "gpu-[07-08]",
+                         "PATH": "/usr/bin:/bin"}, "no scontrol to find the head node"),
+        (["{patched}"], {"CUDA_VISIBLE_DEVICES": "", "GPUS_PER_NODE": ""}, "CUDA_VISIBLE_DEVICES is empty"),
         (["{patched}", "stray"], {}, "'stray' is not a flag"),
         (["{patched}", "{patched}"], {}, "is not a flag"),
     ],
@@ -283,3 +290,57 @@ def test_megatron_parser_accepts_the_built_flags(checkouts):
     assert data["attrs"]["grad_reduce_in_bf16"] is True
     assert not dist_opt["ok"] and "distributed optimizer" in dist_opt["error"]
     assert not no_grad_overlap["ok"] and "--overlap-grad-reduce" in no_grad_overlap["error"]
+
+
+def fake_scontrol(tmp_path: Path, hosts) -> str:
+    """A PATH whose scontrol prints ``hosts`` (one a line) for ``show hostnames NODELIST``."""
+    bin_dir = tmp_path / "slurm-bin"
+    bin_dir.mkdir()
+    tool = bin_dir / "scontrol"
+    tool.write_text("#!/bin/bash\n[[ $1 == show && $2 == hostnames && -n $3 ]] || exit 1\n"
+                    + "".join(f"echo {h}\n" for h in hosts))
+    tool.chmod(0o755)
+    return f"{bin_dir}:{os.environ['PATH']}"
+
+
+def test_two_slurm_nodes_without_master_addr_rendezvous_at_the_head_node(checkouts, tmp_path):
+    env = {"SLURM_NNODES": "2", "SLURM_NODEID": "1", "SLURM_GPUS_ON_NODE": "8",
+           "SLURM_JOB_NODELIST": "gpu-[07-08]", "PATH": fake_scontrol(tmp_path, ["gpu-07", "gpu-08"])}
+    _, torchrun, _ = dry_run(checkouts["patched"], env=env)
+    assert opt(torchrun, "--master-addr") == "gpu-07" and opt(torchrun, "--nnodes") == "2"
+    env["MASTER_ADDR"] = "login-given"  # an explicit address wins
+    _, torchrun, _ = dry_run(checkouts["patched"], env=env)
+    assert opt(torchrun, "--master-addr") == "login-given"
+
+
+def test_scontrol_that_names_no_host_is_a_clear_error(checkouts, tmp_path):
+    env = {"SLURM_NNODES": "2", "SLURM_NODEID": "0", "GPUS_PER_NODE": "8",
+           "SLURM_JOB_NODELIST": "gpu-[07-08]", "PATH": fake_scontrol(tmp_path, [])}
+    proc = launch("--dry-run", checkouts["patched"], env=env)
+    assert proc.returncode == 2 and "gave no host; set MASTER_ADDR" in proc.stderr
+
+
+def test_the_gpu_count_follows_cuda_visible_devices(checkouts):
+    _, torchrun, argv = dry_run(checkouts["patched"], env={"CUDA_VISIBLE_DEVICES": "2,5,7"})
+    assert opt(torchrun, "--nproc-per-node") == "3" and opt(argv, "--global-batch-size") == "6"
+    _, torchrun, _ = dry_run(checkouts["patched"], env={"CUDA_VISIBLE_DEVICES": "2,5,7", "GPUS_PER_NODE": "2"})
+    assert opt(torchrun, "--nproc-per-node") == "2", "GPUS_PER_NODE wins"
+
+
+def test_dp1_warns_that_the_series_gathers_nothing(checkouts):
+    one = launch("--dry-run", checkouts["patched"], env={"GPUS_PER_NODE": "1"})
+    two = launch("--dry-run", checkouts["patched"], env={"GPUS_PER_NODE": "2"})
+    tp2 = launch("--dry-run", checkouts["patched"], "--tensor-model-parallel-size", "2", env={"GPUS_PER_NODE": "2"})
+    assert one.returncode == two.returncode == tp2.returncode == 0
+    assert "warning: data-parallel size 1" in one.stderr and "warning: data-parallel size 1" in tp2.stderr
+    assert "warning" not in two.stderr
+
+
+def test_the_optimizer_gather_path_can_be_launched(checkouts):
+    """--no-overlap-param-gather: megatron then gathers in the optimizer's step() (patch 0007)."""
+    _, _, argv = dry_run(checkouts["patched"], "--no-overlap-param-gather", env={"GPUS_PER_NODE": "2"})
+    assert "--overlap-param-gather" not in argv and "--no-overlap-param-gather" not in argv
+    (result,) = validate_megatron_args([{"argv": argv, "world_size": 2,
+                                         "attrs": ["overlap_param_gather", "optimizer", "data_parallel_size"]}])
+    assert result["ok"], result
+    assert result["attrs"] == {"overlap_param_gather": False, "optimizer": "dist_muon", "data_parallel_size": 2}

@@ -254,6 +254,7 @@ def run_variant(
     timeout_s: float,
     extra_env: Optional[Dict[str, str]] = None,
     record_memory: bool = True,
+    runtime_flags: bool = True,
 ) -> VariantResult:
     """Train one variant (tree name or mutant tree Path) and read its metrics.
 
@@ -290,7 +291,7 @@ def run_variant(
         with Progress(label, out_dir / "stdout.log"):
             res.wall_s = launch.run_pretrain(
                 variant, args, case.nproc, run_dir=out_dir, cpu=cpu, timeout_s=timeout_s,
-                extra_env={**case.env_vars, param_sync_recorder.ENV_VAR: record_dir, **(extra_env or {})},
+                runtime_flags=runtime_flags, extra_env={**case.env_vars, param_sync_recorder.ENV_VAR: record_dir, **(extra_env or {})},
             )
         print(f"  [{label}] done in {res.wall_s:.1f} s", flush=True)
         res.metrics = read_metrics()
@@ -392,6 +393,7 @@ def run_case(
     model_args: Optional[Dict[str, object]] = None,
     extra_env: Optional[Dict[str, str]] = None,
     record_memory: bool = True,
+    runtime_flags: bool = True,
 ) -> dict:
     """Run one case end to end; returns the comparison dict (also comparison.json).
 
@@ -407,6 +409,9 @@ def run_case(
         record_memory: record the param sync's memory per step in both runs
             (``memory.json``, the ``memory`` key of the comparison, the printed block and
             the plot's third panel); off for runs that only need a verdict (mutants).
+        runtime_flags: prepend ``harness.launch.RUNTIME_FLAGS`` (local layers, no fused
+            kernels); False trains with megatron's defaults (Transformer Engine, fused wgrad
+            into ``main_grad``), for GPUs.
     """
     from harness import data
 
@@ -431,7 +436,8 @@ def run_case(
             continue
         tree = variant if variant == "upstream" or patched_tree is None else Path(patched_tree)
         results[variant] = run_variant(
-            case, tree, out / variant, data_path, device, timeout_s, extra_env, record_memory
+            case, tree, out / variant, data_path, device, timeout_s, extra_env, record_memory,
+            runtime_flags=runtime_flags,
         )
     failures = [f for r in results.values() for f in r.failures]
     rules = tolerances.rules_for(case.metrics)
