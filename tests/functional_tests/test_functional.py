@@ -113,10 +113,8 @@ def test_series_param_sync_allocates_nothing(case_results, case):
     memory = case_results(case)["memory"]
     patched, upstream = memory["patched"], memory["upstream"]
     got = memory_report.step_maxima(patched)
-    assert {k: got[k] for k in ("megatron_bytes", "nccl_temporary_bytes", "between_megatron_bytes",
-                                "between_nccl_temporary_bytes")} == dict.fromkeys(
-        ("megatron_bytes", "nccl_temporary_bytes", "between_megatron_bytes", "between_nccl_temporary_bytes"), 0), (
-        memory_report.format_memory(memory))  # fmt: skip
+    keys = ("megatron_bytes", "nccl_temporary_bytes", "between_megatron_bytes", "between_nccl_temporary_bytes")
+    assert {k: got[k] for k in keys} == dict.fromkeys(keys, 0), memory_report.format_memory(memory)
     assert patched["kinds"] and all(k["calls"] > 0 and k["wire_bytes"] > 0 for k in patched["kinds"].values()), patched["kinds"]
     assert memory_report.step_maxima(upstream)["megatron_bytes"] > 0, memory_report.format_memory(memory)
 
