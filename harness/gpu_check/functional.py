@@ -103,8 +103,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         ap.error(f"--golden-file is a file name in the case folder, got {args.golden_file!r}")
     try:
         extra_args = json.loads(args.model_args)
-        assert isinstance(extra_args, dict)
-    except (ValueError, AssertionError):
+    except ValueError:
+        extra_args = None
+    if not isinstance(extra_args, dict):
         ap.error(f"--model-args must be a JSON object, got {args.model_args!r}")
 
     from tests.functional_tests.python_test_utils import run_case, tolerances
