@@ -23,7 +23,9 @@ Outputs, per scenario and config:
         params and grad_data equal the snapshot taken right before the call that
         raised, "pending_state_kept": the same for the params and for the grad_data of
         the bucket groups whose gather was pending then (None when nothing raised or no
-        snapshot was taken)}.
+        snapshot was taken), "temporaries": how many pre-hook or forced gathers received
+        into a temporary instead of grad_data (see count_receive_temporaries; None on a
+        tree without layerwise_recv_buffer)}.
     DIR/results.json (rank 0)   {"<config>/<scenario>": the scalar fields above, and
         "reentry_errors", "reentry_state_kept"} plus "_meta".
 A scenario that raises stops at that point; the error is recorded, not re-raised, so
@@ -65,10 +67,15 @@ PROBE_DEPTH = 2
 
 
 # ----------------------------------------------------------------------- forward variants
+# Each runs TinyNet's expert layer (when it has one) after the dense layers it runs.
+def _experts(self, x):
+    return x if self.experts is None else self.experts(x)
+
+
 def _forward_full(self, x):
     for layer in self.layers:
         x = torch.tanh(layer(x))
-    return x
+    return _experts(self, x)
 
 
 def _forward_probe(self, x):
@@ -79,18 +86,45 @@ def _forward_probe(self, x):
 
 
 def _forward_bypass_last(self, x):
-    """The last layer's params used from the parent: its forward pre-hook never fires."""
+    """The last dense layer's params used from the parent: its forward pre-hook never
+    fires."""
     for layer in self.layers[:-1]:
         x = torch.tanh(layer(x))
     last = self.layers[-1]
-    return torch.tanh(F.linear(x, last.weight, last.bias))
+    return _experts(self, torch.tanh(F.linear(x, last.weight, last.bias)))
 
 
 def _forward_skip_last(self, x):
-    """The last layer is not used at all in this pass (no params, no grads)."""
+    """The last dense layer is not used at all in this pass (no params, no grads)."""
     for layer in self.layers[:-1]:
         x = torch.tanh(layer(x))
-    return x
+    return _experts(self, x)
+
+
+# ------------------------------------------------------------------ receive temporaries
+TEMPORARIES = [0]
+COUNTING = [False]  # set by main() where count_receive_temporaries() could wrap
+
+
+def count_receive_temporaries():
+    """Patched tree: count every receive buffer of a pre-hook or forced gather that is not
+    its bucket's grad_data (layerwise_recv_buffer() returned a temporary) in
+    TEMPORARIES[0]. Returns False on a tree without layerwise_recv_buffer (pristine, whose
+    receive buffers are all temporaries)."""
+    from megatron.core.distributed import param_and_grad_buffer as pgb
+
+    original = getattr(pgb, "layerwise_recv_buffer", None)
+    if original is None:
+        return False
+
+    def counted(grad_data, *args, **kwargs):
+        recv = original(grad_data, *args, **kwargs)
+        if recv.untyped_storage().data_ptr() != grad_data.untyped_storage().data_ptr():
+            TEMPORARIES[0] += 1
+        return recv
+
+    pgb.layerwise_recv_buffer = counted
+    return True
 
 
 def set_forward(s, fn):
@@ -158,11 +192,23 @@ class Scenario:
     # where an error is expected.
     snap_phases = frozenset()
 
+    # DDPConfig.overlap_grad_reduce of the run.
+    overlap_grad_reduce = True
+    # Whether TinyNet gets an expert layer (its own expert-parallel buffer and bucket
+    # group, gathered over the expert-DP group).
+    expert = False
+
     def after_step(self, s, k, phase):
         """After optimizer.step() of step k (the next step's zero_grad_buffer follows)."""
 
+    def after_no_sync_backward(self, s, k, phase):
+        """After the backward of each microbatch inside no_sync() of step k."""
+
     def after_backward(self, s, k, phase):
         """After the last microbatch's backward of step k, before finish_grad_sync."""
+
+    def before_step(self, s, k, phase):
+        """After finish_grad_sync of step k, before optimizer.step()."""
 
 
 class Baseline(Scenario):
@@ -266,6 +312,68 @@ class SkipLastReference(Scenario):
     forward = staticmethod(_forward_skip_last)
 
 
+class BaselineNoOverlapGradReduce(Scenario):
+    """Baseline without --overlap-grad-reduce (grads reduced in finish_grad_sync)."""
+
+    overlap_grad_reduce = False
+
+
+def _forced_sync(s, phase):
+    """What disable_forward_pre_hook() does: a forced (synchronous) param sync."""
+    phase("forced_param_sync")
+    s.ddp.start_param_sync(force_sync=True)
+
+
+class ForcedBeforeStep(Scenario):
+    """start_param_sync(force_sync=True) after finish_grad_sync() and before the step:
+    grad_data holds the reduced grads step() is about to read. 0.17.1 gathers into
+    temporaries; but the gather marks the bucket groups dispatched, so the next forward's
+    pre-hooks do not gather the params the step updates (see the test)."""
+
+    def before_step(self, s, k, phase):
+        _forced_sync(s, phase)
+
+
+class ForcedBeforeStepNoOverlapGradReduce(ForcedBeforeStep):
+    overlap_grad_reduce = False
+
+
+class ForcedDuringReduce(Scenario):
+    """A forced param sync after the last backward, before finish_grad_sync(): the grad
+    all-reduce that backward dispatched (--overlap-grad-reduce) is still writing
+    grad_data."""
+
+    def after_backward(self, s, k, phase):
+        _forced_sync(s, phase)
+
+
+class ForcedAfterNoSync(Scenario):
+    """A forced param sync after a microbatch's backward inside no_sync(): grad_data holds
+    accumulated grads, which no overlap_grad_reduce bookkeeping has registered."""
+
+    def after_no_sync_backward(self, s, k, phase):
+        _forced_sync(s, phase)
+
+
+class GatherAfterNoSync(Scenario):
+    """start_param_sync() (async) after a microbatch's backward inside no_sync(); the next
+    microbatch's forward pre-hooks finish it."""
+
+    def after_no_sync_backward(self, s, k, phase):
+        phase("start_param_sync")
+        s.ddp.start_param_sync()
+
+
+class ForcedWithBypass(Scenario):
+    """The last layer's pre-hook bypassed (its chained gather stays pending while backward
+    accumulates into grad_data), then a forced param sync before finish_grad_sync()."""
+
+    forward = staticmethod(_forward_bypass_last)
+
+    def after_backward(self, s, k, phase):
+        _forced_sync(s, phase)
+
+
 SCENARIOS = {
     "baseline": Baseline,
     "zero_grad": ZeroGradWhilePending,
@@ -276,18 +384,32 @@ SCENARIOS = {
     "reentry": StartParamSyncReentry,
     "start_grad_sync": StartGradSyncWhilePending,
     "skip_last_reference": SkipLastReference,
+    "baseline_no_ogr": BaselineNoOverlapGradReduce,
+    "forced_before_step": ForcedBeforeStep,
+    "forced_before_step_no_ogr": ForcedBeforeStepNoOverlapGradReduce,
+    "forced_during_reduce": ForcedDuringReduce,
+    "forced_after_no_sync": ForcedAfterNoSync,
+    "gather_after_no_sync": GatherAfterNoSync,
+    "forced_bypass": ForcedWithBypass,
 }
+# The same on a model with an expert layer (its own expert-parallel bucket group, gathered
+# over the expert-DP group: 2 at EP 1 on 2 ranks).
+for _name in ("baseline", "zero_grad", "forward_only", "bypass_prehook", "forced_before_step"):
+    SCENARIOS[f"{_name}_moe"] = type(f"{SCENARIOS[_name].__name__}MoE", (SCENARIOS[_name],), {"expert": True})
 
 
 def run(scenario: Scenario, cfg):
     """Train STEPS steps with `scenario`'s injections; return the record (see module)."""
-    s = Setup(cfg, overlap=True)
+    s = Setup(
+        cfg, overlap=True, expert=scenario.expert, overlap_grad_reduce=scenario.overlap_grad_reduce
+    )
     s.reentry_errors, s.reentry_state_kept = [], []
     set_forward(s, scenario.forward)
     phase = Phase(s, scenario.snap_phases)
     rec = {"main_grads": [], "params": [], "grad_norms": [], "error": None}
     rec.update(error_step=None, error_phase=None, error_is_runtime_error=None)
     rec.update(state_kept=None, pending_state_kept=None)
+    TEMPORARIES[0] = 0
     k = 0
     try:
         for k in range(STEPS):
@@ -304,10 +426,13 @@ def run(scenario: Scenario, cfg):
                         rec["params"].append([p.detach().clone() for p in s.params])
                     phase("backward")
                     out.float().pow(2).mean().backward()
+                if not last:
+                    scenario.after_no_sync_backward(s, k, phase)
             scenario.after_backward(s, k, phase)
             phase("finish_grad_sync")
             s.ddp.finish_grad_sync()
             rec["main_grads"].append(s.main_grads())
+            scenario.before_step(s, k, phase)
             phase("optimizer_step")
             rec["grad_norms"].append(float(s.opt.step()[1]))
             scenario.after_step(s, k, phase)
@@ -325,6 +450,7 @@ def run(scenario: Scenario, cfg):
         if phase.snap is not None:
             rec["state_kept"] = all_ranks(state_equals(s, phase.snap))
             rec["pending_state_kept"] = all_ranks(state_equals(s, phase.snap, pending_only=True))
+    rec["temporaries"] = TEMPORARIES[0] if COUNTING[0] else None
     rec["reentry_errors"] = s.reentry_errors
     rec["reentry_state_kept"] = s.reentry_state_kept
     return rec
@@ -336,6 +462,7 @@ def main(argv=None):
     dist.init_process_group(backend="gloo")
     tree = check_expected_tree()
     parallel_state.initialize_model_parallel()
+    COUNTING[0] = count_receive_temporaries()
     rank = dist.get_rank()
     summary = {"_meta": {"tree": tree, "world_size": dist.get_world_size()}}
     for cfg in map(parse_config, args.configs.split(",")):
@@ -349,6 +476,7 @@ def main(argv=None):
                 "error_is_runtime_error",
                 "state_kept",
                 "pending_state_kept",
+                "temporaries",
                 "reentry_errors",
                 "reentry_state_kept",
             )

@@ -166,7 +166,7 @@ class TinyNet(MegatronModule):
 class Setup:
     """One DDP-wrapped TinyNet of config `cfg` and its LayerWiseDistributedOptimizer."""
 
-    def __init__(self, cfg: Config, overlap, expert=False, seed=1234):
+    def __init__(self, cfg: Config, overlap, expert=False, seed=1234, overlap_grad_reduce=True):
         torch.manual_seed(seed)
         dtype = cfg.dtype
         bf16 = dtype == torch.bfloat16
@@ -184,7 +184,7 @@ class Setup:
         self.dtype = dtype
         ddp_config = DDPConfig(
             grad_reduce_in_fp32=cfg.fp32_grad,
-            overlap_grad_reduce=True,
+            overlap_grad_reduce=overlap_grad_reduce,
             overlap_param_gather=overlap,
             use_distributed_optimizer=False,
             bucket_size=cfg.bucket_size,
@@ -433,39 +433,46 @@ def sc_microbatches(cfg):
     return res
 
 
-def train_overlap_and_sync(cfg, steps, expert=False):
+def train_overlap_and_sync(cfg, steps, expert=False, tweak=None):
     """Train the same model `steps` real optimizer steps twice: with the overlapped
     (pre-hook) gather and with the optimizer's synchronous gather in step().
 
     Returns:
         (overlap Setup, its grad norms, sync Setup, its grad norms, max |param diff|,
-        whether every grad_data was all zero whenever the sync path's step() returned).
+        (whether every grad_data element was zero or bitwise the reduced grad it held
+        before step() whenever the sync path's step() returned, on every rank; how many
+        nonzero grad elements the sync path's steps zeroed on this rank)).
     """
     runs = {}
-    zero_after_step = True
+    zero_or_grad, zeroed = True, 0
     for name, overlap in (("overlap", True), ("sync", False)):
         s = Setup(cfg, overlap=overlap, expert=expert)
+        if tweak is not None:
+            tweak(s)
         norms = []
         for step in range(steps):
             s.ddp.zero_grad_buffer()
             s.opt.zero_grad()
             s.forward_backward(step, 2)
+            before = [g.clone() for g in s.grad_datas()]
             norms.append(float(s.opt.step()[1]))
             if not overlap:
-                zero_after_step &= all(int(torch.count_nonzero(g)) == 0 for g in s.grad_datas())
+                for g, b in zip(s.grad_datas(), before):
+                    zero_or_grad &= bool(((g == 0) | (g == b)).all())
+                    zeroed += int(((g == 0) & (b != 0)).sum())
         if overlap:  # the last update is gathered by the next forward's pre-hooks
             s.ddp.start_param_sync(force_sync=True)
         runs[name] = (s, norms)
     (a, na), (b, nb) = runs["overlap"], runs["sync"]
     diff = max_abs_diff([p.detach() for p in a.params], [p.detach() for p in b.params])
-    return a, na, b, nb, diff, all_ranks(zero_after_step)
+    return a, na, b, nb, diff, (all_ranks(zero_or_grad), zeroed)
 
 
 def sc_training(cfg, steps=4):
     """Real optimizer steps: overlapped (pre-hook) gather vs the optimizer's synchronous
     gather; params and grad norms bitwise equal, params equal on every rank; on the
     synchronous path main_grad (grad_data) is all zero whenever step() returns."""
-    a, na, b, nb, diff, zero_after_step = train_overlap_and_sync(cfg, steps)
+    a, na, b, nb, diff, (zero_or_grad, zeroed) = train_overlap_and_sync(cfg, steps)
     # Every rank must hold the same params after the gather.
     same = True
     for p in a.params:
@@ -479,7 +486,8 @@ def sc_training(cfg, steps=4):
         "grad_norms_overlap": na,
         "grad_norms_sync": nb,
         "params_equal_across_ranks": all_ranks(same),
-        "main_grad_zero_after_step": zero_after_step,
+        "main_grad_zero_or_grad_after_step": zero_or_grad,
+        "main_grad_elements_zeroed_by_step": zeroed,
         # Bitwise fingerprints, compared by the test with the pristine tree's run.
         "params_sha256_overlap": params_sha256(a.params),
         "params_sha256_sync": params_sha256(b.params),
@@ -892,15 +900,100 @@ def sc_async_without_ddp(cfg):
     return {"built": True}
 
 
+def _non_contiguous_weight(s):
+    """The first layer's weight stored transposed (x.t().contiguous().t(): same values,
+    not contiguous), as a param that is not a plain contiguous tensor."""
+    w = s.ddp.module.layers[0].weight
+    w.data = w.data.t().contiguous().t()
+    assert not w.data.is_contiguous()
+
+
+def _fp8_buffer_param_dtype(s):
+    """Every grad buffer's param_dtype set to uint8, as megatron sets it for FP8 params'
+    buffers (the params themselves stay bf16/fp32 here)."""
+    for b in s.ddp.buffers + s.ddp.expert_parallel_buffers:
+        b.param_dtype = torch.uint8
+
+
+def sc_unusual_params(cfg):
+    """Overlapped and optimizer-path training (3 steps) with a non-contiguous param, and
+    with uint8 buffer param_dtype: bitwise fingerprints for the test to compare with the
+    pristine tree, and overlap == sync."""
+    res = {}
+    for name, tweak in (("non_contiguous", _non_contiguous_weight), ("uint8_buffer_dtype", _fp8_buffer_param_dtype)):
+        a, na, b, nb, diff, _ = train_overlap_and_sync(cfg, 3, tweak=tweak)
+        res[f"{name}_overlap_equal_sync"] = all_ranks(diff == 0.0 and na == nb)
+        res[f"{name}_params_sha256_overlap"] = params_sha256(a.params)
+        res[f"{name}_params_sha256_sync"] = params_sha256(b.params)
+    return res
+
+
+def sc_optimizer_offloaded(cfg):
+    """The optimizer's gather (LayerWiseDistributedOptimizer.allgather_params(), what step()
+    ends with) called while offload_grad_buffers() has freed grad_data: the params are
+    gathered (through temporaries) and the freed storage is never written."""
+    s = Setup(cfg, overlap=False)
+    s.ddp.zero_grad_buffer()
+    s.simulate_step(step=7)
+    s.ddp.offload_grad_buffers(synchronize=False, empty_cache=False)
+    s.opt.allgather_params()
+    still_freed = all(g.untyped_storage().nbytes() == 0 for g in s.grad_datas())
+    synced = s.params_equal_targets(7)
+    s.ddp.restore_grad_buffers(synchronize=False)
+    return {"params_synced": all_ranks(synced), "storage_stayed_freed": all_ranks(still_freed)}
+
+
+def sc_optimizer_without_ddp(cfg):
+    """The layer-wise optimizer without --overlap-param-gather over a model chunk that is
+    not megatron's DDP: 2 real steps (fp32, grads from loss.backward() in param.grad), the
+    params equal on every rank afterwards, and their bitwise fingerprint for the test."""
+    torch.manual_seed(1234)
+    tc = TransformerConfig(num_layers=1, hidden_size=IN_DIM, num_attention_heads=1,
+                           params_dtype=torch.float32, use_cpu_initialization=True)
+    module = TinyNet(tc, widths=cfg.widths).float()
+    module.ddp_config = DDPConfig(overlap_param_gather=False, use_distributed_optimizer=False)
+    opt_config = OptimizerConfig(optimizer='muon', lr=0.02, params_dtype=torch.float32,
+                                 use_distributed_optimizer=False, overlap_param_gather=False)
+    opt = get_megatron_muon_optimizer(opt_config, [module], layer_wise_distributed_optimizer=True)
+    x = torch.randn(4, IN_DIM, generator=torch.Generator().manual_seed(5))
+    for _ in range(2):
+        opt.zero_grad()
+        module(x).pow(2).mean().backward()
+        for p in module.parameters():  # the DP all-reduce DDP would do
+            dist.all_reduce(p.grad)
+            p.grad /= dist.get_world_size()
+        opt.step()
+    same = True
+    for p in module.parameters():
+        ref = p.detach().clone()
+        dist.broadcast(ref, src=0)
+        same &= torch.equal(ref, p.detach())
+    return {"params_equal_across_ranks": all_ranks(same), "params_sha256": params_sha256(list(module.parameters()))}
+
+
 def sc_small_dp(cfg, expert=False):
     """DP size 1 (run with one rank) or expert-DP size 1 (expert=True, EP = world): the
-    optimizer builds, training runs, params match the synchronous path."""
-    _, na, _, nb, diff, _ = train_overlap_and_sync(cfg, 3, expert)
+    optimizer builds, training runs, params match the synchronous path; bitwise
+    fingerprints of both for the test to compare with pristine's synchronous path
+    (sc_small_dp_sync: pristine crashes with --overlap-param-gather there)."""
+    a, na, b, nb, diff, _ = train_overlap_and_sync(cfg, 3, expert)
     return {
-        "trains": True,
         "params_overlap_equal_sync": all_ranks(diff == 0.0),
         "grad_norms_equal": all_ranks(na == nb),
+        "params_sha256_overlap": params_sha256(a.params),
+        "params_sha256_sync": params_sha256(b.params),
     }
+
+
+def sc_small_dp_sync(cfg, expert=False):
+    """sc_small_dp's synchronous (optimizer-path) run alone: its params' fingerprint."""
+    s = Setup(cfg, overlap=False, expert=expert)
+    for step in range(3):
+        s.ddp.zero_grad_buffer()
+        s.opt.zero_grad()
+        s.forward_backward(step, 2)
+        s.opt.step()
+    return {"params_sha256_sync": params_sha256(s.params)}
 
 
 SCENARIOS = {
@@ -914,8 +1007,13 @@ SCENARIOS = {
     "alloc": sc_alloc,
     "collectives": sc_collectives,
     "async_without_ddp": sc_async_without_ddp,
+    "optimizer_without_ddp": sc_optimizer_without_ddp,
+    "optimizer_offloaded": sc_optimizer_offloaded,
+    "unusual_params": sc_unusual_params,
     "small_dp": sc_small_dp,
     "expert_dp1": lambda cfg: sc_small_dp(cfg, expert=True),
+    "small_dp_sync": sc_small_dp_sync,
+    "expert_dp1_sync": lambda cfg: sc_small_dp_sync(cfg, expert=True),
 }
 #: Scenarios that build their own models: run once per job, keyed "models/<scenario>".
 MODEL_INDEPENDENT = {"collectives"}

@@ -3,14 +3,16 @@
 megatron/core/distributed/param_and_grad_buffer.py (patched tree only; 0.17.1 has none of
 these functions):
 
-- ``layerwise_recv_buffer(grad_data, param_dtype, numel)``: grad_data viewed as the param
-  dtype; a temporary only while grad_data is offloaded; asserts capacity;
-- ``_layerwise_slots(recv, numels)``: consecutive slots, 16-byte aligned where recv has
-  room, packed otherwise;
+- ``layerwise_recv_buffer(grad_data, param_dtype, numel, busy)``: grad_data viewed as the
+  param dtype; a temporary only while grad_data is busy (grads not yet consumed, a grad
+  reduce in flight) or offloaded; asserts capacity;
+- ``_layerwise_slots(recvs, numels)``: slots placed in order, each in the first buffer with
+  room, 16-byte aligned if the whole layout fits so, else 4-byte, else packed, else None;
 - ``start_layerwise_param_gather`` / ``finish_layerwise_param_gather``: the collective
   chosen from the per-rank shares (equal: one ``all_gather_into_tensor``; unequal: one
-  broadcast per rank that owns something, in one coalescing block, a single-param owner's
-  straight into its param), then the copy-out and the zeroing of exactly what was written.
+  broadcast per rank that owns something, in one coalescing block, a single plain param
+  straight into itself, anything else through a slot), then the copy-out and the zeroing
+  of exactly what was written.
 
 The collectives are replaced by ``StandIn``: it records every call and delivers what the
 other DP ranks would send (their owners' values), so one process plays one rank of a group
@@ -140,7 +142,7 @@ def gather(monkeypatch, shapes_by_rank, rank, param_dtype, grad_dtype, grad_nume
     stand_in.install(monkeypatch)
     numel = sum(t.numel() for t in truth)
     recv = pgb.layerwise_recv_buffer(grad_data, param_dtype, numel)
-    work, pending = pgb.start_layerwise_param_gather(recv, params_by_rank, None, async_op)
+    work, pending = pgb.start_layerwise_param_gather([recv], params_by_rank, None, async_op)
     written = list(pending[0])
     pgb.finish_layerwise_param_gather(*pending)
     return stand_in, work, params_by_rank, values, grad_data, before, written
@@ -242,8 +244,9 @@ def test_single_param_owner_broadcasts_in_place(monkeypatch, rank):
     [
         # fp32 grad_data of 40 = 80 bf16 elements: slot starts rounded up to 16 bytes.
         (torch.float32, 40, [0, 16]),
-        # bf16 grad_data of 20 elements: 16 + 5 > 20, so the slots are packed.
-        (torch.bfloat16, 20, [0, 11]),
+        # bf16 grad_data of 20 elements: 16 + 5 > 20, so 4-byte aligned (12 + 5 <= 20);
+        # packed slots: test_slot_layout.
+        (torch.bfloat16, 20, [0, 12]),
     ],
 )
 def test_slots_aligned_where_there_is_room_packed_otherwise(monkeypatch, grad_dtype, grad_numel, starts):
@@ -274,7 +277,7 @@ def test_slots_align_to_the_storage_not_to_the_view():
     aligned in memory (16 bytes), consecutive and disjoint."""
     storage = torch.zeros(64, dtype=torch.bfloat16)
     recv = storage[3:]
-    slots = pgb._layerwise_slots(recv, [5, 7, 9])
+    slots = pgb._layerwise_slots([recv], [5, 7, 9])
     assert [t.numel() for t in slots] == [5, 7, 9]
     assert all(t.data_ptr() % 16 == 0 for t in slots)
     assert [(t.data_ptr() - storage.data_ptr()) // 2 for t in slots] == [8, 16, 24]
@@ -286,14 +289,57 @@ def test_slots_align_to_the_storage_not_to_the_view():
         (torch.float32, 12, [3, 5], [0, 4]),  # 4 fp32 elements = 16 bytes
         (torch.float32, 8, [3, 5], [0, 3]),  # 4 + 5 > 8: packed
         (torch.bfloat16, 13, [5, 5], [0, 8]),
-        (torch.bfloat16, 12, [5, 5], [0, 5]),
+        (torch.bfloat16, 12, [5, 5], [0, 6]),  # 8 + 5 > 12: 4-byte aligned
+        (torch.bfloat16, 10, [5, 5], [0, 5]),  # 6 + 5 > 10: packed
     ],
 )
 def test_slot_layout(dtype, numel, numels, starts):
     recv = torch.zeros(numel, dtype=dtype)
-    slots = pgb._layerwise_slots(recv, numels)
+    slots = pgb._layerwise_slots([recv], numels)
     assert [t.storage_offset() for t in slots] == starts
     assert [t.numel() for t in slots] == numels
+
+
+def test_slots_that_do_not_fit_even_packed_give_none():
+    assert pgb._layerwise_slots([torch.zeros(9, dtype=torch.bfloat16)], [5, 5]) is None
+
+
+def test_slots_first_fit_over_several_buffers():
+    """Each slot goes into the first buffer with room after the slots before it there; the
+    16-byte layout does not fit (the third slot), the 4-byte one does."""
+    a, b = torch.zeros(8, dtype=torch.bfloat16), torch.zeros(16, dtype=torch.bfloat16)
+    slots = pgb._layerwise_slots([a, b], [6, 9, 5])
+    where = [("a" if t.untyped_storage().data_ptr() == a.data_ptr() else "b", t.storage_offset()) for t in slots]
+    assert where == [("a", 0), ("b", 0), ("b", 10)]
+
+
+@pytest.mark.parametrize("kind", ["subclass", "non_contiguous"])
+def test_a_param_that_is_not_plain_goes_through_a_slot(monkeypatch, kind):
+    """Rank 2's single param is a tensor subclass (as TE's Float8Tensor) or not contiguous:
+    it is not broadcast in place but through a slot of grad_data, copied per tensor; the
+    receivers' param gets the owner's value, the slot is zeroed again."""
+
+    class Sub(torch.Tensor):
+        pass
+
+    params_by_rank, truth, values, grad = make_case(UNEQUAL, 0, torch.bfloat16, torch.float32, 40)
+    old = params_by_rank[2][0]
+    data = old.detach().clone().reshape(2, 2)
+    # x.t().contiguous().t() equals x, with transposed strides.
+    new = torch.nn.Parameter(data.as_subclass(Sub) if kind == "subclass" else data.t().contiguous().t())
+    assert not pgb._is_plain(new)
+    values[new] = values.pop(old).reshape(2, 2)
+    params_by_rank[2] = [new]
+    before = grad.clone()
+    stand_in = StandIn(0, params_by_rank, truth)
+    stand_in.install(monkeypatch)
+    work, pending = pgb.start_layerwise_param_gather([grad.view(torch.bfloat16)], params_by_rank, None, True)
+    sent = [c[1] for c in stand_in.calls if c[2] == 2]
+    assert len(sent) == 1 and in_storage(sent[0], grad)
+    assert [t.numel() for t in pending[0]] == [11, 4, 5]
+    pgb.finish_layerwise_param_gather(*pending)
+    assert torch.equal(new.detach().as_subclass(torch.Tensor), values[new])
+    assert_zeroed_exactly(grad, before, pending[0])
 
 
 # ------------------------------------------------------------------ receive buffer
@@ -302,6 +348,18 @@ def test_receive_buffer_is_grad_data_viewed_as_the_param_dtype():
     recv = pgb.layerwise_recv_buffer(grad, torch.bfloat16, 20)
     assert recv.dtype == torch.bfloat16 and recv.numel() == 20
     assert recv.data_ptr() == grad.data_ptr()
+
+
+@pytest.mark.parametrize("offloaded", [False, True])
+def test_busy_or_offloaded_grad_data_gets_a_temporary(offloaded):
+    """busy: grad_data holds grads no step has consumed (or a grad reduce writes it), so a
+    param sync between backward and the step receives into a fresh tensor, as 0.17.1."""
+    grad = torch.full((10,), 0.5)
+    if offloaded:
+        grad.untyped_storage().resize_(0)
+    recv = pgb.layerwise_recv_buffer(grad, torch.bfloat16, 7, busy=not offloaded)
+    assert recv.numel() == 7 and recv.dtype == torch.bfloat16
+    assert recv.untyped_storage().data_ptr() != grad.untyped_storage().data_ptr()
 
 
 def test_receive_buffer_too_small_asserts_with_sizes():
@@ -322,7 +380,7 @@ def test_offloaded_grad_data_gets_a_temporary_and_is_never_written(monkeypatch, 
     stand_in.install(monkeypatch)
     recv = pgb.layerwise_recv_buffer(grad, torch.bfloat16, 20)
     assert recv.numel() == 20 and recv.dtype == torch.bfloat16 and recv.untyped_storage().nbytes() == 40
-    work, pending = pgb.start_layerwise_param_gather(recv, params_by_rank, None, True)
+    work, pending = pgb.start_layerwise_param_gather([recv], params_by_rank, None, True)
     assert all(in_storage(t, recv) for t in pending[0])
     pgb.finish_layerwise_param_gather(*pending)
     assert grad.untyped_storage().nbytes() == 0, "freed grad_data storage was written"

@@ -206,12 +206,16 @@ def test_training_steps_equal_the_pristine_tree(runs, world, config):
 
 
 @pytest.mark.parametrize("world,config", CASES)
-def test_main_grad_is_zero_when_the_optimizer_step_returns(runs, world, config):
-    """Without --overlap-param-gather step() gathers through the grad buffers: every
-    grad_data (so every main_grad) is all zero when it returns, after each of 4 steps, so
-    that nothing reads param bytes as grads. Pristine: step() leaves the reduced grads."""
-    assert result(runs("patched", world), config, "training")["main_grad_zero_after_step"]
-    assert result(runs("upstream", world), config, "training")["main_grad_zero_after_step"] is False
+def test_main_grad_is_zero_or_the_grad_when_the_optimizer_step_returns(runs, world, config):
+    """Without --overlap-param-gather step() gathers through the grad buffers and zeroes
+    only the slots it wrote: when it returns, after each of 4 steps, every grad_data
+    element (so every main_grad) is zero or bitwise the reduced grad it held before the
+    step, never param bytes, and some grads were zeroed (the slots were used). Pristine:
+    step() leaves the reduced grads, none zeroed."""
+    r = result(runs("patched", world), config, "training")
+    assert r["main_grad_zero_or_grad_after_step"] and r["main_grad_elements_zeroed_by_step"] > 0, r
+    u = result(runs("upstream", world), config, "training")
+    assert u["main_grad_zero_or_grad_after_step"] and u["main_grad_elements_zeroed_by_step"] == 0
 
 
 @pytest.mark.parametrize("world,config", CASES)
@@ -393,21 +397,70 @@ def test_dp_size_1(runs):
     Pristine: TypeError while building the optimizer (set_bucket_layerwise_params_list
     zips over None)."""
     r = result(runs("patched", 1, "small_dp,gather,alloc"), CONFIGS[0], "small_dp")
-    assert r["trains"] and r["params_overlap_equal_sync"] and r["grad_norms_equal"]
+    assert r["params_overlap_equal_sync"] and r["grad_norms_equal"]
     a = result(runs("patched", 1, "small_dp,gather,alloc"), CONFIGS[0], "alloc")
     assert a["async_bytes"] == a["forced_bytes"] == a["optimizer_bytes"] == 0
     assert all(b["calls"] == 0 for b in a["async_per_bucket_group"] + a["forced_per_bucket_group"])
-    u = runs("upstream", 1, "small_dp,gather,alloc")[f"{CONFIGS[0]}/small_dp"]
-    assert u.get("error", "").startswith("TypeError"), u
+    u = runs("upstream", 1, "small_dp,small_dp_sync")
+    assert u[f"{CONFIGS[0]}/small_dp"].get("error", "").startswith("TypeError"), u
+    # Bitwise equal to pristine's run without --overlap-param-gather (which works at DP 1).
+    ref = result(u, CONFIGS[0], "small_dp_sync")["params_sha256_sync"]
+    assert r["params_sha256_overlap"] == r["params_sha256_sync"] == ref
 
 
 def test_expert_dp_size_1(runs):
     """EP=2 on 2 ranks gives expert-DP size 1: trains, overlap == sync.
     Pristine: TypeError from max(None) in the first forward pre-hook."""
     r = result(runs("patched", 2, "expert_dp1", CONFIGS[:1], ep=2), CONFIGS[0], "expert_dp1")
-    assert r["trains"] and r["params_overlap_equal_sync"] and r["grad_norms_equal"]
-    u = runs("upstream", 2, "expert_dp1", CONFIGS[:1], ep=2)[f"{CONFIGS[0]}/expert_dp1"]
-    assert u.get("error", "").startswith("TypeError"), u
+    assert r["params_overlap_equal_sync"] and r["grad_norms_equal"]
+    u = runs("upstream", 2, "expert_dp1,expert_dp1_sync", CONFIGS[:1], ep=2)
+    assert u[f"{CONFIGS[0]}/expert_dp1"].get("error", "").startswith("TypeError"), u
+    ref = result(u, CONFIGS[0], "expert_dp1_sync")["params_sha256_sync"]
+    assert r["params_sha256_overlap"] == r["params_sha256_sync"] == ref
+
+
+EDGE_SCENARIOS = "optimizer_without_ddp,optimizer_offloaded,unusual_params"
+
+
+def test_optimizer_path_without_ddp_chunks(runs):
+    """Without --overlap-param-gather over a model chunk that is not megatron's DDP, step()
+    gathers the 0.17.1 way (nothing to receive into): trains, ranks agree, bitwise equal
+    to pristine. Series v3 raised TypeError in every step (nn.Module.buffers is a method)."""
+    r = result(runs("patched", 2, EDGE_SCENARIOS, CONFIGS[:1]), CONFIGS[0], "optimizer_without_ddp")
+    u = result(runs("upstream", 2, EDGE_SCENARIOS, CONFIGS[:1]), CONFIGS[0], "optimizer_without_ddp")
+    assert r["params_equal_across_ranks"] and r["params_sha256"] == u["params_sha256"], (r, u)
+
+
+def test_optimizer_path_with_offloaded_grad_buffers(runs):
+    """allgather_params() while offload_grad_buffers() has freed grad_data: params
+    gathered, the freed storage never written (series v3 zeroed it: SIGSEGV on CPU).
+    Pristine (temporaries only): the same."""
+    for tree in ("patched", "upstream"):
+        r = result(runs(tree, 2, EDGE_SCENARIOS, CONFIGS[:1]), CONFIGS[0], "optimizer_offloaded")
+        assert r["params_synced"] and r["storage_stayed_freed"], (tree, r)
+
+
+def test_optimizer_path_writing_freed_grad_data_is_caught(runs, tmp_path):
+    """The mutant whose optimizer path ignores offloaded grad buffers receives into freed
+    storage: torch refuses the view (series v3, which zeroed the freed grad_data instead,
+    died of SIGSEGV on CPU), so the scenario raises on every rank."""
+    tree = make_mutant_tree(MUTANTS / "offload" / "optimizer_path_writes_freed_grad_data.patch", tmp_path / "tree")
+    r = runs(tree, 2, "optimizer_offloaded", CONFIGS[:1])[f"{CONFIGS[0]}/optimizer_offloaded"]
+    assert "out of bounds for storage of size 0" in r.get("error", ""), r
+
+
+def test_params_that_are_not_plain_tensors(runs):
+    """A non-contiguous param (not broadcast in place: through a slot) and grad buffers
+    whose param_dtype is uint8 (as for FP8 params; the receive dtype comes from the
+    params): overlapped and optimizer-path training bitwise equal to pristine, and to
+    each other."""
+    r = result(runs("patched", 2, EDGE_SCENARIOS, CONFIGS[:1]), CONFIGS[0], "unusual_params")
+    u = result(runs("upstream", 2, EDGE_SCENARIOS, CONFIGS[:1]), CONFIGS[0], "unusual_params")
+    for case in ("non_contiguous", "uint8_buffer_dtype"):
+        assert r[f"{case}_overlap_equal_sync"], (case, r)
+        for path in ("overlap", "sync"):
+            key = f"{case}_params_sha256_{path}"
+            assert r[key] == u[key], (key, r, u)
 
 
 def _failed_checks(results):
@@ -457,7 +510,7 @@ _DIRTY_AFTER_SYNC = {
     "forced_sync.pending_grad_data_zero",
     "free_overlap_buffers.grad_data_zero",
 }
-_DIRTY_AFTER_STEP = {"training.main_grad_zero_after_step"}
+_DIRTY_AFTER_STEP = {"training.main_grad_zero_or_grad_after_step"}
 # Wrong values where the overlapped path gathers; the optimizer's path of CONFIGS[0] (one
 # all_gather_into_tensor at DP 2) is right, so the two training paths part.
 _WRONG_VALUES = _PARAMS_STALE | _GRADS_WRONG | _TRAINING_DIVERGES | _RANKS_DIFFER
@@ -559,11 +612,11 @@ def test_mutant_with_a_broken_import_fails_the_mutant_check(runs, tmp_path):
 
 # ---------------------------------------------------------------------------- prefixes
 PREFIX_SCENARIOS = "gather,microbatches,training"
-# Claims of the finished series beyond numerics: main_grad zero when step() returns (0007;
-# earlier prefixes leave the reduced grads there, as 0.17.1 does), and the exact bytes the
-# pre-hook gather writes (its forms, 0006; 0004 receives every rank's share into a slot,
-# 0.17.1 into temporaries). Every prefix must still leave grad_data zero before backward.
-NOT_NUMERICS = {"training.main_grad_zero_after_step", "gather.async_zeroed_exactly_where_written"}
+# A claim of the finished series beyond numerics: the exact bytes the pre-hook gather
+# writes (its forms, 0006; 0004 receives every rank's share into a slot, 0.17.1 into
+# temporaries). Every prefix must still leave grad_data zero before backward, and
+# main_grad zero or the grad when step() returns.
+NOT_NUMERICS = {"gather.async_zeroed_exactly_where_written"}
 
 
 @pytest.mark.parametrize("k", range(1, len(series_patches()) + 1))
