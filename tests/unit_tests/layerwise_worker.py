@@ -433,37 +433,42 @@ def sc_microbatches(cfg):
     return res
 
 
+def train(cfg, steps, overlap, expert=False, tweak=None):
+    """Train a fresh Setup `steps` real optimizer steps (2 microbatches each), with the
+    overlapped (pre-hook) gather or the optimizer's synchronous gather in step().
+
+    Returns:
+        (Setup, grad norms, whether every grad_data element was zero or bitwise the
+        reduced grad it held before step() whenever step() returned (sync path only; True
+        with overlap), how many nonzero grad elements the steps zeroed on this rank).
+    """
+    s = Setup(cfg, overlap=overlap, expert=expert)
+    if tweak is not None:
+        tweak(s)
+    norms, zero_or_grad, zeroed = [], True, 0
+    for step in range(steps):
+        s.ddp.zero_grad_buffer()
+        s.opt.zero_grad()
+        s.forward_backward(step, 2)
+        before = None if overlap else [g.clone() for g in s.grad_datas()]
+        norms.append(float(s.opt.step()[1]))
+        for g, b in zip(s.grad_datas(), before or []):
+            zero_or_grad &= bool(((g == 0) | (g == b)).all())
+            zeroed += int(((g == 0) & (b != 0)).sum())
+    if overlap:  # the last update is gathered by the next forward's pre-hooks
+        s.ddp.start_param_sync(force_sync=True)
+    return s, norms, zero_or_grad, zeroed
+
+
 def train_overlap_and_sync(cfg, steps, expert=False, tweak=None):
-    """Train the same model `steps` real optimizer steps twice: with the overlapped
-    (pre-hook) gather and with the optimizer's synchronous gather in step().
+    """train() the same model with the overlapped gather and with the synchronous one.
 
     Returns:
         (overlap Setup, its grad norms, sync Setup, its grad norms, max |param diff|,
-        (whether every grad_data element was zero or bitwise the reduced grad it held
-        before step() whenever the sync path's step() returned, on every rank; how many
-        nonzero grad elements the sync path's steps zeroed on this rank)).
+        (the sync run's zero-or-grad check on every rank, its zeroed count on this rank)).
     """
-    runs = {}
-    zero_or_grad, zeroed = True, 0
-    for name, overlap in (("overlap", True), ("sync", False)):
-        s = Setup(cfg, overlap=overlap, expert=expert)
-        if tweak is not None:
-            tweak(s)
-        norms = []
-        for step in range(steps):
-            s.ddp.zero_grad_buffer()
-            s.opt.zero_grad()
-            s.forward_backward(step, 2)
-            before = [g.clone() for g in s.grad_datas()]
-            norms.append(float(s.opt.step()[1]))
-            if not overlap:
-                for g, b in zip(s.grad_datas(), before):
-                    zero_or_grad &= bool(((g == 0) | (g == b)).all())
-                    zeroed += int(((g == 0) & (b != 0)).sum())
-        if overlap:  # the last update is gathered by the next forward's pre-hooks
-            s.ddp.start_param_sync(force_sync=True)
-        runs[name] = (s, norms)
-    (a, na), (b, nb) = runs["overlap"], runs["sync"]
+    a, na, _, _ = train(cfg, steps, True, expert, tweak)
+    b, nb, zero_or_grad, zeroed = train(cfg, steps, False, expert, tweak)
     diff = max_abs_diff([p.detach() for p in a.params], [p.detach() for p in b.params])
     return a, na, b, nb, diff, (all_ranks(zero_or_grad), zeroed)
 
@@ -987,12 +992,7 @@ def sc_small_dp(cfg, expert=False):
 
 def sc_small_dp_sync(cfg, expert=False):
     """sc_small_dp's synchronous (optimizer-path) run alone: its params' fingerprint."""
-    s = Setup(cfg, overlap=False, expert=expert)
-    for step in range(3):
-        s.ddp.zero_grad_buffer()
-        s.opt.zero_grad()
-        s.forward_backward(step, 2)
-        s.opt.step()
+    s, *_ = train(cfg, 3, False, expert)
     return {"params_sha256_sync": params_sha256(s.params)}
 
 
