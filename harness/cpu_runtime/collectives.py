@@ -59,6 +59,8 @@ Invariants:
   caller groups broadcasts into one NCCL group) gloo has no ``startCoalescing``: the model
   replaces the manager for gloo and fake groups, runs each broadcast as an async gloo work
   and hands them to the manager, whose ``wait()`` (async) or exit (sync) waits on them all.
+- Under ``defer_async_completion()`` an async call moves no data until its own handle's
+  ``wait()``: the latest completion c10d allows (see there).
 - Calls on gloo groups run as described on any device (gloo stages CUDA tensors through
   host memory; the flat temporary is allocated on the tensors' device, so on a GPU the
   CUDA caching allocator sees it). Calls on the "fake" test backend run the same way
@@ -207,6 +209,7 @@ class _OpenGroup:
 
     launch_id: int
     works: List[Any] = field(default_factory=list)  # gloo works of the broadcasts inside
+    deferred: List[Callable[[], None]] = field(default_factory=list)  # under defer_async_completion
 
 
 #: group -> the modelled device-coalescing block open on it.
@@ -282,9 +285,11 @@ class ModelWork:
     ``torch.distributed.Work`` that megatron uses.
     """
 
-    def __init__(self, works: List[Any], finish: Optional[Callable[[], None]] = None):
+    def __init__(self, works: List[Any], finish: Optional[Callable[[], None]] = None,
+                 start: Optional[Callable[[], None]] = None):
         self._works = works  # one gloo Work per non-empty slot
         self._finish = finish
+        self._start = start  # deferred data movement (defer_async_completion), run in wait()
 
     def _complete(self) -> None:
         self._works = []  # done: drop gloo's references to the buffers
@@ -293,13 +298,16 @@ class ModelWork:
             finish()
 
     def wait(self, timeout: Any = None) -> bool:
+        if self._start is not None:
+            start, self._start = self._start, None
+            start()
         for work in self._works:
             work.wait() if timeout is None else work.wait(timeout)
         self._complete()
         return True
 
     def is_completed(self) -> bool:
-        if all(work.is_completed() for work in self._works):
+        if self._start is None and all(work.is_completed() for work in self._works):
             self._complete()
             return True
         return False
@@ -363,6 +371,39 @@ def _check_list(tensor_list: Sequence[torch.Tensor], tensor: torch.Tensor, rank:
         raise ValueError(f"all_gather: {rank=} input is not contiguous")
 
 
+_deferring = [False]
+
+
+@contextlib.contextmanager
+def defer_async_completion() -> Iterator[None]:
+    """Inside the block, an async modelled call moves its data only in its own ``wait()``.
+
+    c10d defines an async collective's output only once that call's own work has been
+    waited on, and backends complete works in any order before that (ProcessGroupGloo runs
+    them on a pool of worker threads; NCCL happens to finish one communicator's works in
+    order). This is the latest completion the contract allows, made deterministic: code
+    that reads an output before waiting on the work that writes it reads what was there
+    before, every time, and a work never waited on never moves data. The gloo broadcasts
+    then run synchronously in ``wait()``, so every rank must wait on the same works in the
+    same order (true of SPMD code). Calls made inside ``_coalescing_manager`` blocks are
+    deferred to the block's work. Sync calls are unaffected.
+    """
+    previous, _deferring[0] = _deferring[0], True
+    try:
+        yield
+    finally:
+        _deferring[0] = previous
+
+
+def _run(move: Callable[[bool], List[Any]], finish: Optional[Callable[[], None]], async_op: bool,
+         coalesced: bool) -> Optional[ModelWork]:
+    """Run ``move(async_gloo)`` (the gloo broadcasts) now, or in the handle's ``wait()``
+    under ``defer_async_completion``; then ``finish`` once they completed."""
+    if _deferring[0] and async_op and not coalesced:
+        return ModelWork([], finish, start=lambda: move(False))
+    return _finish_sync(move(async_op and not coalesced), finish, async_op, coalesced)
+
+
 def _finish_sync(works: List[Any], finish: Optional[Callable[[], None]], async_op: bool,
                  coalesced: bool) -> Optional[ModelWork]:
     handle = ModelWork(works, finish)
@@ -415,18 +456,17 @@ def all_gather(tensor_list: List[torch.Tensor], tensor: torch.Tensor, group: Any
                        rank, tensor.dtype, async_op=async_op, coalesced=coalesced,
                        launch_id=_launch_id(group)))
     if not equal:
-        works = _broadcast_slots(tensor_list, tensor, rank, group, async_op and not coalesced)
-        return _finish_sync(works, None, async_op, coalesced)
+        return _run(lambda a: _broadcast_slots(tensor_list, tensor, rank, group, a), None, async_op,
+                    coalesced)
     # newLikeFlat: the temporary NCCL gathers into, allocated through torch.
     flat = torch.empty((world, *tensor_list[0].shape), dtype=tensor.dtype, device=tensor.device)
-    works = _broadcast_slots(list(flat.unbind(0)), tensor.view(tensor_list[0].shape), rank, group,
-                             async_op and not coalesced)
 
     def copy_out(flat=flat):
         for r, out in enumerate(tensor_list):
             out.copy_(flat[r])
 
-    return _finish_sync(works, copy_out, async_op, coalesced)
+    return _run(lambda a: _broadcast_slots(list(flat.unbind(0)), tensor.view(tensor_list[0].shape), rank,
+                                           group, a), copy_out, async_op, coalesced)
 
 
 def all_gather_into_tensor(output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any = None,
@@ -468,8 +508,8 @@ def all_gather_into_tensor(output_tensor: torch.Tensor, input_tensor: torch.Tens
     _record(model_call(FORM_INTO_TENSOR, [n] * world, rank, input_tensor.dtype, async_op=async_op,
                        coalesced=coalesced, launch_id=_launch_id(group)))
     chunks = list(output_tensor.view(-1).split(n)) if n else [output_tensor.view(-1)] * world
-    works = _broadcast_slots(chunks, input_tensor.view(-1), rank, group, async_op and not coalesced)
-    return _finish_sync(works, None, async_op, coalesced)
+    return _run(lambda a: _broadcast_slots(chunks, input_tensor.view(-1), rank, group, a), None, async_op,
+                coalesced)
 
 
 @functools.wraps(_real_all_gather_base)
@@ -515,6 +555,14 @@ def broadcast(tensor: torch.Tensor, src: Optional[int] = None, group: Any = None
                        async_op=async_op, coalesced=open_group is not None or _coalescing(group),
                        launch_id=_launch_id(group)))
     work = None
+    if tensor.numel() and _deferring[0] and (async_op or open_group is not None):
+        def move(a=False):
+            _real_broadcast(tensor, group_src=root, group=group)
+            return []
+        if open_group is not None:
+            open_group.deferred.append(move)
+            return ModelWork([]) if async_op else None
+        return ModelWork([], start=move)
     if tensor.numel():  # gloo aborts on empty tensors (pytorch #85234)
         work = _real_broadcast(tensor, group_src=root, group=group,
                                async_op=async_op or open_group is not None)
@@ -554,7 +602,8 @@ def _coalescing_manager(group: Any = None, device: Optional[torch.device] = None
         yield cm
     finally:
         del _open_groups[pg]
-    work = ModelWork(open_group.works)
+    deferred = open_group.deferred
+    work = ModelWork(open_group.works, start=(lambda: [m() for m in deferred]) if deferred else None)
     if async_ops:
         cm.append(work)
     else:

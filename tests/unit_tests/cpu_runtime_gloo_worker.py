@@ -196,6 +196,35 @@ def main(out_dir: str) -> None:
             time.sleep(0.01)
     facts["async_equal_temporary"] = {"live_before_wait": live_before_wait, "live_after_wait": live_after_wait}
 
+    # 3b. defer_async_completion: each form's output untouched until its own wait(); a work
+    #     waited on second completes only then (the order a caller waits in decides).
+    def deferred_case(make):
+        with collectives.defer_async_completion():
+            a_out, a_work, a_check = make(1)
+            b_out, b_work, b_check = make(-1)
+            done = getattr(a_work, "is_completed", lambda: all(w.is_completed() for w in a_work.works))
+            before = [a_check(), b_check(), done()]
+            b_work.wait()
+            between = [a_check(), b_check()]
+            a_work.wait()
+            return {"before_wait": before, "after_b": between, "after_both": [a_check(), b_check()]}
+
+    group_sizes = [3, 4, 2, 5][:world]  # every rank receives something
+
+    def make_group(sign):
+        slots = slots_of(group_sizes, torch.float32, False, None)
+        slots[rank].copy_(sign * rank_values(rank, group_sizes[rank], torch.float32))
+        with dist._coalescing_manager(dist.group.WORLD, device=torch.device("cpu"), async_ops=True) as cm:
+            for owner, slot in enumerate(slots):
+                if slot.numel():
+                    dist.broadcast(slot, src=owner, async_op=True)
+        return slots, cm, lambda: all(torch.equal(o, sign * rank_values(r, group_sizes[r], torch.float32))
+                                      for r, o in enumerate(slots) if r != rank)
+
+    for key, make in (("unequal", make_list(sizes)), ("equal", make_list([EQUAL_NUMEL] * world)),
+                      ("into_tensor", make_into), ("broadcast_group", make_group)):
+        facts[f"deferred_{key}"] = deferred_case(make)
+
     # 4. inside _coalescing_manager (megatron's distributed-optimizer path): one
     #    all_gather_into_tensor per bucket, waited through the manager.
     outs_c = [torch.zeros(world * n) for n in (EQUAL_NUMEL, 2)]

@@ -45,6 +45,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from harness.alloc_counter import AllocationCounter  # noqa: E402
+from harness.cpu_runtime import collectives  # noqa: E402
 from harness.bench.theory import theory_upstream_bytes  # noqa: E402
 from harness.ranks import Outcomes, exit_rank  # noqa: E402
 from harness.trees import check_expected_tree  # noqa: E402
@@ -156,8 +157,8 @@ class TinyNet(MegatronModule):
                 p.allreduce = False
 
     def forward(self, x):
-        for layer in self.layers:
-            x = torch.tanh(layer(x))
+        for layer in self.layers:  # .to(): a no-op unless a layer was kept in another dtype
+            x = torch.tanh(layer(x.to(layer.weight.dtype)))
         if self.experts is not None:
             x = self.experts(x)
         return x
@@ -166,7 +167,12 @@ class TinyNet(MegatronModule):
 class Setup:
     """One DDP-wrapped TinyNet of config `cfg` and its LayerWiseDistributedOptimizer."""
 
-    def __init__(self, cfg: Config, overlap, expert=False, seed=1234, overlap_grad_reduce=True):
+    def __init__(self, cfg: Config, overlap, expert=False, seed=1234, overlap_grad_reduce=True,
+                 fp32_last_layer=False):
+        """fp32_last_layer: keep the last Linear in fp32 (two grad buffers, bf16 and fp32
+        params) and build DDP with disable_bucketing=True, as megatron.training does for
+        every model chunk after the first with VPP: partition_buckets() then puts both
+        buffers' buckets into one bucket group."""
         torch.manual_seed(seed)
         dtype = cfg.dtype
         bf16 = dtype == torch.bfloat16
@@ -181,6 +187,8 @@ class Setup:
         module = TinyNet(self.config, expert=expert, widths=cfg.widths)
         if bf16:
             module = module.bfloat16()
+        if fp32_last_layer:
+            module.layers[-1].float()
         self.dtype = dtype
         ddp_config = DDPConfig(
             grad_reduce_in_fp32=cfg.fp32_grad,
@@ -189,7 +197,7 @@ class Setup:
             use_distributed_optimizer=False,
             bucket_size=cfg.bucket_size,
         )
-        self.ddp = DDP(self.config, ddp_config, module)
+        self.ddp = DDP(self.config, ddp_config, module, disable_bucketing=fp32_last_layer)
         opt_config = OptimizerConfig(
             optimizer='muon',
             lr=0.02,
@@ -228,7 +236,7 @@ class Setup:
     def target(self, p, step):
         """Deterministic value of param p after "step" (same on every rank)."""
         gen = torch.Generator().manual_seed(10_000 * step + self.index[p])
-        return torch.randn(p.shape, generator=gen).to(self.dtype)
+        return torch.randn(p.shape, generator=gen).to(p.dtype)
 
     def simulate_step(self, step, grad_fill=None):
         """State right after an optimizer step: owners hold the new value, others stale.
@@ -433,7 +441,7 @@ def sc_microbatches(cfg):
     return res
 
 
-def train(cfg, steps, overlap, expert=False, tweak=None):
+def train(cfg, steps, overlap, expert=False, tweak=None, **setup_kwargs):
     """Train a fresh Setup `steps` real optimizer steps (2 microbatches each), with the
     overlapped (pre-hook) gather or the optimizer's synchronous gather in step().
 
@@ -442,7 +450,7 @@ def train(cfg, steps, overlap, expert=False, tweak=None):
         reduced grad it held before step() whenever step() returned (sync path only; True
         with overlap), how many nonzero grad elements the steps zeroed on this rank).
     """
-    s = Setup(cfg, overlap=overlap, expert=expert)
+    s = Setup(cfg, overlap=overlap, expert=expert, **setup_kwargs)
     if tweak is not None:
         tweak(s)
     norms, zero_or_grad, zeroed = [], True, 0
@@ -976,6 +984,43 @@ def sc_optimizer_without_ddp(cfg):
     return {"params_equal_across_ranks": all_ranks(same), "params_sha256": params_sha256(list(module.parameters()))}
 
 
+def _forced_sync_after_each_step(s):
+    """No pre-hooks; every step() followed by start_param_sync(force_sync=True), which
+    gathers synchronously on both trees: the race-free reference of the overlapped run."""
+    s.ddp.disable_forward_pre_hook(param_sync=False)
+    step = s.opt.step
+
+    def step_then_sync():
+        out = step()
+        s.ddp.start_param_sync(force_sync=True)
+        return out
+
+    s.opt.step = step_then_sync
+
+
+def sc_bucket_group_of_two(cfg):
+    """A bucket group of two buckets (Setup(fp32_last_layer=True): a bf16 and an fp32
+    bucket, as with disable_bucketing), trained 3 steps with the overlapped gather under
+    collectives.defer_async_completion(), where each bucket's gather lands only when its
+    own work is waited on, and with a synchronous forced sync after each step instead
+    (the optimizer path's gather, 0.17.1's _allgather_helper, cannot gather two dtypes):
+    params and grad norms bitwise equal, and fingerprints for the test to compare."""
+    with collectives.defer_async_completion():
+        a, na, _, _ = train(cfg, 3, True, fp32_last_layer=True)
+    b, nb, _, _ = train(cfg, 3, True, tweak=_forced_sync_after_each_step, fp32_last_layer=True)
+    diff = max_abs_diff([p.detach() for p in a.params], [p.detach() for p in b.params])
+    return {
+        "buckets_per_group": [len(g.buckets) for g in a.bucket_groups],
+        "buckets_gathered_per_group": [
+            sum(bk.layerwise_params_list is not None for bk in g.buckets) for g in a.bucket_groups
+        ],
+        "params_overlap_equal_forced": all_ranks(diff == 0.0),
+        "grad_norms_equal": all_ranks(na == nb),
+        "params_sha256_overlap": params_sha256(a.params),
+        "params_sha256_forced": params_sha256(b.params),
+    }
+
+
 def sc_small_dp(cfg, expert=False):
     """DP size 1 (run with one rank) or expert-DP size 1 (expert=True, EP = world): the
     optimizer builds, training runs, params match the synchronous path; bitwise
@@ -1010,6 +1055,7 @@ SCENARIOS = {
     "optimizer_without_ddp": sc_optimizer_without_ddp,
     "optimizer_offloaded": sc_optimizer_offloaded,
     "unusual_params": sc_unusual_params,
+    "bucket_group_of_two": sc_bucket_group_of_two,
     "small_dp": sc_small_dp,
     "expert_dp1": lambda cfg: sc_small_dp(cfg, expert=True),
     "small_dp_sync": sc_small_dp_sync,

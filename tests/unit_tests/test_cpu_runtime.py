@@ -294,6 +294,18 @@ def test_async_work_handles(gloo_facts):
 
 
 @pytest.mark.gloo
+def test_deferred_completion_moves_data_only_in_wait(gloo_facts):
+    """defer_async_completion(): every async form (list unequal/equal, into tensor, a
+    coalesced broadcast group) leaves its output untouched until its own work's wait(),
+    whatever else was waited on first."""
+    for facts in gloo_facts:
+        for key in ("unequal", "equal", "into_tensor", "broadcast_group"):
+            case = facts[f"deferred_{key}"]
+            assert case == {"before_wait": [False, False, False], "after_b": [False, True],
+                            "after_both": [True, True]}, f"rank {facts['rank']} {key}: {case}"
+
+
+@pytest.mark.gloo
 def test_coalescing_manager(gloo_facts):
     for facts in gloo_facts:
         case = facts["coalesced"]

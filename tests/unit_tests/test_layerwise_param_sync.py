@@ -463,6 +463,31 @@ def test_params_that_are_not_plain_tensors(runs):
             assert r[key] == u[key], (key, r, u)
 
 
+def _bucket_group_of_two(tree):
+    r = result(tree, CONFIGS[0], "bucket_group_of_two")
+    assert r["buckets_per_group"] == r["buckets_gathered_per_group"] == [2], r
+    return r
+
+
+def test_every_gather_of_a_bucket_group_is_waited_on(runs, tmp_path):
+    """A bucket group of two buckets (disable_bucketing over bf16 and fp32 params, as for
+    VPP chunks after the first), each bucket's gather landing only when its own work is
+    waited on (collectives.defer_async_completion(), a schedule c10d allows and Gloo's
+    worker threads can produce): the overlapped run equals, bitwise, the run that syncs
+    synchronously after each step, on the same tree and on pristine (patch 0001).
+    Pristine (waits on the last work only): the first bucket's params are copied from
+    receive buffers nothing was written into, and training parts. So does the mutant
+    that reverts 0001 on the series."""
+    r = _bucket_group_of_two(runs("patched", 2, "bucket_group_of_two", CONFIGS[:1]))
+    u = _bucket_group_of_two(runs("upstream", 2, "bucket_group_of_two", CONFIGS[:1]))
+    assert r["params_overlap_equal_forced"] and r["grad_norms_equal"], r
+    assert r["params_sha256_overlap"] == r["params_sha256_forced"] == u["params_sha256_forced"], (r, u)
+    assert not u["params_overlap_equal_forced"] and not u["grad_norms_equal"], u
+    tree = make_mutant_tree(MUTANTS / "handles" / "wait_on_last_handle_only.patch", tmp_path / "tree")
+    m = _bucket_group_of_two(runs(tree, 2, "bucket_group_of_two", CONFIGS[:1]))
+    assert not m["params_overlap_equal_forced"] and m["params_sha256_forced"] == r["params_sha256_forced"], m
+
+
 def _failed_checks(results):
     """Names of every failed boolean check (or error) in a worker result."""
     out = []
