@@ -45,6 +45,10 @@ class ModelSpec:
         tied_embeddings: ``share_embeddings_and_output_weights``.
         swiglu: gated linear unit with SiLU (``--swiglu``); otherwise GeLU.
         tp, pp, ep: tensor, pipeline and expert model-parallel sizes.
+        vpp: virtual pipeline chunks per stage (``--num-layers-per-virtual-pipeline-stage``
+            gives ``num_layers / pp / vpp`` layers per chunk); each chunk is its own DDP, the
+            ones after the first with ``disable_bucketing`` (``get_model``), under one
+            layer-wise optimizer.
         pp_stage: the pipeline stage audited (its layers only; 0 when ``pp == 1``).
         bucket_size: DDP bucket size in elements; None: megatron's default
             (``default_bucket_size``). Only the small check models set it.
@@ -62,6 +66,7 @@ class ModelSpec:
     tp: int = 1
     pp: int = 1
     ep: int = 1
+    vpp: int = 1
     pp_stage: int = 0
     bucket_size: Optional[int] = None
     notes: str = ""
@@ -112,6 +117,13 @@ MODELS: Dict[str, ModelSpec] = {
         ModelSpec("llama3_8b_tp1", "Llama-3-8B, TP 1", _LLAMA3_8B, 128256, 8192, tp=1),
         ModelSpec("llama3_8b_tp2", "Llama-3-8B, TP 2", _LLAMA3_8B, 128256, 8192, tp=2),
         ModelSpec("llama3_70b_tp8", "Llama-3-70B, TP 8", _LLAMA3_70B, 128256, 8192, tp=8),
+        ModelSpec(
+            "llama3_70b_tp4_pp4_vpp5", "Llama-3-70B, TP 4, PP 4, VPP 5, stage 1 of 0..3 (5 chunks of 4 layers)",
+            _LLAMA3_70B, 128256, 8192, tp=4, pp=4, vpp=5, pp_stage=1,
+            notes="Interleaved pipeline: the stage holds 5 model chunks, each its own DDP (one bucket each: "
+                  "stages after the first get one bucket per buffer), one layer-wise optimizer over "
+                  "all 5. Legacy trees only: the layout path's per-chunk param layout is not audited.",
+        ),  # fmt: skip
         ModelSpec(
             "gpt3_175b_tp8_pp8", "GPT-3 175B, TP 8, PP 8, stage 4 of 0..7 (layers 49-60)",
             _GPT3_175B, 50257, 2048, position_embedding_type="learned_absolute",

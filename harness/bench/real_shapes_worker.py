@@ -224,8 +224,9 @@ def _mc():
     )  # fmt: skip
 
 
-def build_module(mc, spec: real_shapes.ModelSpec):
-    """This stage's GPTModel of ``spec`` (meta tensors when called under MetaDeviceMode).
+def build_module(mc, spec: real_shapes.ModelSpec, vp_stage=None):
+    """This stage's GPTModel of ``spec`` (meta tensors when called under MetaDeviceMode);
+    with VPP, its model chunk ``vp_stage`` (``megatron.training.training.get_model``).
 
     Returns:
         (config, module, padded_vocab_size).
@@ -241,6 +242,7 @@ def build_module(mc, spec: real_shapes.ModelSpec):
         **cfg,
         tensor_model_parallel_size=spec.tp,
         pipeline_model_parallel_size=spec.pp,
+        virtual_pipeline_model_parallel_size=spec.vpp if spec.vpp > 1 else None,
         expert_model_parallel_size=spec.ep,
         # Sequence parallelism changes no param shape; the local spec's torch norms refuse it.
         sequence_parallel=False,
@@ -259,17 +261,19 @@ def build_module(mc, spec: real_shapes.ModelSpec):
         spec.vocab_size,
         SimpleNamespace(make_vocab_size_divisible_by=128, tensor_model_parallel_size=spec.tp, rank=1),
     )
-    layer_spec = mc.block_spec(config, use_transformer_engine=False, normalization=cfg.get("normalization"))
+    vp = {} if vp_stage is None else dict(vp_stage=vp_stage)
+    layer_spec = mc.block_spec(config, use_transformer_engine=False, normalization=cfg.get("normalization"), **vp)
     module = mc.GPTModel(
         config, layer_spec, vocab_size=vocab, max_sequence_length=spec.max_sequence_length,
-        pre_process=mc.ps.is_pipeline_first_stage(), post_process=mc.ps.is_pipeline_last_stage(),
+        pre_process=mc.ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+        post_process=mc.ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
         share_embeddings_and_output_weights=spec.tied_embeddings,
-        position_embedding_type=spec.position_embedding_type,
+        position_embedding_type=spec.position_embedding_type, **vp,
     )  # fmt: skip
     return config, module.to(dtype=PARAM_DTYPE), vocab
 
 
-def legacy_layerwise_optimizer(mc, ddp, overlap: bool):
+def legacy_layerwise_optimizer(mc, ddps, overlap: bool):
     """The tree's layer-wise Muon optimizer for ``--optimizer dist_muon`` without the
     param layout: ``get_megatron_muon_optimizer(..., layer_wise_distributed_optimizer=True)``
     (0.17.1), or, where OptimizerConfig has ``use_layer_wise_distributed_optimizer``
@@ -283,11 +287,32 @@ def legacy_layerwise_optimizer(mc, ddp, overlap: bool):
         from megatron.core.optimizer import get_megatron_optimizer
 
         config = mc.OptimizerConfig(use_layer_wise_distributed_optimizer=True, **kwargs)
-        return get_megatron_optimizer(config, [ddp], use_gloo_process_groups=False)
+        return get_megatron_optimizer(config, ddps, use_gloo_process_groups=False)
     from megatron.core.optimizer.muon import get_megatron_muon_optimizer
 
-    return get_megatron_muon_optimizer(mc.OptimizerConfig(**kwargs), [ddp], layer_wise_distributed_optimizer=True,
+    return get_megatron_muon_optimizer(mc.OptimizerConfig(**kwargs), ddps, layer_wise_distributed_optimizer=True,
                                        use_gloo_process_groups=False)  # fmt: skip
+
+
+class ModelChunks:
+    """The DDP-wrapped model chunks of one pipeline stage with VPP, as one DDP for the
+    audit's paths: the buffers and bucket groups of every chunk (chunk order), and
+    zero_grad_buffer() / start_param_sync() on each, as megatron.training's train_step
+    and its forced syncs call them per chunk."""
+
+    def __init__(self, chunks):
+        self.chunks = chunks
+        self.module = torch.nn.ModuleList([c.module for c in chunks])
+        for name in ("buffers", "expert_parallel_buffers", "bucket_groups", "expert_parallel_bucket_groups"):
+            setattr(self, name, [x for c in chunks for x in getattr(c, name)])
+
+    def zero_grad_buffer(self):
+        for c in self.chunks:
+            c.zero_grad_buffer()
+
+    def start_param_sync(self, *args, **kwargs):
+        for c in self.chunks:
+            c.start_param_sync(*args, **kwargs)
 
 
 class LegacySetup(sync_worker.Setup):
@@ -297,13 +322,17 @@ class LegacySetup(sync_worker.Setup):
     ``--optimizer dist_muon``. Reuses sync_worker.Setup's reset() and paths."""
 
     def __init__(self, mc, spec, overlap: bool):
-        self.config, module, self.vocab = build_module(mc, spec)
         # bucket_size None: DDP's own default, max(40M, 1M x DP), one bucket after PP stage 0.
         ddp_config = mc.DDPConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=True,
                                   overlap_param_gather=overlap, use_distributed_optimizer=False,
                                   bucket_size=spec.bucket_size)  # fmt: skip
-        self.ddp = mc.DDP(self.config, ddp_config, module)
-        self.opt = legacy_layerwise_optimizer(mc, self.ddp, overlap)
+        chunks = []
+        for vp_stage in range(spec.vpp) if spec.vpp > 1 else [None]:
+            self.config, module, self.vocab = build_module(mc, spec, vp_stage)
+            chunks.append(mc.DDP(self.config, ddp_config, module, disable_bucketing=bool(vp_stage)))
+        self.chunks = chunks
+        self.ddp = chunks[0] if len(chunks) == 1 else ModelChunks(chunks)
+        self.opt = legacy_layerwise_optimizer(mc, chunks, overlap)
         self.layerwise = self.opt
         self._finish_init()
 
@@ -314,13 +343,13 @@ class LegacySetup(sync_worker.Setup):
 
     def sync_fn(self, path: str):
         """Zero-argument callable running one sync of ``path`` (module docstring)."""
-        if path == "async":
-            hook = self.ddp._make_forward_pre_hook()
-            modules = list(self.ddp.module.modules())
+        if path == "async":  # each chunk's pre-hooks over its modules, chunks in order
+            hooks = [(c._make_forward_pre_hook(), list(c.module.modules())) for c in self.chunks]
 
             def run():
-                for m in modules:
-                    hook(m)
+                for hook, modules in hooks:
+                    for m in modules:
+                        hook(m)
 
             return run
         return super().sync_fn(path)
@@ -346,6 +375,8 @@ class LayoutSetup(LegacySetup):
             tag_params_for_buffer_routing,
         )
 
+        if spec.vpp > 1:
+            raise NotImplementedError("VPP on the layout path is not audited (one param layout per chunk)")
         ps = mc.ps
         self.config, module, self.vocab = build_module(mc, spec)
         dp = ps.get_data_parallel_world_size(with_context_parallel=True)
@@ -360,6 +391,7 @@ class LayoutSetup(LegacySetup):
             expert_data_parallel_world_size=ps.get_expert_data_parallel_world_size(),
         )  # fmt: skip
         self.ddp = mc.DDP(self.config, ddp_config, module, full_param_layout=layout)
+        self.chunks = [self.ddp]
         opt_config = mc.OptimizerConfig(optimizer="muon", use_layer_wise_distributed_optimizer=True, lr=0.01,
                                         bf16=True, params_dtype=PARAM_DTYPE, use_distributed_optimizer=True,
                                         overlap_param_gather=overlap)  # fmt: skip
@@ -513,11 +545,12 @@ def run_cell(mc, tree: real_shapes.TreeSpec, spec, dp: int, dp_rank: int, paths,
     t0 = time.perf_counter()
     world = spec.world_size(dp)
     rec = dict(tree=tree.label, model=spec.label, dp=dp, dp_rank=dp_rank, world=world,
-               tp=spec.tp, pp=spec.pp, ep=spec.ep, pp_stage=spec.pp_stage)  # fmt: skip
+               tp=spec.tp, pp=spec.pp, ep=spec.ep, vpp=spec.vpp, pp_stage=spec.pp_stage)  # fmt: skip
     dist.init_process_group(FAKE_BACKEND, store=_fake_store(), rank=global_rank(spec, dp, dp_rank),
                             world_size=world)  # fmt: skip
     try:
-        mc.ps.initialize_model_parallel(spec.tp, spec.pp, expert_model_parallel_size=spec.ep,
+        mc.ps.initialize_model_parallel(spec.tp, spec.pp, spec.vpp if spec.vpp > 1 else None,
+                                        expert_model_parallel_size=spec.ep,
                                         create_gloo_process_groups=False)  # fmt: skip
         got = (mc.ps.get_tensor_model_parallel_rank(), mc.ps.get_pipeline_model_parallel_rank(),
                mc.ps.get_data_parallel_rank(), mc.ps.get_data_parallel_world_size())  # fmt: skip

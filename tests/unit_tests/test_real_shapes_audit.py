@@ -307,6 +307,30 @@ def test_series_claims_fail_on_a_mutant(audit, tmp_path):
     assert fails and all("megatron_" in f and "claimed 0" in f for f in fails), fails
 
 
+VPP_MODEL = "llama3_70b_tp4_pp4_vpp5"
+
+
+def test_series_claims_hold_with_vpp(tmp_path):
+    """The interleaved-pipeline cell (VPP_MODEL at DP 64: 5 model chunks, one DDP each,
+    one layer-wise optimizer) on 0.17.1 and the series: the series' claims hold there
+    too, and the optimizer path gathers every chunk at once (1 launch, as 0.17.1's one
+    list all_gather; series v3 launched one NCCL group per chunk)."""
+    from scripts.audit_param_sync import exact_receive_bytes, worker_command
+
+    cells = {}
+    for tree in ("upstream", "patched"):
+        out = tmp_path / f"{tree}.json"
+        argv, env = worker_command(tree, f"{VPP_MODEL}:64", out)
+        proc = subprocess.run(argv, env=env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=TIMEOUT_S)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        (cells[tree],) = json.loads(out.read_text())
+        cells[tree]["exact_receive_bytes"] = exact_receive_bytes(cells[tree])
+    up, series = cells["upstream"], cells["patched"]
+    assert up["vpp"] == 5 and up["num_bucket_groups"] == series["num_bucket_groups"] == 5
+    assert series_claim_failures([series], [up]) == []
+    assert series["paths"]["optimizer"]["launches"] == up["paths"]["optimizer"]["launches"] == 1
+
+
 # ---------------------------------------------------------------- worker pieces, in process
 def test_meta_device_mode_puts_every_new_tensor_on_meta():
     """Whatever device megatron asks for, tensors are storage-free; CUDA type names."""
