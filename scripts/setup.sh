@@ -4,13 +4,15 @@
 #
 # Data flow (one way):
 #   requirements/megatron-core.lock --(pip download, sha256 check)--> build/wheels/*.whl
-#   wheel --(unzip megatron/)--> build/upstream/megatron               (pristine, read-only use)
+#   0.17.1 wheel --(unzip megatron/)--> build/upstream/megatron        (pristine, read-only use)
+#   0.19.2 wheel --(unzip megatron/)--> build/upstream-0.19/megatron   (pristine 0.19 base)
 #   pristine + patches/series --(git am, one commit per patch)--> build/series-git
 #   build/series-git HEAD --(git archive)--> megatron/                 (patched, gitignored)
 #   requirements/lock.txt --(pip install)--> .venv                     (CPython 3.12.x)
 #   Megatron-LM core_v0.17.1 source --(verify, unpack, git init + tag)--> build/megatron-lm/core_v0.17.1
 #   that checkout --(git clone, scripts/apply_patches.sh = git am)--> build/megatron-lm/patched
 #   Megatron-LM core_v0.18.2 source --(same)--> build/megatron-lm/core_v0.18.2  (refusal tests only)
+#   Megatron-LM core_v0.19.0 source --(same)--> build/megatron-lm/core_v0.19.0  (the 0.19 base)
 #
 # Megatron-LM checkouts (requirements/megatron-lm.lock; upstream's pretrain_gpt.py and
 # tests/unit_tests/, which the wheel lacks). The source of each, first found wins:
@@ -30,7 +32,7 @@
 # Env:   PYTHON=/path/to/python3.12  use this interpreter for the venv (else python3.12,
 #        pyenv's oldest 3.12.x, or python3 if it is 3.12). Only 3.12: the
 #        pinned wheel's prebuilt extension (helpers_cpp) is cp312.
-#        MEGATRON_LM_SRC, MEGATRON_LM_NEXT_SRC: see above.
+#        MEGATRON_LM_SRC, MEGATRON_LM_NEXT_SRC, MEGATRON_LM_019_SRC (core_v0.19.0): see above.
 #        MEGATRON_LM_NO_CLONE=1  never try the network for the checkouts.
 # Exit:  0 ready; 1 a step failed (the message says which and what to do).
 #
@@ -92,40 +94,51 @@ else
     log ".venv up to date"
 fi
 
-# ---------------------------------------------------------------- 3. pinned wheel
+# ---------------------------------------------------------------- 3. pinned wheels
+# fetch_wheel VERSION WHEEL SHA256: build/wheels/WHEEL, downloaded once, sha256 checked.
+fetch_wheel() {
+    local version="$1" wheel="$2" want="$3" path="build/wheels/$2" tmpd got
+    if [[ ! -f "$path" ]]; then
+        say "downloading megatron-core==$version wheel"
+        tmpd="$(mktemp -d build/wheels/.dl.XXXXXX)"
+        PIP_CONFIG_FILE=/dev/null "$VPY" -m pip download --disable-pip-version-check -q --no-deps \
+            --only-binary :all: --python-version 3.12 -d "$tmpd" "megatron-core==$version" \
+            || { rm -rf "$tmpd"; die "could not download megatron-core==$version (network/registry?)"; }
+        [[ -f "$tmpd/$wheel" ]] || { ls "$tmpd" >&2; rm -rf "$tmpd"; die "registry served a different wheel than $wheel"; }
+        mv "$tmpd/$wheel" "$path"; rm -rf "$tmpd"
+    fi
+    got="$(sha "$path")"
+    if [[ "$got" != "$want" ]]; then
+        rm -f "$path"
+        die "sha256 of $wheel is $got, expected $want (requirements/megatron-core.lock). Deleted it; rerun to download again."
+    fi
+}
+fetch_wheel "$MCORE_VERSION" "$MCORE_WHEEL" "$MCORE_WHEEL_SHA256"
+fetch_wheel "$MCORE19_VERSION" "$MCORE19_WHEEL" "$MCORE19_WHEEL_SHA256"
 WHEEL="build/wheels/$MCORE_WHEEL"
-if [[ ! -f "$WHEEL" ]]; then
-    say "downloading megatron-core==$MCORE_VERSION wheel"
-    tmpd="$(mktemp -d build/wheels/.dl.XXXXXX)"
-    PIP_CONFIG_FILE=/dev/null "$VPY" -m pip download --disable-pip-version-check -q --no-deps \
-        --only-binary :all: --python-version 3.12 -d "$tmpd" "megatron-core==$MCORE_VERSION" \
-        || { rm -rf "$tmpd"; die "could not download megatron-core==$MCORE_VERSION (network/registry?)"; }
-    [[ -f "$tmpd/$MCORE_WHEEL" ]] || { ls "$tmpd" >&2; rm -rf "$tmpd"; die "registry served a different wheel than $MCORE_WHEEL"; }
-    mv "$tmpd/$MCORE_WHEEL" "$WHEEL"; rm -rf "$tmpd"
-fi
-wheel_sha="$(sha "$WHEEL")"
-if [[ "$wheel_sha" != "$MCORE_WHEEL_SHA256" ]]; then
-    rm -f "$WHEEL"
-    die "sha256 of $MCORE_WHEEL is $wheel_sha, expected $MCORE_WHEEL_SHA256 (requirements/megatron-core.lock). Deleted it; rerun to download again."
-fi
+wheel_sha="$MCORE_WHEEL_SHA256"
 
-# ---------------------------------------------------------------- 4. pristine tree
-if [[ "$(cat build/stamps/upstream 2>/dev/null || true)" != "$wheel_sha" || ! -d build/upstream/megatron/core ]]; then
-    say "extracting pristine tree build/upstream/megatron"
-    rm -rf build/upstream.tmp && mkdir -p build/upstream.tmp
-    "$VPY" - "$WHEEL" build/upstream.tmp <<'PY'
+# ---------------------------------------------------------------- 4. pristine trees
+# extract_tree WHEEL SHA256 DEST NAME: DEST/megatron from the wheel, stamped by its sha256.
+extract_tree() {
+    local wheel="$1" want="$2" dest="$3" name="$4"
+    if [[ "$(cat "build/stamps/$name" 2>/dev/null || true)" == "$want" && -d "$dest/megatron/core" ]]; then
+        log "pristine tree $dest/megatron up to date"; return 1
+    fi
+    say "extracting pristine tree $dest/megatron"
+    rm -rf "$dest.tmp" && mkdir -p "$dest.tmp"
+    "$VPY" - "$wheel" "$dest.tmp" <<'PY'
 import sys, zipfile
 with zipfile.ZipFile(sys.argv[1]) as zf:
     zf.extractall(sys.argv[2], [n for n in zf.namelist() if n.startswith("megatron/")])
 PY
     # Keep executable bits of the prebuilt extension, as pip would.
-    chmod -R u+rwX,go+rX build/upstream.tmp
-    rm -rf build/upstream && mv build/upstream.tmp build/upstream
-    echo "$wheel_sha" > build/stamps/upstream
-    rm -f build/stamps/series
-else
-    log "pristine tree up to date"
-fi
+    chmod -R u+rwX,go+rX "$dest.tmp"
+    rm -rf "$dest" && mv "$dest.tmp" "$dest"
+    echo "$want" > "build/stamps/$name"
+}
+if extract_tree "$WHEEL" "$wheel_sha" build/upstream upstream; then rm -f build/stamps/series; fi
+extract_tree "build/wheels/$MCORE19_WHEEL" "$MCORE19_WHEEL_SHA256" build/upstream-0.19 upstream-0.19 || true
 
 # ---------------------------------------------------------------- 5. series repo + patched tree
 series_sha="$( { echo "$wheel_sha"; cat patches/series; while read -r p; do cat "patches/$p"; done < <(grep -vE '^\s*(#|$)' patches/series); } | sha256sum | awk '{print $1}' )" \
@@ -298,6 +311,7 @@ warn_skip() { echo "[setup] WARNING: $*; the tests that need it are skipped" >&2
 
 mlm_checkout "$MLM_TAG" "$MLM_VERSION" "$MLM_COMMIT" "$MLM_TARBALL" "$MLM_TARBALL_SHA256" "${MEGATRON_LM_SRC:-}" 1
 mlm_checkout "$MLM_NEXT_TAG" "$MLM_NEXT_VERSION" "$MLM_NEXT_COMMIT" "$MLM_NEXT_TARBALL" "$MLM_NEXT_TARBALL_SHA256" "${MEGATRON_LM_NEXT_SRC:-}" 0 || true
+mlm_checkout "$MLM_019_TAG" "$MLM_019_VERSION" "$MLM_019_COMMIT" "$MLM_019_TARBALL" "$MLM_019_TARBALL_SHA256" "${MEGATRON_LM_019_SRC:-}" 0 || true
 
 # The user's path: the series on the core_v0.17.1 checkout with scripts/apply_patches.sh
 # (git am, one commit per patch). The prebuilt dataset helpers of the wheel go next to the
@@ -334,4 +348,4 @@ fi
 for so in "${helpers_so[@]}"; do
     [[ -f "$MLM/$MLM_TAG/megatron/core/datasets/$(basename "$so")" ]] || cp -p "$so" "$MLM/$MLM_TAG/megatron/core/datasets/"
 done
-log "ready: .venv, build/upstream/megatron (pristine), megatron/ (patched), $MLM/{$MLM_TAG,patched$([[ -d "$MLM/$MLM_NEXT_TAG/.git" ]] && echo ",$MLM_NEXT_TAG")}"
+log "ready: .venv, build/upstream/megatron (pristine), megatron/ (patched), build/upstream-0.19/megatron (pristine $MCORE19_VERSION), $MLM/{$MLM_TAG,patched$([[ -d "$MLM/$MLM_NEXT_TAG/.git" ]] && echo ",$MLM_NEXT_TAG")$([[ -d "$MLM/$MLM_019_TAG/.git" ]] && echo ",$MLM_019_TAG")}"

@@ -795,3 +795,34 @@ def test_a_later_minor_release_hears_about_full_param_layout(tmp_path):
     pinfo = target / "megatron/core/package_info.py"
     pinfo.write_text(re.sub(r"^MINOR = 17$", "MINOR = 19", pinfo.read_text(), flags=re.M))
     expect_refusal(target, ["--check"], {}, WRONG_BASE, "0.19.1", "full_param_layout", "#4609")
+
+
+# ------------------------------------------------------------------ the 0.19 base material
+UPSTREAM_019 = ROOT / "build" / "upstream-0.19"
+#: The files a layer-wise series touches on 0.19 (UPSTREAM_NOTES: "megatron-core 0.19.x for a port").
+TOUCHED_019 = ("megatron/core/distributed/param_and_grad_buffer.py",
+               "megatron/core/distributed/distributed_data_parallel.py",
+               "megatron/core/optimizer/layer_wise_optimizer.py")
+
+
+def test_019_wheel_carries_core_v0_19_0s_touched_files():
+    """setup.sh's 0.19 material: the pinned 0.19.2 wheel tree and the core_v0.19.0 checkout
+    (whose pretrain_gpt.py and tests/unit_tests serve it) hold the same touched files, byte
+    for byte, and the versions the lock names (the tag's package_info.py reads 0.19.1)."""
+    ckpt = MLM / "core_v0.19.0"
+    if not (ckpt / ".git").is_dir() or not (UPSTREAM_019 / "megatron").is_dir():
+        pytest.skip("the 0.19 trees are missing; run scripts/setup.sh")
+    for f in TOUCHED_019:
+        assert sha256(UPSTREAM_019 / f) == sha256(ckpt / f), f
+    version = lambda root: ".".join(re.findall(r"^(?:MAJOR|MINOR|PATCH) = (\d+)$",
+                                               (root / "megatron/core/package_info.py").read_text(), re.M))
+    assert (version(UPSTREAM_019), version(ckpt)) == ("0.19.2", "0.19.1")
+
+
+def test_the_019_wheel_tree_is_refused_today(tmp_path):
+    """The real 0.19.2 tree: refused (exit 5), with 0.19's layout path named, nothing changed."""
+    if not (UPSTREAM_019 / "megatron").is_dir():
+        pytest.skip("build/upstream-0.19 is missing; run scripts/setup.sh")
+    target = tmp_path / "t"
+    shutil.copytree(UPSTREAM_019 / "megatron", target / "megatron", symlinks=True)
+    expect_refusal(target, ["--check"], {}, WRONG_BASE, "0.19.2", "full_param_layout", "#4609")
