@@ -3,7 +3,7 @@
 scripts/setup.sh materializes two trees from the pinned megatron-core wheel:
 
     build/upstream/megatron   pristine megatron-core 0.17.1
-    megatron/                 pristine + patches/series (repo root)
+    megatron/                 pristine + patches/0.17.1/series (repo root)
 
 `megatron` is a namespace package (the wheel has no megatron/__init__.py), so the first
 entry of sys.path that holds megatron/core wins. The harness therefore puts the chosen
@@ -22,6 +22,8 @@ from pathlib import Path
 from typing import Dict, Union
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+#: The series of the 0.17.1 base (patches/<base>/: series, *.patch, manifest.sha256).
+SERIES_DIR = REPO_ROOT / "patches" / "0.17.1"
 TREES = ("upstream", "patched")
 
 
@@ -129,15 +131,15 @@ def is_checkout_only(patch: Path) -> bool:
 
 
 def series_patches(checkout: bool = False) -> list:
-    """Patch files of patches/series, in order (comments and blank lines skipped).
+    """Patch files of patches/0.17.1/series, in order (comments and blank lines skipped).
 
     Args:
         checkout: include the checkout-only patches (``is_checkout_only``); by default only
             the patches of the megatron/ trees.
     """
-    lines = (REPO_ROOT / "patches" / "series").read_text().splitlines()
+    lines = (SERIES_DIR / "series").read_text().splitlines()
     names = [ln.strip() for ln in lines if ln.strip() and not ln.lstrip().startswith("#")]
-    patches = [REPO_ROOT / "patches" / n for n in names]
+    patches = [SERIES_DIR / n for n in names]
     return patches if checkout else [p for p in patches if not is_checkout_only(p)]
 
 

@@ -24,7 +24,8 @@
 #              "Revert "<subject>"", made by reverse-applying the patch (works however the
 #              series got there: git am, cherry-pick, squash). Elsewhere: files rewritten.
 # Env:   PATCHES_DIR=DIR  use the series in DIR (series, *.patch, manifest.sha256) instead of
-#                         patches/ next to this script (the tests use synthetic series).
+#                         the folder of patches/ next to this script whose manifest's base is
+#                         TARGET's version (patches/0.17.1/; the tests use synthetic series).
 #
 # Exit codes (every error is one line on stderr that says what is wrong and what to do; on any
 # non-zero exit TARGET's files, and on a git checkout its HEAD, are as they were before):
@@ -62,7 +63,7 @@
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-PD="${PATCHES_DIR:-$ROOT/patches}"
+PD="${PATCHES_DIR:-}"
 ME=apply_patches.sh
 die() { local code="$1"; shift; echo "$ME: error: $*" >&2; exit "$code"; }
 usage() { die 2 "usage: scripts/apply_patches.sh TARGET [--check | --reverse]${1:+ ($1)}"; }
@@ -84,6 +85,19 @@ done
 [[ -n "$TARGET" ]] || usage "TARGET is missing"
 
 # ---------------------------------------------------------------- the series
+# patches/<base>/ holds the series of one base (its manifest.sha256 names it). Without
+# PATCHES_DIR, take the folder whose base is the version in TARGET's package_info.py, else
+# the first folder: its checks below refuse TARGET with a line that says what to do.
+if [[ -z "$PD" ]]; then
+    want="$(sed -nE 's/^(MAJOR|MINOR|PATCH)[[:space:]]*=[[:space:]]*([0-9A-Za-z]+).*/\2/p' \
+        "$TARGET/megatron/core/package_info.py" 2>/dev/null | head -n3 | paste -sd. || true)"
+    for m in "$ROOT"/patches/*/manifest.sha256; do
+        [[ -f "$m" ]] || continue
+        [[ -n "$PD" ]] || PD="$(dirname "$m")"
+        if [[ "$(awk '$1 == "base" {print $2; exit}' "$m")" == "$want" ]]; then PD="$(dirname "$m")"; break; fi
+    done
+    [[ -n "$PD" ]] || die 1 "no series under $ROOT/patches/ (patches/<base>/series); restore patches/ (git checkout -- patches) or set PATCHES_DIR to a series directory"
+fi
 [[ -f "$PD/series" ]] || die 1 "no series file $PD/series; restore patches/ (git checkout -- patches) or set PATCHES_DIR to a series directory"
 [[ -f "$PD/manifest.sha256" ]] || die 1 "$PD/manifest.sha256 is missing; restore patches/ from git, or (developers) run scripts/refresh_patches.sh"
 PATCHES=()

@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
-# scripts/refresh_patches.sh: regenerate patches/ from build/series-git, byte-stable
+# scripts/refresh_patches.sh: regenerate patches/0.17.1/ from build/series-git, byte-stable
 # (the same commits give the same bytes, run after run, machine after machine).
 #
 # Usage: scripts/refresh_patches.sh [--check]
-#   (none)   write patches/NNNN-<subject>.patch (one per commit in pristine..HEAD),
-#            patches/series and patches/manifest.sha256; remove *.patch files that are no
+#   (none)   write NNNN-<subject>.patch (one per commit in pristine..HEAD),
+#            series and manifest.sha256 in patches/0.17.1/; remove *.patch files that are no
 #            longer in the series. Files that already hold the right bytes are not rewritten.
-#   --check  write nothing; say whether patches/ already equals what a refresh would write.
+#   --check  write nothing; say whether patches/0.17.1/ already equals what a refresh would write.
 # Env:   SERIES_GIT=DIR   the series repo (default build/series-git; tag `pristine` + commits)
-#        PATCHES_DIR=DIR  where the series lives (default patches/)
+#        PATCHES_DIR=DIR  where the series lives (default patches/0.17.1/, the 0.17.1 base)
 #        CHECKOUT_GIT=DIR the patched Megatron-LM checkout (default: megatron-lm/patched beside
 #                         SERIES_GIT, i.e. build/megatron-lm/patched); its top commits that touch
 #                         only tests/unit_tests/ become the checkout-only patches, numbered after
@@ -34,7 +34,7 @@
 #
 # Editing workflow (the series is a git history; patches/ is its serialized form):
 #   1. scripts/setup.sh             builds build/series-git: commit `pristine` (the 0.17.1 wheel)
-#                                   and one commit per patch (git am patches/series).
+#                                   and one commit per patch (git am patches/0.17.1/series).
 #   2. cd build/series-git, edit megatron/..., then one of
 #        git commit -a --amend                        change the last patch
 #        git commit -a --fixup=<sha>; git rebase -i --autosquash pristine
@@ -50,7 +50,7 @@ set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 SG="${SERIES_GIT:-$ROOT/build/series-git}"
-PD="${PATCHES_DIR:-$ROOT/patches}"
+PD="${PATCHES_DIR:-$ROOT/patches/0.17.1}"
 CHECK=0
 case "${1:-}" in
     "") ;;

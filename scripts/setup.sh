@@ -6,7 +6,7 @@
 #   requirements/megatron-core.lock --(pip download, sha256 check)--> build/wheels/*.whl
 #   0.17.1 wheel --(unzip megatron/)--> build/upstream/megatron        (pristine, read-only use)
 #   0.19.2 wheel --(unzip megatron/)--> build/upstream-0.19/megatron   (pristine 0.19 base)
-#   pristine + patches/series --(git am, one commit per patch)--> build/series-git
+#   pristine + patches/0.17.1/series --(git am, one commit per patch)--> build/series-git
 #   build/series-git HEAD --(git archive)--> megatron/                 (patched, gitignored)
 #   requirements/lock.txt --(pip install)--> .venv                     (CPython 3.12.x)
 #   Megatron-LM core_v0.17.1 source --(verify, unpack, git init + tag)--> build/megatron-lm/core_v0.17.1
@@ -23,7 +23,7 @@
 #   3. git clone --depth 1 --branch <tag> https://github.com/NVIDIA/Megatron-LM (network).
 # Verified by the lock's tarball sha256, or the commit (git HEAD, clone, or the commit id that
 # `git archive` writes into the tarball), and always by megatron/core/package_info.py and, for
-# core_v0.17.1, the sha256 of every file the series touches (patches/manifest.sha256). Then
+# core_v0.17.1, the sha256 of every file the series touches (patches/0.17.1/manifest.sha256). Then
 # unpacked under build/ as a git repository with one commit tagged <tag>, so that `git am`
 # runs on it as on a user's clone. A missing core_v0.17.1 is an error; a missing core_v0.18.2
 # only skips the tests that need it.
@@ -141,8 +141,9 @@ if extract_tree "$WHEEL" "$wheel_sha" build/upstream upstream; then rm -f build/
 extract_tree "build/wheels/$MCORE19_WHEEL" "$MCORE19_WHEEL_SHA256" build/upstream-0.19 upstream-0.19 || true
 
 # ---------------------------------------------------------------- 5. series repo + patched tree
-series_sha="$( { echo "$wheel_sha"; cat patches/series; while read -r p; do cat "patches/$p"; done < <(grep -vE '^\s*(#|$)' patches/series); } | sha256sum | awk '{print $1}' )" \
-    || die "patches/series names a patch file that does not exist (see above)"
+SERIES=patches/$MCORE_VERSION  # the series of the 0.17.1 base (series, *.patch, manifest.sha256)
+series_sha="$( { echo "$wheel_sha"; cat "$SERIES/series"; while read -r p; do cat "$SERIES/$p"; done < <(grep -vE '^\s*(#|$)' "$SERIES/series"); } | sha256sum | awk '{print $1}' )" \
+    || die "$SERIES/series names a patch file that does not exist (see above)"
 SG=build/series-git
 # Commits a developer made in $SG (patches/README.md) must reach patches/ before a rebuild
 # replaces $SG: refuse while they are not refreshed; once they are, rebuild from patches/.
@@ -153,7 +154,7 @@ if [[ -d "$SG/.git" ]]; then
         [[ -z "$(git -C "$SG" status --porcelain 2>/dev/null)" ]] \
             || die "$SG has uncommitted edits. Commit them and run scripts/refresh_patches.sh, or discard them (git -C $SG checkout -- .), then rerun."
         scripts/refresh_patches.sh --check >/dev/null \
-            || die "$SG has commits that patches/ does not have (HEAD: $(git -C "$SG" log -1 --format='%h %s')). Run scripts/refresh_patches.sh to write them to patches/, or drop them (rm -rf $SG), then rerun."
+            || die "$SG has commits that patches/0.17.1/ does not have (HEAD: $(git -C "$SG" log -1 --format='%h %s')). Run scripts/refresh_patches.sh to write them to patches/0.17.1/, or drop them (rm -rf $SG), then rerun."
         rm -f build/stamps/series
     fi
 fi
@@ -161,7 +162,7 @@ if [[ "$(cat build/stamps/series 2>/dev/null || true)" != "$series_sha" || ! -d 
     if [[ -d "$SG/.git" ]] && [[ -n "$(git -C "$SG" status --porcelain 2>/dev/null)" ]]; then
         die "$SG has uncommitted edits. Commit them and run scripts/refresh_patches.sh, or discard them (git -C $SG checkout -- .), then rerun."
     fi
-    say "building $SG: pristine commit + git am patches/series"
+    say "building $SG: pristine commit + git am $SERIES/series"
     rm -rf "$SG.tmp" && mkdir -p "$SG.tmp"
     cp -a build/upstream/megatron "$SG.tmp/megatron"
     export GIT_AUTHOR_NAME="megatron-core wheel" GIT_AUTHOR_EMAIL="pristine@invalid" \
@@ -175,17 +176,17 @@ if [[ "$(cat build/stamps/series 2>/dev/null || true)" != "$series_sha" || ! -d 
         git tag pristine
     )
     while read -r p; do
-        [[ -f "patches/$p" ]] || { rm -rf "$SG.tmp"; die "patches/series names patches/$p, which does not exist"; }
-        if ! grep -E '^diff --git a/' "patches/$p" | grep -vqE '^diff --git a/tests/unit_tests/'; then
+        [[ -f "$SERIES/$p" ]] || { rm -rf "$SG.tmp"; die "$SERIES/series names $SERIES/$p, which does not exist"; }
+        if ! grep -E '^diff --git a/' "$SERIES/$p" | grep -vqE '^diff --git a/tests/unit_tests/'; then
             # The wheel has no tests/: this patch updates upstream's tests/unit_tests/ and is
             # applied to the Megatron-LM checkout below (scripts/apply_patches.sh).
-            log "skipping patches/$p for the wheel tree: it touches only upstream's tests/unit_tests/"
+            log "skipping $SERIES/$p for the wheel tree: it touches only upstream's tests/unit_tests/"
             continue
         fi
         unset GIT_AUTHOR_NAME GIT_AUTHOR_EMAIL GIT_AUTHOR_DATE
-        git -C "$SG.tmp" am -q --keep-cr "$ROOT/patches/$p" \
-            || { git -C "$SG.tmp" am --abort 2>/dev/null || true; rm -rf "$SG.tmp"; die "patches/$p does not apply to megatron-core $MCORE_VERSION (git am failed). megatron/ left as it was."; }
-    done < <(grep -vE '^\s*(#|$)' patches/series)
+        git -C "$SG.tmp" am -q --keep-cr "$ROOT/$SERIES/$p" \
+            || { git -C "$SG.tmp" am --abort 2>/dev/null || true; rm -rf "$SG.tmp"; die "$SERIES/$p does not apply to megatron-core $MCORE_VERSION (git am failed). megatron/ left as it was."; }
+    done < <(grep -vE '^\s*(#|$)' "$SERIES/series")
     rm -rf megatron.tmp && mkdir megatron.tmp
     git -C "$SG.tmp" archive HEAD megatron | tar -x -C megatron.tmp
     # The prebuilt extension is not text; git keeps it byte-exact but archive drops nothing else.
@@ -194,7 +195,7 @@ if [[ "$(cat build/stamps/series 2>/dev/null || true)" != "$series_sha" || ! -d 
     rm -rf megatron && mv megatron.tmp/megatron megatron && rmdir megatron.tmp
     echo "$series_sha" > build/stamps/series
 else
-    log "patched tree megatron/ up to date ($(grep -cvE '^\s*(#|$)' patches/series) patches)"
+    log "patched tree megatron/ up to date ($(grep -cvE '^\s*(#|$)' "$SERIES/series") patches)"
 fi
 
 # ---------------------------------------------------------------- 6. Megatron-LM checkouts
@@ -219,7 +220,7 @@ touched_ok() { # <tree root>: every touched file is the pristine 0.17.1 one
         [[ "$kind" == file && "$f" == megatron/* ]] || continue
         if [[ "$pri" == - ]]; then [[ ! -e "$1/$f" ]] || return 1
         else [[ -f "$1/$f" && "$(sha "$1/$f")" == "$pri" ]] || return 1; fi
-    done < patches/manifest.sha256
+    done < "$SERIES/manifest.sha256"
 }
 
 # mlm_checkout TAG VERSION COMMIT TARBALL TARBALL_SHA256 SRC REQUIRED
@@ -289,7 +290,7 @@ mlm_checkout() {
     got="$(pyver "$top/megatron/core/package_info.py")"
     [[ "$got" == "$version" ]] || { rm -rf "$tmp"; $fail "$src has megatron-core $got, expected $version (tag $tag)" || return 1; }
     if [[ "$tag" == "$MLM_TAG" ]]; then
-        touched_ok "$top" || { rm -rf "$tmp"; $fail "$src: a file the series touches differs from megatron-core $version's (patches/manifest.sha256); use an unmodified $tag" || return 1; }
+        touched_ok "$top" || { rm -rf "$tmp"; $fail "$src: a file the series touches differs from megatron-core $version's ($SERIES/manifest.sha256); use an unmodified $tag" || return 1; }
         how="${how:+$how, }touched files' sha256"
     fi
     [[ -n "$how" ]] || how="version $got only (unknown commit: not the lock's tarball or commit)"
@@ -326,7 +327,7 @@ if [[ -d "$PC/.git" && -n "$(cat build/stamps/mlm-patched-head 2>/dev/null || tr
     [[ -z "$(git -C "$PC" status --porcelain --untracked-files=no)" ]] \
         || die "$PC has uncommitted edits. Commit them (git commit -a --amend) and run scripts/refresh_patches.sh, or discard them (git -C $PC checkout -- .), then rerun."
     scripts/refresh_patches.sh --check >/dev/null \
-        || die "$PC has commits that patches/ does not have (HEAD: $(git -C "$PC" log -1 --format='%h %s')). Run scripts/refresh_patches.sh to write them to patches/, or drop them (rm -rf $PC), then rerun."
+        || die "$PC has commits that patches/0.17.1/ does not have (HEAD: $(git -C "$PC" log -1 --format='%h %s')). Run scripts/refresh_patches.sh to write them to patches/0.17.1/, or drop them (rm -rf $PC), then rerun."
     rm -f build/stamps/mlm-patched
 fi
 if [[ "$(cat build/stamps/mlm-patched 2>/dev/null || true)" != "$patched_sha" || ! -d "$PC/.git" ]]; then

@@ -199,7 +199,7 @@ TREES: Dict[str, TreeSpec] = {
         TreeSpec("exact_list_slots", "0.18's legacy design (grad_data list slots, #3751 + #4609) on 0.17.1, "
                  "with the optimizer path through the buckets (harness/bench/trees/exact_list_slots.diff)",
                  "exact_list_slots"),  # fmt: skip
-        TreeSpec("patched", "0.17.1 + the series (patches/)", "patched"),
+        TreeSpec("patched", "0.17.1 + the series (patches/0.17.1/)", "patched"),
         TreeSpec("mcore_0.18_legacy", "megatron-core 0.18.2 with --no-use-layer-wise-param-layout "
                  "(its legacy layer-wise path, #3751 + #4609)", "build/megatron-lm/core_v0.18.2"),  # fmt: skip
         TreeSpec("mcore_0.18_layout", "megatron-core 0.18.2, its default layer-wise param layout",

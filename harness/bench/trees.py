@@ -4,7 +4,7 @@
 |---|---|
 | ``upstream`` | pristine megatron-core 0.17.1 (``build/upstream``) |
 | ``exact_list_slots`` | pristine + ``harness/bench/trees/exact_list_slots.diff``: every bucket receives into ``grad_data`` through a list ``all_gather`` with one exact-size slot per DP rank (the NVIDIA/Megatron-LM#3751 design, with zeroing) |
-| ``patched`` | pristine + ``patches/series`` (``megatron/`` at the repo root) |
+| ``patched`` | pristine + ``patches/0.17.1/series`` (``megatron/`` at the repo root) |
 | ``mcore_0.19`` | megatron-core 0.19.2 from PyPI (anchor: its full_param_layout path), optional |
 
 The anchor tree is the 0.19.2 wheel (``pip download --no-deps``, sha256 pinned below),

@@ -28,7 +28,7 @@ REFRESH = str(SCRIPTS / "refresh_patches.sh")
 REVIEW = str(SCRIPTS / "review_diff.sh")
 UPSTREAM = ROOT / "build" / "upstream"
 SERIES_GIT = ROOT / "build" / "series-git"
-REAL_PATCHES = ROOT / "patches"
+REAL_PATCHES = ROOT / "patches" / "0.17.1"
 
 # Exit codes of apply_patches.sh (see its header).
 OK, ERROR, USAGE, NOT_APPLIED, PARTIAL, WRONG_BASE = 0, 1, 2, 3, 4, 5
@@ -183,7 +183,7 @@ def series(request):
     if request.param == "real":
         pd = REAL_PATCHES
         if not read_series(pd):
-            pytest.skip("patches/series is empty")
+            pytest.skip("patches/0.17.1/series is empty")
     else:
         pd = request.getfixturevalue("synthetic")[1]
     return pd, {"PATCHES_DIR": str(pd)}
@@ -268,7 +268,7 @@ def test_check_on_generated_trees():
     proc = run(APPLY, ROOT, "--check")
     assert proc.returncode == OK and proc.stdout.startswith("applied"), proc.stdout + proc.stderr
     if not read_series(REAL_PATCHES):
-        pytest.skip("patches/series is empty: pristine and patched trees are the same")
+        pytest.skip("patches/0.17.1/series is empty: pristine and patched trees are the same")
     proc = run(APPLY, UPSTREAM, "--check")
     assert proc.returncode == NOT_APPLIED and proc.stdout.startswith("not applied"), proc.stdout
 
@@ -826,3 +826,26 @@ def test_the_019_wheel_tree_is_refused_today(tmp_path):
     target = tmp_path / "t"
     shutil.copytree(UPSTREAM_019 / "megatron", target / "megatron", symlinks=True)
     expect_refusal(target, ["--check"], {}, WRONG_BASE, "0.19.2", "full_param_layout", "#4609")
+
+
+def test_the_series_is_picked_by_the_targets_version(tmp_path):
+    """Without PATCHES_DIR, apply_patches.sh takes the patches/<base>/ folder whose manifest
+    names TARGET's version: a second folder whose manifest says base 0.19.2 (0.17.1's patches
+    under another base line) is taken for the 0.19.2 tree, which then fails that series'
+    file checks (exit 4: its touched files are neither pristine nor patched for it), where
+    the real patches/ refuse the version (exit 5)."""
+    if not (UPSTREAM_019 / "megatron").is_dir():
+        pytest.skip("build/upstream-0.19 is missing; run scripts/setup.sh")
+    repo = tmp_path / "repo"
+    shutil.copytree(ROOT / "scripts", repo / "scripts")
+    shutil.copytree(ROOT / "patches", repo / "patches")
+    other = repo / "patches" / "0.19.2"
+    shutil.copytree(REAL_PATCHES, other)
+    manifest = other / "manifest.sha256"
+    manifest.write_text(re.sub(r"^base 0\.17\.1$", "base 0.19.2", manifest.read_text(), flags=re.M))
+    target = tmp_path / "t"
+    shutil.copytree(UPSTREAM_019 / "megatron", target / "megatron", symlinks=True)
+    picked = run(repo / "scripts" / "apply_patches.sh", target, "--check")
+    assert picked.returncode == PARTIAL, picked.stdout + picked.stderr
+    shutil.rmtree(other)
+    assert run(repo / "scripts" / "apply_patches.sh", target, "--check").returncode == WRONG_BASE

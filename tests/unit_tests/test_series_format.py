@@ -20,7 +20,7 @@ import sys
 
 import pytest
 
-from harness.trees import REPO_ROOT, series_patches, tree_parent
+from harness.trees import REPO_ROOT, SERIES_DIR, series_patches, tree_parent
 
 BLACK = [sys.executable, "-m", "black", "--check", "-q", "-l", "100", "-S", "-C"]
 ISORT = [sys.executable, "-m", "isort", "--check-only", "-q", "--profile", "black", "-l", "100"]
@@ -71,5 +71,5 @@ def test_patch_header(patch):
 
 
 def test_series_header_names_the_base():
-    first = (REPO_ROOT / "patches" / "series").read_text().splitlines()[0]
+    first = (SERIES_DIR / "series").read_text().splitlines()[0]
     assert first.startswith("#") and "0.17.1" in first and "core_v0.17.1" in first
