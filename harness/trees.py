@@ -2,8 +2,10 @@
 
 scripts/setup.sh materializes two trees from the pinned megatron-core wheel:
 
-    build/upstream/megatron   pristine megatron-core 0.17.1
-    megatron/                 pristine + patches/0.17.1/series (repo root)
+    build/upstream/megatron        pristine megatron-core 0.17.1         ("upstream")
+    megatron/                      pristine + patches/0.17.1/series      ("patched", repo root)
+    build/upstream-0.19/megatron   pristine megatron-core 0.19.2         ("upstream-0.19")
+    build/patched-0.19/megatron    pristine 0.19.2 + patches/0.19/series ("patched-0.19")
 
 `megatron` is a namespace package (the wheel has no megatron/__init__.py), so the first
 entry of sys.path that holds megatron/core wins. The harness therefore puts the chosen
@@ -24,15 +26,19 @@ from typing import Dict, Union
 REPO_ROOT = Path(__file__).resolve().parent.parent
 #: The series of the 0.17.1 base (patches/<base>/: series, *.patch, manifest.sha256).
 SERIES_DIR = REPO_ROOT / "patches" / "0.17.1"
-TREES = ("upstream", "patched")
+TREES = ("upstream", "patched", "upstream-0.19", "patched-0.19")
+#: Tree label -> the directory holding its megatron/ (relative to the repo root).
+TREE_PARENTS = {"upstream": "build/upstream", "patched": ".", "upstream-0.19": "build/upstream-0.19",
+                "patched-0.19": "build/patched-0.19"}
 
 
 def tree_parent(tree: Union[str, Path]) -> Path:
     """Directory to put first on PYTHONPATH so that `import megatron.core` gets `tree`.
 
     Args:
-        tree: "upstream" (pristine), "patched", or a Path to a directory that holds a
-            megatron/ tree (e.g. a mutant tree from make_mutant_tree()).
+        tree: a label of TREES ("upstream" and "patched": the 0.17.1 base; "-0.19": the
+            0.19 base), or a Path to a directory that holds a megatron/ tree (e.g. a
+            mutant tree from make_mutant_tree()).
 
     Raises:
         ValueError: unknown tree name.
@@ -41,7 +47,7 @@ def tree_parent(tree: Union[str, Path]) -> Path:
     if isinstance(tree, Path):
         parent = tree
     elif tree in TREES:
-        parent = REPO_ROOT / "build" / "upstream" if tree == "upstream" else REPO_ROOT
+        parent = (REPO_ROOT / TREE_PARENTS[tree]).resolve()
     else:
         raise ValueError(f"unknown tree {tree!r}; expected one of {TREES} or a Path")
     if not (parent / "megatron" / "core" / "__init__.py").is_file():

@@ -94,7 +94,9 @@ if [[ -z "$PD" ]]; then
     for m in "$ROOT"/patches/*/manifest.sha256; do
         [[ -f "$m" ]] || continue
         [[ -n "$PD" ]] || PD="$(dirname "$m")"
-        if [[ "$(awk '$1 == "base" {print $2; exit}' "$m")" == "$want" ]]; then PD="$(dirname "$m")"; break; fi
+        if awk -v v="$want" '($1 == "base" || $1 == "also") { for (i = 2; i <= NF; i++) if ($i == v) f = 1 } END { exit !f }' "$m"; then
+            PD="$(dirname "$m")"; break
+        fi
     done
     [[ -n "$PD" ]] || die 1 "no series under $ROOT/patches/ (patches/<base>/series); restore patches/ (git checkout -- patches) or set PATCHES_DIR to a series directory"
 fi
@@ -111,12 +113,13 @@ while IFS= read -r line || [[ -n "$line" ]]; do
     PATCHES+=("$name")
 done < "$PD/series"
 
-BASE="" MPATCH=() MPSHA=() FILES=() PRI=() PAT=()
+BASE="" ALSO=() MPATCH=() MPSHA=() FILES=() PRI=() PAT=()
 while IFS= read -r line || [[ -n "$line" ]]; do
     [[ "$line" =~ ^[[:space:]]*(#|$) ]] && continue
     read -r kind f1 f2 f3 <<<"$line"
     case "$kind" in
         base)  BASE="$f1" ;;
+        also)  read -r -a ALSO <<<"${line#also}" ;;
         patch) MPSHA+=("$f1"); MPATCH+=("$f2") ;;
         file)  PRI+=("$f1"); PAT+=("$f2"); FILES+=("$f3") ;;
         *)     die 1 "$PD/manifest.sha256 has an unknown line '$line'; restore it from git or run scripts/refresh_patches.sh" ;;
@@ -152,6 +155,8 @@ vpat="$(sed -nE 's/^PATCH[[:space:]]*=[[:space:]]*([0-9A-Za-z]+).*/\1/p' "$PINFO
 [[ -n "$vmaj" && -n "$vmin" ]] || die 1 "cannot read MAJOR/MINOR from $PINFO; is '$TARGET' really megatron-core?"
 HAVE="$vmaj.$vmin${vpat:+.$vpat}"
 IFS=. read -r bmaj bmin bpat <<<"$BASE"
+# `also` versions carry the base's touched files byte for byte (their sha256 is checked below).
+for v in "${ALSO[@]}"; do if [[ "$HAVE" == "$v" ]]; then HAVE="$BASE"; fi; done
 if [[ "$HAVE" != "$BASE" ]]; then
     if (( vmaj > bmaj || (vmaj == bmaj && vmin > bmin) )); then
         later=""

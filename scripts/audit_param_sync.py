@@ -60,7 +60,7 @@ METHOD = (
     "`--accumulate-allreduce-grads-in-fp32`, `--overlap-grad-reduce`, megatron's default bucket "
     "size max(40M, 1M x DP) elements, one bucket after PP stage 0) with the tree's layer-wise Muon "
     "optimizer (`get_megatron_muon_optimizer(..., layer_wise_distributed_optimizer=True)`; for "
-    "0.18.2's layout path `compute_full_param_layout` -> DDP `full_param_layout` and "
+    "the layout trees (0.18.2, 0.19.2) `compute_full_param_layout` -> DDP `full_param_layout` and "
     "`get_megatron_optimizer`, as its `megatron.training` wires them for `dist_muon`). Per path the "
     "tree's code runs once to warm up and once counted: *async* = DDP's forward pre-hooks over every "
     "module in forward order (each bucket group's `finish_param_sync()` dispatches the next group's "
@@ -215,7 +215,7 @@ def dump_json(data: dict) -> str:
 
 def model_summary(spec, records: list) -> str:
     """One line per model: params and buffers per rank, from a record that ran."""
-    ok = [r for r in records if "param_bytes" in r and r.get("tree") != "mcore_0.18_layout"]
+    ok = [r for r in records if "param_bytes" in r and not real_shapes.TREES[r["tree"]].layout]
     if not ok:
         return ""
     r = ok[0]

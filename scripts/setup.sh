@@ -8,11 +8,13 @@
 #   0.19.2 wheel --(unzip megatron/)--> build/upstream-0.19/megatron   (pristine 0.19 base)
 #   pristine + patches/0.17.1/series --(git am, one commit per patch)--> build/series-git
 #   build/series-git HEAD --(git archive)--> megatron/                 (patched, gitignored)
+#   0.19 pristine + patches/0.19/series --(git am)--> build/series-git-0.19 --> build/patched-0.19/megatron
 #   requirements/lock.txt --(pip install)--> .venv                     (CPython 3.12.x)
 #   Megatron-LM core_v0.17.1 source --(verify, unpack, git init + tag)--> build/megatron-lm/core_v0.17.1
 #   that checkout --(git clone, scripts/apply_patches.sh = git am)--> build/megatron-lm/patched
 #   Megatron-LM core_v0.18.2 source --(same)--> build/megatron-lm/core_v0.18.2  (refusal tests only)
 #   Megatron-LM core_v0.19.0 source --(same)--> build/megatron-lm/core_v0.19.0  (the 0.19 base)
+#   that checkout --(git clone, scripts/apply_patches.sh)--> build/megatron-lm/patched-0.19
 #
 # Megatron-LM checkouts (requirements/megatron-lm.lock; upstream's pretrain_gpt.py and
 # tests/unit_tests/, which the wheel lacks). The source of each, first found wins:
@@ -138,65 +140,80 @@ PY
     echo "$want" > "build/stamps/$name"
 }
 if extract_tree "$WHEEL" "$wheel_sha" build/upstream upstream; then rm -f build/stamps/series; fi
-extract_tree "build/wheels/$MCORE19_WHEEL" "$MCORE19_WHEEL_SHA256" build/upstream-0.19 upstream-0.19 || true
-
-# ---------------------------------------------------------------- 5. series repo + patched tree
-SERIES=patches/$MCORE_VERSION  # the series of the 0.17.1 base (series, *.patch, manifest.sha256)
-series_sha="$( { echo "$wheel_sha"; cat "$SERIES/series"; while read -r p; do cat "$SERIES/$p"; done < <(grep -vE '^\s*(#|$)' "$SERIES/series"); } | sha256sum | awk '{print $1}' )" \
-    || die "$SERIES/series names a patch file that does not exist (see above)"
-SG=build/series-git
-# Commits a developer made in $SG (patches/README.md) must reach patches/ before a rebuild
-# replaces $SG: refuse while they are not refreshed; once they are, rebuild from patches/.
-if [[ -d "$SG/.git" ]]; then
-    sg_head="$(git -C "$SG" rev-parse -q --verify HEAD 2>/dev/null || true)"
-    built_head="$(cat build/stamps/series-head 2>/dev/null || git -C "$SG" rev-parse -q --verify 'pristine^{commit}' 2>/dev/null || true)"
-    if [[ "$sg_head" != "$built_head" ]]; then
-        [[ -z "$(git -C "$SG" status --porcelain 2>/dev/null)" ]] \
-            || die "$SG has uncommitted edits. Commit them and run scripts/refresh_patches.sh, or discard them (git -C $SG checkout -- .), then rerun."
-        scripts/refresh_patches.sh --check >/dev/null \
-            || die "$SG has commits that patches/0.17.1/ does not have (HEAD: $(git -C "$SG" log -1 --format='%h %s')). Run scripts/refresh_patches.sh to write them to patches/0.17.1/, or drop them (rm -rf $SG), then rerun."
-        rm -f build/stamps/series
-    fi
+if extract_tree "build/wheels/$MCORE19_WHEEL" "$MCORE19_WHEEL_SHA256" build/upstream-0.19 upstream-0.19; then
+    rm -f build/stamps/series-0.19
 fi
-if [[ "$(cat build/stamps/series 2>/dev/null || true)" != "$series_sha" || ! -d megatron/core ]]; then
-    if [[ -d "$SG/.git" ]] && [[ -n "$(git -C "$SG" status --porcelain 2>/dev/null)" ]]; then
-        die "$SG has uncommitted edits. Commit them and run scripts/refresh_patches.sh, or discard them (git -C $SG checkout -- .), then rerun."
+
+# ---------------------------------------------------------------- 5. series repos + patched trees
+# build_series SERIES PRISTINE SG OUT VERSION WHEEL_SHA STAMP [REFRESH_ENV...]
+#   SERIES     patches/<base> (series, *.patch, manifest.sha256)
+#   PRISTINE   the directory holding the pristine megatron/ of that base
+#   SG         the series repo to build: commit `pristine` + git am of every wheel patch
+#   OUT        where the patched megatron/ goes (its parent directory)
+#   STAMP      name under build/stamps; REFRESH_ENV: VAR=VALUE for refresh_patches.sh --check
+build_series() {
+    local series="$1" pristine="$2" sg="$3" out="$4" version="$5" wsha="$6" stamp="$7"; shift 7
+    local refresh_env=("$@") sha sg_head built_head p
+    sha="$( { echo "$wsha"; cat "$series/series"; while read -r p; do cat "$series/$p"; done < <(grep -vE '^\s*(#|$)' "$series/series"); } | sha256sum | awk '{print $1}' )" \
+        || die "$series/series names a patch file that does not exist (see above)"
+    # Commits a developer made in $sg (patches/README.md) must reach $series before a rebuild
+    # replaces $sg: refuse while they are not refreshed; once they are, rebuild from $series.
+    if [[ -d "$sg/.git" ]]; then
+        sg_head="$(git -C "$sg" rev-parse -q --verify HEAD 2>/dev/null || true)"
+        built_head="$(cat "build/stamps/$stamp-head" 2>/dev/null || git -C "$sg" rev-parse -q --verify 'pristine^{commit}' 2>/dev/null || true)"
+        if [[ "$sg_head" != "$built_head" ]]; then
+            [[ -z "$(git -C "$sg" status --porcelain 2>/dev/null)" ]] \
+                || die "$sg has uncommitted edits. Commit them and run scripts/refresh_patches.sh, or discard them (git -C $sg checkout -- .), then rerun."
+            env "${refresh_env[@]}" scripts/refresh_patches.sh --check >/dev/null \
+                || die "$sg has commits that $series/ does not have (HEAD: $(git -C "$sg" log -1 --format='%h %s')). Run ${refresh_env[*]:+${refresh_env[*]} }scripts/refresh_patches.sh to write them to $series/, or drop them (rm -rf $sg), then rerun."
+            rm -f "build/stamps/$stamp"
+        fi
     fi
-    say "building $SG: pristine commit + git am $SERIES/series"
-    rm -rf "$SG.tmp" && mkdir -p "$SG.tmp"
-    cp -a build/upstream/megatron "$SG.tmp/megatron"
-    export GIT_AUTHOR_NAME="megatron-core wheel" GIT_AUTHOR_EMAIL="pristine@invalid" \
-        GIT_COMMITTER_NAME="series-git" GIT_COMMITTER_EMAIL="series-git@invalid" \
-        GIT_AUTHOR_DATE="2000-01-01T00:00:00Z" GIT_COMMITTER_DATE="2000-01-01T00:00:00Z"
+    if [[ "$(cat "build/stamps/$stamp" 2>/dev/null || true)" == "$sha" && -d "$out/megatron/core" ]]; then
+        log "patched tree $out/megatron up to date ($(grep -cvE '^\s*(#|$)' "$series/series") patches)"; return 0
+    fi
+    if [[ -d "$sg/.git" ]] && [[ -n "$(git -C "$sg" status --porcelain 2>/dev/null)" ]]; then
+        die "$sg has uncommitted edits. Commit them and run scripts/refresh_patches.sh, or discard them (git -C $sg checkout -- .), then rerun."
+    fi
+    say "building $sg: pristine commit + git am $series/series"
+    rm -rf "$sg.tmp" && mkdir -p "$sg.tmp"
+    cp -a "$pristine/megatron" "$sg.tmp/megatron"
     (
-        cd "$SG.tmp"
+        export GIT_AUTHOR_NAME="megatron-core wheel" GIT_AUTHOR_EMAIL="pristine@invalid" \
+            GIT_COMMITTER_NAME="series-git" GIT_COMMITTER_EMAIL="series-git@invalid" \
+            GIT_AUTHOR_DATE="2000-01-01T00:00:00Z" GIT_COMMITTER_DATE="2000-01-01T00:00:00Z"
+        cd "$sg.tmp"
         git init -q -b main . && git config core.autocrlf false && git config commit.gpgsign false
         find megatron -name __pycache__ -prune -exec rm -rf {} +
-        git add -A megatron && git commit -q -m "megatron-core $MCORE_VERSION pristine (wheel sha256 $wheel_sha)"
+        git add -A megatron && git commit -q -m "megatron-core $version pristine (wheel sha256 $wsha)"
         git tag pristine
     )
     while read -r p; do
-        [[ -f "$SERIES/$p" ]] || { rm -rf "$SG.tmp"; die "$SERIES/series names $SERIES/$p, which does not exist"; }
-        if ! grep -E '^diff --git a/' "$SERIES/$p" | grep -vqE '^diff --git a/tests/unit_tests/'; then
+        [[ -f "$series/$p" ]] || { rm -rf "$sg.tmp"; die "$series/series names $series/$p, which does not exist"; }
+        if ! grep -E '^diff --git a/' "$series/$p" | grep -vqE '^diff --git a/tests/unit_tests/'; then
             # The wheel has no tests/: this patch updates upstream's tests/unit_tests/ and is
             # applied to the Megatron-LM checkout below (scripts/apply_patches.sh).
-            log "skipping $SERIES/$p for the wheel tree: it touches only upstream's tests/unit_tests/"
+            log "skipping $series/$p for the wheel tree: it touches only upstream's tests/unit_tests/"
             continue
         fi
-        unset GIT_AUTHOR_NAME GIT_AUTHOR_EMAIL GIT_AUTHOR_DATE
-        git -C "$SG.tmp" am -q --keep-cr "$ROOT/$SERIES/$p" \
-            || { git -C "$SG.tmp" am --abort 2>/dev/null || true; rm -rf "$SG.tmp"; die "$SERIES/$p does not apply to megatron-core $MCORE_VERSION (git am failed). megatron/ left as it was."; }
-    done < <(grep -vE '^\s*(#|$)' "$SERIES/series")
-    rm -rf megatron.tmp && mkdir megatron.tmp
-    git -C "$SG.tmp" archive HEAD megatron | tar -x -C megatron.tmp
+        GIT_COMMITTER_NAME="series-git" GIT_COMMITTER_EMAIL="series-git@invalid" GIT_COMMITTER_DATE="2000-01-01T00:00:00Z" \
+            git -C "$sg.tmp" am -q --keep-cr "$ROOT/$series/$p" \
+            || { git -C "$sg.tmp" am --abort 2>/dev/null || true; rm -rf "$sg.tmp"; die "$series/$p does not apply to megatron-core $version (git am failed). $out/megatron left as it was."; }
+    done < <(grep -vE '^\s*(#|$)' "$series/series")
+    rm -rf "$out/megatron.tmp" && mkdir -p "$out/megatron.tmp"
+    git -C "$sg.tmp" archive HEAD megatron | tar -x -C "$out/megatron.tmp"
     # The prebuilt extension is not text; git keeps it byte-exact but archive drops nothing else.
-    rm -rf "$SG" && mv "$SG.tmp" "$SG"
-    git -C "$SG" rev-parse HEAD > build/stamps/series-head
-    rm -rf megatron && mv megatron.tmp/megatron megatron && rmdir megatron.tmp
-    echo "$series_sha" > build/stamps/series
-else
-    log "patched tree megatron/ up to date ($(grep -cvE '^\s*(#|$)' "$SERIES/series") patches)"
-fi
+    rm -rf "$sg" && mv "$sg.tmp" "$sg"
+    git -C "$sg" rev-parse HEAD > "build/stamps/$stamp-head"
+    rm -rf "$out/megatron" && mv "$out/megatron.tmp/megatron" "$out/megatron" && rmdir "$out/megatron.tmp"
+    echo "$sha" > "build/stamps/$stamp"
+}
+SERIES=patches/$MCORE_VERSION  # the series of the 0.17.1 base (series, *.patch, manifest.sha256)
+build_series "$SERIES" build/upstream build/series-git . "$MCORE_VERSION" "$wheel_sha" series
+SERIES19=patches/0.19  # the 0.19 base: 0.19.2's wheel, patched tree build/patched-0.19/megatron
+mkdir -p build/patched-0.19
+build_series "$SERIES19" build/upstream-0.19 build/series-git-0.19 build/patched-0.19 "$MCORE19_VERSION" \
+    "$MCORE19_WHEEL_SHA256" series-0.19 SERIES_GIT=build/series-git-0.19 PATCHES_DIR="$SERIES19" CHECKOUT_GIT=/nonexistent
 
 # ---------------------------------------------------------------- 6. Megatron-LM checkouts
 # shellcheck source=../requirements/megatron-lm.lock
@@ -318,7 +335,7 @@ mlm_checkout "$MLM_019_TAG" "$MLM_019_VERSION" "$MLM_019_COMMIT" "$MLM_019_TARBA
 # (git am, one commit per patch). The prebuilt dataset helpers of the wheel go next to the
 # sources in both 0.17.1 checkouts, as `make` would put them (*.so is in upstream's .gitignore).
 helpers_so=(build/upstream/megatron/core/datasets/helpers_cpp*.so)
-patched_sha="$( { cat "build/stamps/mlm-$MLM_TAG"; echo "$series_sha"; sha scripts/apply_patches.sh; } | sha256sum | awk '{print $1}')"
+patched_sha="$( { cat "build/stamps/mlm-$MLM_TAG"; cat build/stamps/series; sha scripts/apply_patches.sh; } | sha256sum | awk '{print $1}')"
 PC="$MLM/patched"
 # Its top commits are the checkout-only patches (tests/unit_tests/): a developer edits them
 # here, and scripts/refresh_patches.sh writes them to patches/. Refuse to drop unwritten ones.
@@ -349,4 +366,28 @@ fi
 for so in "${helpers_so[@]}"; do
     [[ -f "$MLM/$MLM_TAG/megatron/core/datasets/$(basename "$so")" ]] || cp -p "$so" "$MLM/$MLM_TAG/megatron/core/datasets/"
 done
-log "ready: .venv, build/upstream/megatron (pristine), megatron/ (patched), build/upstream-0.19/megatron (pristine $MCORE19_VERSION), $MLM/{$MLM_TAG,patched$([[ -d "$MLM/$MLM_NEXT_TAG/.git" ]] && echo ",$MLM_NEXT_TAG")$([[ -d "$MLM/$MLM_019_TAG/.git" ]] && echo ",$MLM_019_TAG")}"
+# The 0.19 base's checkout with its series (git am), when the core_v0.19.0 source was found.
+PC19="$MLM/patched-0.19"
+if [[ -d "$MLM/$MLM_019_TAG/.git" ]]; then
+    patched19_sha="$( { cat "build/stamps/mlm-$MLM_019_TAG"; cat build/stamps/series-0.19; sha scripts/apply_patches.sh; } | sha256sum | awk '{print $1}')"
+    if [[ "$(cat build/stamps/mlm-patched-0.19 2>/dev/null || true)" != "$patched19_sha" || ! -d "$PC19/.git" ]]; then
+        say "building $PC19: $MLM_019_TAG + scripts/apply_patches.sh (git am)"
+        rm -rf "$PC19.tmp"
+        git clone -q "$MLM/$MLM_019_TAG" "$PC19.tmp"
+        git -C "$PC19.tmp" config user.name "megatron-layerwise-ag setup"
+        git -C "$PC19.tmp" config user.email "setup@invalid"
+        out="$(GIT_COMMITTER_DATE="2000-01-01T00:00:00Z" scripts/apply_patches.sh "$PC19.tmp" 2>&1)" \
+            || { rm -rf "$PC19.tmp"; die "the 0.19 series does not apply to the Megatron-LM $MLM_019_TAG checkout: $out"; }
+        log "$out"
+        rm -rf "$PC19" && mv "$PC19.tmp" "$PC19"
+        echo "$patched19_sha" > build/stamps/mlm-patched-0.19
+    else
+        log "patched Megatron-LM checkout $PC19 up to date"
+    fi
+    for d in "$MLM/$MLM_019_TAG" "$PC19"; do
+        for so in build/upstream-0.19/megatron/core/datasets/helpers_cpp*.so; do
+            [[ -f "$d/megatron/core/datasets/$(basename "$so")" ]] || cp -p "$so" "$d/megatron/core/datasets/"
+        done
+    done
+fi
+log "ready: .venv, build/upstream/megatron (pristine), megatron/ (patched), build/upstream-0.19/megatron (pristine $MCORE19_VERSION), build/patched-0.19/megatron, $MLM/{$MLM_TAG,patched$([[ -d "$MLM/$MLM_NEXT_TAG/.git" ]] && echo ",$MLM_NEXT_TAG")$([[ -d "$MLM/$MLM_019_TAG/.git" ]] && echo ",$MLM_019_TAG,patched-0.19")}"

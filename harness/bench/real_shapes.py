@@ -204,6 +204,11 @@ TREES: Dict[str, TreeSpec] = {
                  "(its legacy layer-wise path, #3751 + #4609)", "build/megatron-lm/core_v0.18.2"),  # fmt: skip
         TreeSpec("mcore_0.18_layout", "megatron-core 0.18.2, its default layer-wise param layout",
                  "build/megatron-lm/core_v0.18.2", layout=True),  # fmt: skip
+        TreeSpec("mcore_0.19_legacy", "megatron-core 0.19.2 with --no-use-layer-wise-param-layout "
+                 "(its legacy layer-wise path)", "build/upstream-0.19"),  # fmt: skip
+        TreeSpec("mcore_0.19_layout", "megatron-core 0.19.2, its default layer-wise param layout",
+                 "build/upstream-0.19", layout=True),  # fmt: skip
+        TreeSpec("patched_0.19", "0.19.2 + its series (patches/0.19/), legacy path", "build/patched-0.19"),
     )
 }
 

@@ -470,6 +470,7 @@ def main(argv=None):
             rec = run(SCENARIOS[name](), cfg)
             torch.save(rec, out / f"{cfg.name}.{name}.rank{rank}.pt")
             keys = (
+                "grad_norms",
                 "error",
                 "error_step",
                 "error_phase",

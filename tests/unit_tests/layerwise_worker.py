@@ -112,7 +112,17 @@ def _megatron():
     from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig
-    from megatron.core.optimizer.muon import get_megatron_muon_optimizer
+    from megatron.core.optimizer.muon import get_megatron_muon_optimizer as _muon
+
+    def get_megatron_muon_optimizer(config, chunks, layer_wise_distributed_optimizer=True):
+        """0.17.1's builder; from 0.18 on (OptimizerConfig has
+        use_layer_wise_distributed_optimizer) get_megatron_optimizer with it set."""
+        if hasattr(config, "use_layer_wise_distributed_optimizer"):
+            from megatron.core.optimizer import get_megatron_optimizer
+
+            config.use_layer_wise_distributed_optimizer = layer_wise_distributed_optimizer
+            return get_megatron_optimizer(config, chunks)
+        return _muon(config, chunks, layer_wise_distributed_optimizer=layer_wise_distributed_optimizer)
     from megatron.core.transformer import TransformerConfig
     from megatron.core.transformer.module import MegatronModule
 
@@ -1058,6 +1068,8 @@ SCENARIOS = {
     "bucket_group_of_two": sc_bucket_group_of_two,
     "small_dp": sc_small_dp,
     "expert_dp1": lambda cfg: sc_small_dp(cfg, expert=True),
+    # Run with --tensor-parallel 2 on 2 ranks: dense DP (dp_cp) 1, expert-DP 2.
+    "dp1_expert_dp2": lambda cfg: sc_small_dp(cfg, expert=True),
     "small_dp_sync": sc_small_dp_sync,
     "expert_dp1_sync": lambda cfg: sc_small_dp_sync(cfg, expert=True),
 }
@@ -1097,6 +1109,7 @@ def main(argv=None):
     ap = worker_arg_parser(__doc__, "JSON results path (written by rank 0)", SCENARIOS,
                            "bf16-fp32grad-mixed")
     ap.add_argument("--expert-parallel", type=int, default=1)
+    ap.add_argument("--tensor-parallel", type=int, default=1)
     args = ap.parse_args(argv)
     configs = [parse_config(c) for c in args.configs.split(",")]
     names = args.scenarios.split(",")
@@ -1106,7 +1119,11 @@ def main(argv=None):
 
     dist.init_process_group(backend="gloo")
     tree = check_expected_tree()
-    parallel_state.initialize_model_parallel(expert_model_parallel_size=args.expert_parallel)
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=args.tensor_parallel,
+        expert_model_parallel_size=args.expert_parallel,
+        expert_tensor_parallel_size=1 if args.tensor_parallel > 1 else None,
+    )
     results = {"_meta": {"tree": tree, "world_size": dist.get_world_size()}}
     # A scenario that raises on every rank is data (the pristine tree crashes where the
     # series fixes it); one that raises on some ranks only ends the job with that rank's
@@ -1122,6 +1139,8 @@ def main(argv=None):
                 raise RuntimeError(f"forced failure of {key} on rank {dist.get_rank()} ({FAIL_ENV})")
             step.result = SCENARIOS[name](cfg)
         results[key] = step.result
+        if step.traceback and isinstance(step.result, dict) and "error" in step.result:
+            step.result["where"] = step.traceback.strip().splitlines()[-4:-1]
         if dist.get_rank() == 0:
             print(f"{PROGRESS} {key} {time.monotonic():.3f}", flush=True)
     if dist.get_rank() == 0:

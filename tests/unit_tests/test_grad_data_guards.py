@@ -478,3 +478,49 @@ def test_guard_mutants_are_caught(runs, tmp_path, mutant):
             got.add(scenario)
     want = GUARD_MUTANT_MUST_FAIL[mutant]
     assert got == want, f"not failed {sorted(want - got)}; failed unexpectedly {sorted(got - want)}"
+
+
+# ------------------------------------------------------------------ the 0.19 base
+def _skip_without_019():
+    if not (REPO_ROOT / "build" / "patched-0.19" / "megatron" / "core").is_dir():
+        pytest.skip("build/patched-0.19 is missing; run scripts/setup.sh")
+
+
+def test_019_series_equals_the_0171_series_in_every_scenario(runs):
+    """0.19.2 + patches/0.19 against 0.17.1 + patches/0.17.1, every scenario: the same
+    outcome (the same error, step and phase where the guards raise, state kept alike),
+    the same receive temporaries, and bitwise the same params, main_grads and grad norms
+    at every step. The guard contract, checked scenario by scenario above on 0.17.1, then
+    holds on 0.19 too."""
+    _skip_without_019()
+    for scenario in SCENARIOS.split(","):
+        s19, r19 = record(runs, "patched-0.19", scenario)
+        s17, r17 = record(runs, "patched", scenario)
+        assert {k: v for k, v in s19.items() if k != "grad_norms"} == {k: v for k, v in s17.items() if k != "grad_norms"}, (
+            scenario, s19, s17)
+        assert_bitwise(r19, r17, f"{scenario}: 0.19 series vs 0.17.1 series")
+
+
+def test_019_pristine_forced_sync_before_step_zeroes_every_grad(runs):
+    """Pristine 0.19.2 (#3751 + #4609 on its legacy path): a forced param sync between
+    finish_grad_sync() and step() receives into grad_data and zeroes each gathered
+    bucket's whole grad_data, so every step's grad norm is 0.0, silently: dense, MoE,
+    without --overlap-grad-reduce, and during the grad all-reduce. 0.17.1 keeps the
+    grads there (it receives into temporaries); the 0.19 series equals its run without
+    the call (test above)."""
+    _skip_without_019()
+    baseline, _ = record(runs, "upstream-0.19", "baseline")
+    assert baseline["error"] is None and all(n > 0 for n in baseline["grad_norms"]), baseline
+    for scenario in ("forced_before_step", "forced_before_step_no_ogr", "forced_before_step_moe",
+                     "forced_during_reduce"):
+        summary, _ = record(runs, "upstream-0.19", scenario)
+        assert summary["error"] is None and summary["grad_norms"] == [0.0] * 3, (scenario, summary)
+        ok, _ = record(runs, "upstream", scenario)
+        assert all(n > 0 for n in ok["grad_norms"]), (scenario, ok)
+
+
+def test_019_series_trains_like_pristine_019_where_it_is_right(runs):
+    """The runs without a hazard: 0.19 + series bitwise equal to pristine 0.19.2."""
+    _skip_without_019()
+    for scenario in ("baseline", "baseline_no_ogr", "baseline_moe"):
+        trains_like(runs, "patched-0.19", scenario, ref_tree="upstream-0.19")

@@ -202,12 +202,15 @@ def test_pristine_temporaries(audit):
 
 
 def test_layout_padding_is_megatrons_own(audit):
-    """0.18.2's layout path: the padding the audit reads off DDP's layer-wise buffers
+    """The layout path of 0.18.2 and of 0.19.2: the padding the audit reads off DDP's layer-wise buffers
     equals the total_padding megatron logs for its layout ("overhead=...%"), and it grows
     with DP; its gathers are all_gather_into_tensor in place (0 temporaries)."""
     _, _, data = audit
-    for model in real_shapes.QUICK_MODELS:
-        _layout_padding_is_megatrons_own(sorted(_cells(data, tree="mcore_0.18_layout", model=model), key=lambda c: c["dp"]))
+    layout_trees = [t for t, spec in real_shapes.TREES.items() if spec.layout]
+    assert layout_trees == ["mcore_0.18_layout", "mcore_0.19_layout"]
+    for tree in layout_trees:
+        for model in real_shapes.QUICK_MODELS:
+            _layout_padding_is_megatrons_own(sorted(_cells(data, tree=tree, model=model), key=lambda c: c["dp"]))
     for c in _cells(data, tree="upstream"):
         assert c["padding_elements"] == 0
 

@@ -90,3 +90,37 @@ def test_tests_only_on_patched_pass(nproc):
 def test_tests_changed_by_the_series_pass_on_patched(nproc):
     patched = _run("patched", nproc)
     assert {t: patched.results.get(t) for t in CHANGED_BY_SERIES} == dict.fromkeys(CHANGED_BY_SERIES, "passed")
+
+
+# ------------------------------------------------------------------ the 0.19 base
+_RUNS_019: dict = {}
+
+
+def _run_019(tree: str) -> ur.Run:
+    """The 0.19 checkouts (core_v0.19.0, and it + patches/0.19), FILES_019 at 2 ranks, both
+    trees side by side, once per session; skip when setup.sh found no core_v0.19.0 source."""
+    missing = [t for t in ("pristine-0.19", "patched-0.19") if not (ur.CHECKOUTS[t] / ".git").is_dir()]
+    if missing:
+        pytest.skip(f"{[str(ur.CHECKOUTS[t]) for t in missing]} missing (scripts/setup.sh found no core_v0.19.0)")
+    if not _RUNS_019:
+        trees = ("pristine-0.19", "patched-0.19")
+        with ThreadPoolExecutor(2) as pool:
+            for t, r in zip(trees, pool.map(lambda t: ur.run(t, 2, ur.FILES_019), trees)):
+                _RUNS_019[t] = r
+    return _RUNS_019[tree]
+
+
+@pytest.mark.parametrize("tree", ["pristine-0.19", "patched-0.19"])
+def test_019_upstream_tests_ran(tree):
+    run = _run_019(tree)
+    counts = run.by_file()
+    assert set(counts) == set(ur.FILES_019) and all(c["passed"] > 0 for c in counts.values()), (counts, run.log)
+    assert run.returncode != 124, f"timed out; see {run.log}"
+
+
+def test_019_patched_passes_every_test_that_pristine_passes():
+    """Upstream's tests at core_v0.19.0, unchanged (the 0.19 series has no test patch):
+    every test that passes on 0.19 passes on 0.19 + the series, and none is new."""
+    pristine, patched = _run_019("pristine-0.19"), _run_019("patched-0.19")
+    assert not ur.regressions(pristine, patched), (ur.regressions(pristine, patched), patched.log)
+    assert set(patched.results) == set(pristine.results)

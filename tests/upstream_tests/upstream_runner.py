@@ -42,6 +42,9 @@ PLUGIN_DIR = Path(__file__).resolve().parent
 CHECKOUTS = {
     "pristine": REPO_ROOT / "build" / "megatron-lm" / "core_v0.17.1",
     "patched": REPO_ROOT / "build" / "megatron-lm" / "patched",
+    # The 0.19 base (optional: scripts/setup.sh builds them when the core_v0.19.0 source is found).
+    "pristine-0.19": REPO_ROOT / "build" / "megatron-lm" / "core_v0.19.0",
+    "patched-0.19": REPO_ROOT / "build" / "megatron-lm" / "patched-0.19",
 }
 RESULTS_DIR = REPO_ROOT / "build" / "upstream_tests"
 
@@ -60,6 +63,12 @@ FILES_BY_NPROC: Dict[int, tuple] = {
     4: ("tests/unit_tests/test_layer_wise_optimizer.py",),
 }
 
+#: The 0.19 base's files (tag core_v0.19.0), at 2 ranks: the DDP buffer tests and the
+#: layer-wise optimizer tests (both ``use_param_layout`` values, parametrized upstream).
+FILES_019: tuple = (
+    "tests/unit_tests/distributed/test_param_and_grad_buffer.py",
+    "tests/unit_tests/test_layer_wise_optimizer.py",
+)
 #: Upstream files that import the touched modules but are not run, and why.
 NOT_RUN = {
     "tests/unit_tests/distributed/test_grad_sync_with_expert_parallel.py": (
