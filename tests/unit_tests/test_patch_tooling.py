@@ -819,33 +819,59 @@ def test_019_wheel_carries_core_v0_19_0s_touched_files():
     assert (version(UPSTREAM_019), version(ckpt)) == ("0.19.2", "0.19.1")
 
 
-def test_the_019_wheel_tree_is_refused_today(tmp_path):
-    """The real 0.19.2 tree: refused (exit 5), with 0.19's layout path named, nothing changed."""
+SERIES_019 = ROOT / "patches" / "0.19"
+
+
+def _019_wheel_copy(dest):
     if not (UPSTREAM_019 / "megatron").is_dir():
         pytest.skip("build/upstream-0.19 is missing; run scripts/setup.sh")
-    target = tmp_path / "t"
-    shutil.copytree(UPSTREAM_019 / "megatron", target / "megatron", symlinks=True)
-    expect_refusal(target, ["--check"], {}, WRONG_BASE, "0.19.2", "full_param_layout", "#4609")
+    shutil.copytree(UPSTREAM_019 / "megatron", dest / "megatron", symlinks=True)
+    return dest
+
+
+def test_019_series_applies_checks_and_reverses_on_a_fresh_019_wheel_tree(tmp_path):
+    """A fresh extraction of the 0.19.2 wheel: --check says not applied (3), apply gives
+    the manifest's patched files, --check says applied (0), --reverse restores every byte."""
+    target = _019_wheel_copy(tmp_path / "t")
+    before = tree_hashes(target)
+    assert run(APPLY, target, "--check").returncode == NOT_APPLIED
+    proc = run(APPLY, target)
+    assert proc.returncode == OK and "applied 7 patches" in proc.stdout, proc.stdout + proc.stderr
+    for f, (_, patched_sha) in read_manifest(SERIES_019).items():
+        assert sha256(target / f) == patched_sha, f
+    assert run(APPLY, target, "--check").returncode == OK
+    assert run(APPLY, target, "--reverse").returncode == OK
+    assert tree_hashes(target) == before
+
+
+def test_019_series_git_am_on_a_core_v0_19_0_checkout(tmp_path):
+    """core_v0.19.0 (its package_info.py reads 0.19.1, a manifest 'also' version): one
+    commit per patch with the series' subjects, --check, then --reverse back to the tag."""
+    repo = clone_checkout("core_v0.19.0", tmp_path / "Megatron-LM-0.19.0")
+    assert run(APPLY, repo).returncode == OK
+    subjects = git(repo, "log", "--format=%s", "core_v0.19.0..HEAD").splitlines()
+    assert len(subjects) == len(read_series(SERIES_019))
+    assert run(APPLY, repo, "--check").returncode == OK
+    assert run(APPLY, repo, "--reverse").returncode == OK
+    assert git(repo, "diff", "core_v0.19.0", "HEAD") == ""
 
 
 def test_the_series_is_picked_by_the_targets_version(tmp_path):
     """Without PATCHES_DIR, apply_patches.sh takes the patches/<base>/ folder whose manifest
-    names TARGET's version: a second folder whose manifest says base 0.19.2 (0.17.1's patches
-    under another base line) is taken for the 0.19.2 tree, which then fails that series'
-    file checks (exit 4: its touched files are neither pristine nor patched for it), where
-    the real patches/ refuse the version (exit 5)."""
-    if not (UPSTREAM_019 / "megatron").is_dir():
-        pytest.skip("build/upstream-0.19 is missing; run scripts/setup.sh")
+    names TARGET's version: the 0.17.1 tree gets the 8 patches of patches/0.17.1/, the
+    0.19.2 tree the 7 of patches/0.19/; with patches/0.19/ gone, 0.19.2 is refused (exit 5)
+    with the bases that remain."""
     repo = tmp_path / "repo"
     shutil.copytree(ROOT / "scripts", repo / "scripts")
     shutil.copytree(ROOT / "patches", repo / "patches")
-    other = repo / "patches" / "0.19.2"
-    shutil.copytree(REAL_PATCHES, other)
-    manifest = other / "manifest.sha256"
-    manifest.write_text(re.sub(r"^base 0\.17\.1$", "base 0.19.2", manifest.read_text(), flags=re.M))
-    target = tmp_path / "t"
-    shutil.copytree(UPSTREAM_019 / "megatron", target / "megatron", symlinks=True)
-    picked = run(repo / "scripts" / "apply_patches.sh", target, "--check")
-    assert picked.returncode == PARTIAL, picked.stdout + picked.stderr
-    shutil.rmtree(other)
-    assert run(repo / "scripts" / "apply_patches.sh", target, "--check").returncode == WRONG_BASE
+    apply = repo / "scripts" / "apply_patches.sh"
+    t17 = copy_upstream(tmp_path / "t17")
+    proc = run(apply, t17, "--check")
+    assert proc.returncode == NOT_APPLIED and "megatron-core 0.17.1" in proc.stdout, proc.stdout + proc.stderr
+    assert run(apply, t17).returncode == OK and run(apply, t17, "--check").stdout.startswith("applied: all 7 patches")
+    t19 = _019_wheel_copy(tmp_path / "t19")
+    proc = run(apply, t19, "--check")
+    assert proc.returncode == NOT_APPLIED and "megatron-core 0.19.2" in proc.stdout, proc.stdout + proc.stderr
+    shutil.rmtree(repo / "patches" / "0.19")
+    proc = run(apply, t19, "--check")
+    assert proc.returncode == WRONG_BASE and "series for: 0.17.1." in proc.stderr, proc.stderr
