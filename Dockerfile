@@ -35,9 +35,11 @@ LABEL org.opencontainers.image.title="megatron-layerwise-ag" \
       io.megatron-layerwise-ag.python="3.12" \
       io.megatron-layerwise-ag.megatron-core="0.17.1"
 
-# Megatron-LM source and ref (a tag or branch; `git clone --branch` takes either). The clone's
-# commit must be requirements/megatron-lm.lock's MLM_COMMIT when the ref is its MLM_TAG; for
-# another ref give the commit you expect (empty: not checked, with a warning).
+# Megatron-LM source and ref (a tag or branch; `git clone --branch` takes either): the base.
+# core_v0.17.1 (default) gets patches/0.17.1/, core_v0.19.0 patches/0.19/ (apply_patches.sh
+# picks the series by the clone's version): --build-arg MEGATRON_LM_REF=core_v0.19.0. The
+# clone's commit must be requirements/megatron-lm.lock's MLM_COMMIT / MLM_019_COMMIT for those
+# tags; for another ref give the commit you expect (empty: not checked, with a warning).
 ARG MEGATRON_LM_REPO=https://github.com/NVIDIA/Megatron-LM.git
 ARG MEGATRON_LM_REF=core_v0.17.1
 ARG MEGATRON_LM_COMMIT=

@@ -68,6 +68,7 @@ step_megatron_lm() {
         || die "git clone --branch $ref $repo failed"
     want="${MEGATRON_LM_COMMIT:-}"
     if [[ -z "$want" && "$ref" == "$(lock_value "$lock" MLM_TAG)" ]]; then want="$(lock_value "$lock" MLM_COMMIT)"; fi
+    if [[ -z "$want" && "$ref" == "$(lock_value "$lock" MLM_019_TAG)" ]]; then want="$(lock_value "$lock" MLM_019_COMMIT)"; fi
     head="$(git -C "$MEGATRON_LM" rev-parse HEAD)"
     if [[ -n "$want" ]]; then
         [[ "$head" == "$want" ]] \

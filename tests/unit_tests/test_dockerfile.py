@@ -347,3 +347,24 @@ def test_gpu_check_in_the_image_plans_without_a_gpu(built, tmp_path):
                           env={**os.environ, "PYTHON": env["PYTHON"]})
     assert proc.returncode == 0, proc.stderr
     assert re.search(r"^run functional_gloo_shared_gpu .*backend=gloo", proc.stdout, re.M)
+
+
+def test_the_trees_step_applies_the_019_series_to_a_core_v0_19_0_clone(tmp_path):
+    """--build-arg MEGATRON_LM_REF=core_v0.19.0: the trees step patches that clone with
+    patches/0.19/ (picked by its version), one commit per patch, and the check passes."""
+    src = ROOT / "build" / "megatron-lm" / "core_v0.19.0"
+    if not (src / ".git").is_dir():
+        pytest.skip(f"{src} is missing: run scripts/setup.sh")
+    clone = tmp_path / "clone"
+    subprocess.run(["git", "clone", "-q", "--branch", "core_v0.19.0", f"file://{src}", str(clone)],
+                   check=True, capture_output=True)
+    harness = tmp_path / "harness"
+    shutil.copytree(ROOT / "scripts", harness / "scripts")
+    shutil.copytree(ROOT / "patches", harness / "patches")
+    proc = subprocess.run(["bash", "scripts/image_build.sh", "trees"], cwd=harness, capture_output=True, text=True,
+                          env={**os.environ, "GIT_CONFIG_GLOBAL": "/dev/null", "MEGATRON_LM": str(clone)}, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    subjects = subprocess.run(["git", "-C", str(clone), "log", "--format=%s", "core_v0.19.0..HEAD"],
+                              capture_output=True, text=True, check=True).stdout.splitlines()
+    assert len(subjects) == 7 and subjects[-1].startswith("ddp: wait on every layer-wise"), subjects
+    assert apply(clone, "--check") == 0
