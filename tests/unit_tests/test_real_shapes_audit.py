@@ -289,6 +289,25 @@ def test_series_claims_hold_on_every_series_cell(audit):
     assert compared == {(c["model"], c["dp"], p) for c in series for p in PATHS} - crashed
 
 
+def test_019_series_claims_hold_and_equal_the_0171_series(audit):
+    """The 0.19 series (patched_0.19) against pristine 0.19.2's legacy path, on every quick
+    cell and path: the same claims (0 bytes, no zero-size call, calls and launches at most
+    0.19.2's, exact wire bytes); and every count equal to the 0.17.1 series' on the same
+    cell. 0.19.2's legacy path is measured too: it equals 0.18.2's on every cell."""
+    _, _, data = audit
+    series, pristine = _cells(data, tree="patched_0.19"), _cells(data, tree="mcore_0.19_legacy")
+    assert len(series) == len(real_shapes.QUICK_MODELS) * len(real_shapes.QUICK_DP_SIZES)
+    assert series_claim_failures(series, pristine) == []
+    keys = ("calls", "ops", "zero_size_ops", "launches", "wire_bytes", "zeroed_grad_bytes",
+            "nccl_temporary_bytes", "megatron_temporary_bytes")
+    for tree, other in (("patched_0.19", "patched"), ("mcore_0.19_legacy", "mcore_0.18_legacy")):
+        for c in _cells(data, tree=tree):
+            (o,) = _cells(data, tree=other, model=c["model"], dp=c["dp"])
+            for path in PATHS:
+                got, want = ({k: x["paths"][path].get(k) for k in keys} for x in (c, o))
+                assert got == want, (tree, other, c["model"], c["dp"], path, got, want)
+
+
 def test_series_claims_fail_on_a_mutant(audit, tmp_path):
     """Teeth: the same check on a tree whose single-param owners broadcast through a copy
     (``CLAIM_MUTANT``) fails on megatron's temporaries, and on nothing else."""
