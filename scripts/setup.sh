@@ -347,22 +347,28 @@ if [[ -d "$PC/.git" && -n "$(cat build/stamps/mlm-patched-head 2>/dev/null || tr
         || die "$PC has commits that patches/0.17.1/ does not have (HEAD: $(git -C "$PC" log -1 --format='%h %s')). Run scripts/refresh_patches.sh to write them to patches/0.17.1/, or drop them (rm -rf $PC), then rerun."
     rm -f build/stamps/mlm-patched
 fi
-if [[ "$(cat build/stamps/mlm-patched 2>/dev/null || true)" != "$patched_sha" || ! -d "$PC/.git" ]]; then
-    say "building $PC: $MLM_TAG + scripts/apply_patches.sh (git am)"
-    rm -rf "$PC.tmp"
-    git clone -q "$MLM/$MLM_TAG" "$PC.tmp"
-    git -C "$PC.tmp" config user.name "megatron-layerwise-ag setup"
-    git -C "$PC.tmp" config user.email "setup@invalid"
-    out="$(GIT_COMMITTER_DATE="2000-01-01T00:00:00Z" scripts/apply_patches.sh "$PC.tmp" 2>&1)" \
-        || { rm -rf "$PC.tmp"; die "the series does not apply to the Megatron-LM $MLM_TAG checkout: $out"; }
+# patch_checkout TAG DEST STAMP SHA HELPERS...: DEST = a clone of $MLM/TAG with
+# scripts/apply_patches.sh applied (git am), the dataset helpers beside its sources;
+# rebuilt when build/stamps/STAMP differs from SHA.
+patch_checkout() {
+    local tag="$1" dest="$2" stamp="$3" want="$4" out; shift 4
+    if [[ "$(cat "build/stamps/$stamp" 2>/dev/null || true)" == "$want" && -d "$dest/.git" ]]; then
+        log "patched Megatron-LM checkout $dest up to date"; return 0
+    fi
+    say "building $dest: $tag + scripts/apply_patches.sh (git am)"
+    rm -rf "$dest.tmp"
+    git clone -q "$MLM/$tag" "$dest.tmp"
+    git -C "$dest.tmp" config user.name "megatron-layerwise-ag setup"
+    git -C "$dest.tmp" config user.email "setup@invalid"
+    out="$(GIT_COMMITTER_DATE="2000-01-01T00:00:00Z" scripts/apply_patches.sh "$dest.tmp" 2>&1)" \
+        || { rm -rf "$dest.tmp"; die "the series does not apply to the Megatron-LM $tag checkout: $out"; }
     log "$out"
-    cp -p "${helpers_so[@]}" "$PC.tmp/megatron/core/datasets/"
-    rm -rf "$PC" && mv "$PC.tmp" "$PC"
-    git -C "$PC" rev-parse HEAD > build/stamps/mlm-patched-head
-    echo "$patched_sha" > build/stamps/mlm-patched
-else
-    log "patched Megatron-LM checkout $PC up to date"
-fi
+    cp -p "$@" "$dest.tmp/megatron/core/datasets/"
+    rm -rf "$dest" && mv "$dest.tmp" "$dest"
+    git -C "$dest" rev-parse HEAD > "build/stamps/$stamp-head"
+    echo "$want" > "build/stamps/$stamp"
+}
+patch_checkout "$MLM_TAG" "$PC" mlm-patched "$patched_sha" "${helpers_so[@]}"
 for so in "${helpers_so[@]}"; do
     [[ -f "$MLM/$MLM_TAG/megatron/core/datasets/$(basename "$so")" ]] || cp -p "$so" "$MLM/$MLM_TAG/megatron/core/datasets/"
 done
@@ -370,24 +376,9 @@ done
 PC19="$MLM/patched-0.19"
 if [[ -d "$MLM/$MLM_019_TAG/.git" ]]; then
     patched19_sha="$( { cat "build/stamps/mlm-$MLM_019_TAG"; cat build/stamps/series-0.19; sha scripts/apply_patches.sh; } | sha256sum | awk '{print $1}')"
-    if [[ "$(cat build/stamps/mlm-patched-0.19 2>/dev/null || true)" != "$patched19_sha" || ! -d "$PC19/.git" ]]; then
-        say "building $PC19: $MLM_019_TAG + scripts/apply_patches.sh (git am)"
-        rm -rf "$PC19.tmp"
-        git clone -q "$MLM/$MLM_019_TAG" "$PC19.tmp"
-        git -C "$PC19.tmp" config user.name "megatron-layerwise-ag setup"
-        git -C "$PC19.tmp" config user.email "setup@invalid"
-        out="$(GIT_COMMITTER_DATE="2000-01-01T00:00:00Z" scripts/apply_patches.sh "$PC19.tmp" 2>&1)" \
-            || { rm -rf "$PC19.tmp"; die "the 0.19 series does not apply to the Megatron-LM $MLM_019_TAG checkout: $out"; }
-        log "$out"
-        rm -rf "$PC19" && mv "$PC19.tmp" "$PC19"
-        echo "$patched19_sha" > build/stamps/mlm-patched-0.19
-    else
-        log "patched Megatron-LM checkout $PC19 up to date"
-    fi
-    for d in "$MLM/$MLM_019_TAG" "$PC19"; do
-        for so in build/upstream-0.19/megatron/core/datasets/helpers_cpp*.so; do
-            [[ -f "$d/megatron/core/datasets/$(basename "$so")" ]] || cp -p "$so" "$d/megatron/core/datasets/"
-        done
+    patch_checkout "$MLM_019_TAG" "$PC19" mlm-patched-0.19 "$patched19_sha" build/upstream-0.19/megatron/core/datasets/helpers_cpp*.so
+    for so in build/upstream-0.19/megatron/core/datasets/helpers_cpp*.so; do
+        [[ -f "$MLM/$MLM_019_TAG/megatron/core/datasets/$(basename "$so")" ]] || cp -p "$so" "$MLM/$MLM_019_TAG/megatron/core/datasets/"
     done
 fi
 log "ready: .venv, build/upstream/megatron (pristine), megatron/ (patched), build/upstream-0.19/megatron (pristine $MCORE19_VERSION), build/patched-0.19/megatron, $MLM/{$MLM_TAG,patched$([[ -d "$MLM/$MLM_NEXT_TAG/.git" ]] && echo ",$MLM_NEXT_TAG")$([[ -d "$MLM/$MLM_019_TAG/.git" ]] && echo ",$MLM_019_TAG,patched-0.19")}"

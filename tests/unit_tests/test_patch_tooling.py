@@ -793,8 +793,9 @@ def test_core_v0_17_0_tree_gets_one_line_what_it_has_and_what_to_do(tmp_path, mo
 def test_a_later_minor_release_hears_about_full_param_layout(tmp_path):
     target = copy_upstream(tmp_path / "t")
     pinfo = target / "megatron/core/package_info.py"
-    pinfo.write_text(re.sub(r"^MINOR = 17$", "MINOR = 19", pinfo.read_text(), flags=re.M))
-    expect_refusal(target, ["--check"], {}, WRONG_BASE, "0.19.1", "full_param_layout", "#4609")
+    pinfo.write_text(re.sub(r"^MINOR = 17$", "MINOR = 20", pinfo.read_text(), flags=re.M))
+    expect_refusal(target, ["--check"], {}, WRONG_BASE, "0.20.1", "full_param_layout", "#4609",
+                   "series for: 0.17.1; 0.19.2 (also 0.19.1, 0.19.0)")
 
 
 # ------------------------------------------------------------------ the 0.19 base material
