@@ -83,6 +83,7 @@ from harness.alloc_counter import AllocationCounter, storage_key  # noqa: E402
 from harness.bench import real_shapes  # noqa: E402
 from harness.bench import sync_worker  # noqa: E402
 from harness.cpu_runtime import collectives  # noqa: E402
+from harness.layerwise_optimizer import layerwise_muon_optimizer  # noqa: E402
 from harness.cpu_runtime import device as cpu_device  # noqa: E402
 from harness.trees import check_expected_tree  # noqa: E402
 
@@ -275,23 +276,10 @@ def build_module(mc, spec: real_shapes.ModelSpec, vp_stage=None):
 
 def legacy_layerwise_optimizer(mc, ddps, overlap: bool):
     """The tree's layer-wise Muon optimizer for ``--optimizer dist_muon`` without the
-    param layout: ``get_megatron_muon_optimizer(..., layer_wise_distributed_optimizer=True)``
-    (0.17.1), or, where OptimizerConfig has ``use_layer_wise_distributed_optimizer``
-    (0.18 on, whose muon.py is a shim), ``get_megatron_optimizer`` with it set, as 0.18.2's
-    megatron.training does with ``--no-use-layer-wise-param-layout``."""
-    import dataclasses
-
-    kwargs = dict(optimizer="muon", lr=0.01, bf16=True, params_dtype=PARAM_DTYPE,
-                  use_distributed_optimizer=False, overlap_param_gather=overlap)  # fmt: skip
-    if "use_layer_wise_distributed_optimizer" in {f.name for f in dataclasses.fields(mc.OptimizerConfig)}:
-        from megatron.core.optimizer import get_megatron_optimizer
-
-        config = mc.OptimizerConfig(use_layer_wise_distributed_optimizer=True, **kwargs)
-        return get_megatron_optimizer(config, ddps, use_gloo_process_groups=False)
-    from megatron.core.optimizer.muon import get_megatron_muon_optimizer
-
-    return get_megatron_muon_optimizer(mc.OptimizerConfig(**kwargs), ddps, layer_wise_distributed_optimizer=True,
-                                       use_gloo_process_groups=False)  # fmt: skip
+    param layout (``harness.layerwise_optimizer``)."""
+    config = mc.OptimizerConfig(optimizer="muon", lr=0.01, bf16=True, params_dtype=PARAM_DTYPE,
+                                use_distributed_optimizer=False, overlap_param_gather=overlap)  # fmt: skip
+    return layerwise_muon_optimizer(config, ddps, use_gloo_process_groups=False)
 
 
 class ModelChunks:

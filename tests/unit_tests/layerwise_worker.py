@@ -9,7 +9,8 @@ PYTHONPATH and MEGATRON_CPU_RUNTIME=1 on CPU (harness.launch.torchrun_command):
 The model is built the way megatron.training builds it: a MegatronModule wrapped in
 megatron.core's DistributedDataParallel (so `param.main_grad` IS a view into the
 bucket's `grad_data`, never a clone) and the layer-wise optimizer from
-get_megatron_muon_optimizer(..., layer_wise_distributed_optimizer=True).
+harness.layerwise_optimizer (get_megatron_muon_optimizer(..., layer_wise_distributed_optimizer=True)
+on 0.17.1, get_megatron_optimizer with use_layer_wise_distributed_optimizer on 0.19).
 
 A config is "<dtype>-<grad>-<model>": dtype bf16 or fp32 params; grad fp32grad (fp32
 grad_data) or samegrad (grad_data in the param dtype: exactly the receive size); model one
@@ -46,6 +47,7 @@ import torch.distributed as dist  # noqa: E402
 
 from harness.alloc_counter import AllocationCounter  # noqa: E402
 from harness.cpu_runtime import collectives  # noqa: E402
+from harness.layerwise_optimizer import layerwise_muon_optimizer  # noqa: E402
 from harness.bench.theory import theory_upstream_bytes  # noqa: E402
 from harness.ranks import Outcomes, exit_rank  # noqa: E402
 from harness.trees import check_expected_tree  # noqa: E402
@@ -112,17 +114,6 @@ def _megatron():
     from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig
-    from megatron.core.optimizer.muon import get_megatron_muon_optimizer as _muon
-
-    def get_megatron_muon_optimizer(config, chunks, layer_wise_distributed_optimizer=True):
-        """0.17.1's builder; from 0.18 on (OptimizerConfig has
-        use_layer_wise_distributed_optimizer) get_megatron_optimizer with it set."""
-        if hasattr(config, "use_layer_wise_distributed_optimizer"):
-            from megatron.core.optimizer import get_megatron_optimizer
-
-            config.use_layer_wise_distributed_optimizer = layer_wise_distributed_optimizer
-            return get_megatron_optimizer(config, chunks)
-        return _muon(config, chunks, layer_wise_distributed_optimizer=layer_wise_distributed_optimizer)
     from megatron.core.transformer import TransformerConfig
     from megatron.core.transformer.module import MegatronModule
 
@@ -131,7 +122,6 @@ def _megatron():
         DistributedDataParallel,
         DistributedDataParallelConfig,
         OptimizerConfig,
-        get_megatron_muon_optimizer,
         TransformerConfig,
         MegatronModule,
     )
@@ -142,7 +132,6 @@ def _megatron():
     DDP,
     DDPConfig,
     OptimizerConfig,
-    get_megatron_muon_optimizer,
     TransformerConfig,
     MegatronModule,
 ) = _megatron()
@@ -219,9 +208,7 @@ class Setup:
             clip_grad=1.0,
             log_num_zeros_in_grad=True,
         )
-        self.opt = get_megatron_muon_optimizer(
-            opt_config, [self.ddp], layer_wise_distributed_optimizer=True
-        )
+        self.opt = layerwise_muon_optimizer(opt_config, [self.ddp])
         self.params = list(self.ddp.module.parameters())
         self.index = {p: i for i, p in enumerate(self.params)}
         dp_rank = parallel_state.get_data_parallel_rank()
@@ -919,7 +906,7 @@ def sc_async_without_ddp(cfg):
     opt_config = OptimizerConfig(optimizer='muon', lr=0.02, bf16=cfg.dtype == torch.bfloat16,
                                  params_dtype=cfg.dtype, use_distributed_optimizer=False,
                                  overlap_param_gather=True)
-    get_megatron_muon_optimizer(opt_config, [module], layer_wise_distributed_optimizer=True)
+    layerwise_muon_optimizer(opt_config, [module])
     return {"built": True}
 
 
@@ -977,7 +964,7 @@ def sc_optimizer_without_ddp(cfg):
     module.ddp_config = DDPConfig(overlap_param_gather=False, use_distributed_optimizer=False)
     opt_config = OptimizerConfig(optimizer='muon', lr=0.02, params_dtype=torch.float32,
                                  use_distributed_optimizer=False, overlap_param_gather=False)
-    opt = get_megatron_muon_optimizer(opt_config, [module], layer_wise_distributed_optimizer=True)
+    opt = layerwise_muon_optimizer(opt_config, [module])
     x = torch.randn(4, IN_DIM, generator=torch.Generator().manual_seed(5))
     for _ in range(2):
         opt.zero_grad()

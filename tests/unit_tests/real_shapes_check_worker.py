@@ -12,7 +12,7 @@ local spec) but outside its meta-device mode, on a real process group of WORLD_S
 (``parallel_state.initialize_model_parallel`` with the model's TP, PP, EP), wraps it in
 megatron's DistributedDataParallel (fp32 grad_data, overlapped grad reduce and param
 gather, the model's bucket size) and gives it the layer-wise Muon optimizer
-(``get_megatron_muon_optimizer(..., layer_wise_distributed_optimizer=True)``), as
+(``real_shapes_worker.legacy_layerwise_optimizer``, the audit's own), as
 megatron.training does for ``--optimizer dist_muon``. Rank 0 writes, per bucket (dense
 bucket groups first, then expert-parallel ones), its numel, param names, and per DP (or
 expert-DP) rank the names and elements of the params that rank owns in it, read from the
@@ -36,7 +36,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from harness.bench import real_shapes  # noqa: E402
-from harness.bench.real_shapes_worker import PARAM_DTYPE, _mc, build_module  # noqa: E402
+from harness.bench.real_shapes_worker import _mc, build_module, legacy_layerwise_optimizer  # noqa: E402
 from harness.trees import check_expected_tree  # noqa: E402
 
 
@@ -67,7 +67,6 @@ def main(argv=None) -> int:
     mc = _mc()
     mc.ps.initialize_model_parallel(spec.tp, spec.pp, expert_model_parallel_size=spec.ep,
                                     create_gloo_process_groups=False)  # fmt: skip
-    from megatron.core.optimizer.muon import get_megatron_muon_optimizer
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     model_parallel_cuda_manual_seed(1234)
@@ -75,10 +74,7 @@ def main(argv=None) -> int:
     ddp_config = mc.DDPConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=True, overlap_param_gather=True,
                               use_distributed_optimizer=False, bucket_size=spec.bucket_size)  # fmt: skip
     ddp = mc.DDP(config, ddp_config, module)
-    opt_config = mc.OptimizerConfig(optimizer="muon", lr=0.01, bf16=True, params_dtype=PARAM_DTYPE,
-                                    use_distributed_optimizer=False, overlap_param_gather=True)  # fmt: skip
-    get_megatron_muon_optimizer(opt_config, [ddp], layer_wise_distributed_optimizer=True,
-                                use_gloo_process_groups=False)  # fmt: skip
+    legacy_layerwise_optimizer(mc, [ddp], overlap=True)
     mine = dict(buckets=bucket_view(ddp), dp=mc.ps.get_data_parallel_world_size(),
                 expert_dp=mc.ps.get_expert_data_parallel_world_size(),
                 storage_bytes=sum(p.untyped_storage().nbytes() for p in ddp.module.parameters()))  # fmt: skip
