@@ -26,10 +26,10 @@ from typing import Dict, Union
 REPO_ROOT = Path(__file__).resolve().parent.parent
 #: The series of the 0.17.1 base (patches/<base>/: series, *.patch, manifest.sha256).
 SERIES_DIR = REPO_ROOT / "patches" / "0.17.1"
-TREES = ("upstream", "patched", "upstream-0.19", "patched-0.19")
 #: Tree label -> the directory holding its megatron/ (relative to the repo root).
 TREE_PARENTS = {"upstream": "build/upstream", "patched": ".", "upstream-0.19": "build/upstream-0.19",
                 "patched-0.19": "build/patched-0.19"}
+TREES = tuple(TREE_PARENTS)
 
 
 def tree_parent(tree: Union[str, Path]) -> Path:

@@ -88,9 +88,11 @@ done
 # patches/<base>/ holds the series of one base (its manifest.sha256 names it). Without
 # PATCHES_DIR, take the folder whose base is the version in TARGET's package_info.py, else
 # the first folder: its checks below refuse TARGET with a line that says what to do.
+# version_field PACKAGE_INFO NAME: MAJOR, MINOR or PATCH of megatron/core/package_info.py.
+version_field() { sed -nE "s/^$2[[:space:]]*=[[:space:]]*([0-9A-Za-z]+).*/\\1/p" "$1" 2>/dev/null | head -n1; }
 if [[ -z "$PD" ]]; then
-    want="$(sed -nE 's/^(MAJOR|MINOR|PATCH)[[:space:]]*=[[:space:]]*([0-9A-Za-z]+).*/\2/p' \
-        "$TARGET/megatron/core/package_info.py" 2>/dev/null | head -n3 | paste -sd. || true)"
+    pinfo="$TARGET/megatron/core/package_info.py"
+    want="$(version_field "$pinfo" MAJOR).$(version_field "$pinfo" MINOR).$(version_field "$pinfo" PATCH)"
     for m in "$ROOT"/patches/*/manifest.sha256; do
         [[ -f "$m" ]] || continue
         [[ -n "$PD" ]] || PD="$(dirname "$m")"
@@ -100,10 +102,12 @@ if [[ -z "$PD" ]]; then
     done
     [[ -n "$PD" ]] || die 1 "no series under $ROOT/patches/ (patches/<base>/series); restore patches/ (git checkout -- patches) or set PATCHES_DIR to a series directory"
 fi
-# Every base patches/ has a series for, for the refusal below ("0.17.1, 0.19.2 (0.19.0, 0.19.1)").
-SUPPORTED="$(for m in "$ROOT"/patches/*/manifest.sha256; do [[ -f "$m" ]] || continue
-    awk '$1 == "base" {b = $2} $1 == "also" {for (i = 2; i <= NF; i++) a = a (a ? ", " : "") $i}
-         END {if (b) printf "%s%s\n", b, (a ? " (also " a ")" : "")}' "$m"; done | paste -sd';' | sed 's/;/; /g')"
+# Every base patches/ has a series for, for a refusal: "0.17.1; 0.19.2 (also 0.19.1, 0.19.0)".
+supported_bases() {
+    for m in "$ROOT"/patches/*/manifest.sha256; do [[ -f "$m" ]] || continue
+        awk '$1 == "base" {b = $2} $1 == "also" {for (i = 2; i <= NF; i++) a = a (a ? ", " : "") $i}
+             END {if (b) printf "%s%s\n", b, (a ? " (also " a ")" : "")}' "$m"; done | paste -sd';' | sed 's/;/; /g'
+}
 [[ -f "$PD/series" ]] || die 1 "no series file $PD/series; restore patches/ (git checkout -- patches) or set PATCHES_DIR to a series directory"
 [[ -f "$PD/manifest.sha256" ]] || die 1 "$PD/manifest.sha256 is missing; restore patches/ from git, or (developers) run scripts/refresh_patches.sh"
 PATCHES=()
@@ -153,10 +157,8 @@ if [[ ! -f "$PINFO" ]]; then
         && die 1 "target '$TARGET' is the megatron package itself; pass the directory above it: $(dirname "$T")"
     die 1 "target '$TARGET' holds no megatron/core/package_info.py, so it is not megatron-core; pass a Megatron-LM checkout or the directory that holds megatron/core"
 fi
-vmaj="$(sed -nE 's/^MAJOR[[:space:]]*=[[:space:]]*([0-9]+).*/\1/p' "$PINFO" | head -n1)"
-vmin="$(sed -nE 's/^MINOR[[:space:]]*=[[:space:]]*([0-9]+).*/\1/p' "$PINFO" | head -n1)"
-vpat="$(sed -nE 's/^PATCH[[:space:]]*=[[:space:]]*([0-9A-Za-z]+).*/\1/p' "$PINFO" | head -n1)"
-[[ -n "$vmaj" && -n "$vmin" ]] || die 1 "cannot read MAJOR/MINOR from $PINFO; is '$TARGET' really megatron-core?"
+vmaj="$(version_field "$PINFO" MAJOR)" vmin="$(version_field "$PINFO" MINOR)" vpat="$(version_field "$PINFO" PATCH)"
+[[ "$vmaj" =~ ^[0-9]+$ && "$vmin" =~ ^[0-9]+$ ]] || die 1 "cannot read MAJOR/MINOR from $PINFO; is '$TARGET' really megatron-core?"
 HAVE="$vmaj.$vmin${vpat:+.$vpat}"
 IFS=. read -r bmaj bmin bpat <<<"$BASE"
 # `also` versions carry the base's touched files byte for byte (their sha256 is checked below).
@@ -165,7 +167,7 @@ if [[ "$HAVE" != "$BASE" ]]; then
     if (( vmaj > bmaj || (vmaj == bmaj && vmin > bmin) )); then
         later=""
         (( vmaj > 0 || vmin >= 19 )) && later=" 0.19 also adds full_param_layout, which gathers in place into param_data with no grad_data reuse."
-        die 5 "target '$TARGET' has megatron-core $HAVE, newer than $BASE, the exact base of this series: do not apply it. $vmaj.$vmin already receives the layer-wise param all-gather into grad_data.view(param_dtype) and zeroes grad_data after the copy-back (upstream #3751 + #4609), and skips the gather at DP size 1.$later What 0.18 still lacks, which this series fixes on $BASE: a forced sync (start_param_sync(force_sync=True)) or free_overlap_buffers() with a gather pending waits but drops the gathered params and leaves grad_data dirty; nothing guards a param sync while the grad buffers are offloaded; the local params are still flattened into a temporary; the optimizer's synchronous all-gather (no --overlap-param-gather) still allocates a receive tensor per rank every step. This repository has series for: ${SUPPORTED:-$BASE}. On 0.18 update to 0.19.2 (pip install megatron-core==0.19.2, or git checkout core_v0.19.0) and apply patches/0.19/ with this script; otherwise keep your version (README.md says what that means for you)"
+        die 5 "target '$TARGET' has megatron-core $HAVE, newer than $BASE, the exact base of this series: do not apply it. $vmaj.$vmin already receives the layer-wise param all-gather into grad_data.view(param_dtype) and zeroes grad_data after the copy-back (upstream #3751 + #4609), and skips the gather at DP size 1.$later What 0.18 still lacks, which this series fixes on $BASE: a forced sync (start_param_sync(force_sync=True)) or free_overlap_buffers() with a gather pending waits but drops the gathered params and leaves grad_data dirty; nothing guards a param sync while the grad buffers are offloaded; the local params are still flattened into a temporary; the optimizer's synchronous all-gather (no --overlap-param-gather) still allocates a receive tensor per rank every step. This repository has series for: $(supported_bases). On 0.18 update to 0.19.2 (pip install megatron-core==0.19.2, or git checkout core_v0.19.0) and apply patches/0.19/ with this script; otherwise keep your version (README.md says what that means for you)"
     elif (( vmaj == bmaj && vmin == bmin )); then
         die 5 "target '$TARGET' has megatron-core $HAVE, not $BASE, the exact base of this series (made and verified on $BASE's files only): update to $BASE first (git checkout core_v$BASE in a Megatron-LM clone, or pip install megatron-core==$BASE), then rerun"
     else

@@ -347,6 +347,12 @@ if [[ -d "$PC/.git" && -n "$(cat build/stamps/mlm-patched-head 2>/dev/null || tr
         || die "$PC has commits that patches/0.17.1/ does not have (HEAD: $(git -C "$PC" log -1 --format='%h %s')). Run scripts/refresh_patches.sh to write them to patches/0.17.1/, or drop them (rm -rf $PC), then rerun."
     rm -f build/stamps/mlm-patched
 fi
+# place_helpers CHECKOUT SO...: the wheel's prebuilt dataset helpers beside CHECKOUT's sources,
+# as `make` would put them (*.so is in upstream's .gitignore); present ones are kept.
+place_helpers() {
+    local dest="$1/megatron/core/datasets" so; shift
+    for so in "$@"; do [[ -f "$dest/$(basename "$so")" ]] || cp -p "$so" "$dest/"; done
+}
 # patch_checkout TAG DEST STAMP SHA HELPERS...: DEST = a clone of $MLM/TAG with
 # scripts/apply_patches.sh applied (git am), the dataset helpers beside its sources;
 # rebuilt when build/stamps/STAMP differs from SHA.
@@ -363,22 +369,19 @@ patch_checkout() {
     out="$(GIT_COMMITTER_DATE="2000-01-01T00:00:00Z" scripts/apply_patches.sh "$dest.tmp" 2>&1)" \
         || { rm -rf "$dest.tmp"; die "the series does not apply to the Megatron-LM $tag checkout: $out"; }
     log "$out"
-    cp -p "$@" "$dest.tmp/megatron/core/datasets/"
+    place_helpers "$dest.tmp" "$@"
     rm -rf "$dest" && mv "$dest.tmp" "$dest"
     git -C "$dest" rev-parse HEAD > "build/stamps/$stamp-head"
     echo "$want" > "build/stamps/$stamp"
 }
 patch_checkout "$MLM_TAG" "$PC" mlm-patched "$patched_sha" "${helpers_so[@]}"
-for so in "${helpers_so[@]}"; do
-    [[ -f "$MLM/$MLM_TAG/megatron/core/datasets/$(basename "$so")" ]] || cp -p "$so" "$MLM/$MLM_TAG/megatron/core/datasets/"
-done
+place_helpers "$MLM/$MLM_TAG" "${helpers_so[@]}"
 # The 0.19 base's checkout with its series (git am), when the core_v0.19.0 source was found.
 PC19="$MLM/patched-0.19"
 if [[ -d "$MLM/$MLM_019_TAG/.git" ]]; then
     patched19_sha="$( { cat "build/stamps/mlm-$MLM_019_TAG"; cat build/stamps/series-0.19; sha scripts/apply_patches.sh; } | sha256sum | awk '{print $1}')"
-    patch_checkout "$MLM_019_TAG" "$PC19" mlm-patched-0.19 "$patched19_sha" build/upstream-0.19/megatron/core/datasets/helpers_cpp*.so
-    for so in build/upstream-0.19/megatron/core/datasets/helpers_cpp*.so; do
-        [[ -f "$MLM/$MLM_019_TAG/megatron/core/datasets/$(basename "$so")" ]] || cp -p "$so" "$MLM/$MLM_019_TAG/megatron/core/datasets/"
-    done
+    helpers19_so=(build/upstream-0.19/megatron/core/datasets/helpers_cpp*.so)
+    patch_checkout "$MLM_019_TAG" "$PC19" mlm-patched-0.19 "$patched19_sha" "${helpers19_so[@]}"
+    place_helpers "$MLM/$MLM_019_TAG" "${helpers19_so[@]}"
 fi
 log "ready: .venv, build/upstream/megatron (pristine), megatron/ (patched), build/upstream-0.19/megatron (pristine $MCORE19_VERSION), build/patched-0.19/megatron, $MLM/{$MLM_TAG,patched$([[ -d "$MLM/$MLM_NEXT_TAG/.git" ]] && echo ",$MLM_NEXT_TAG")$([[ -d "$MLM/$MLM_019_TAG/.git" ]] && echo ",$MLM_019_TAG,patched-0.19")}"

@@ -102,11 +102,12 @@ def read_manifest(patches_dir, checkout=False):
     return files
 
 
-def copy_upstream(dest):
-    """A site-packages-like target: dest/megatron, a full copy of the pristine tree."""
+def copy_upstream(dest, pristine=UPSTREAM):
+    """A site-packages-like target: dest/megatron, a full copy of a pristine tree (the
+    0.17.1 wheel's unless `pristine` says otherwise)."""
     dest = Path(dest)
     dest.mkdir(parents=True, exist_ok=True)
-    shutil.copytree(UPSTREAM / "megatron", dest / "megatron", symlinks=True)
+    shutil.copytree(pristine / "megatron", dest / "megatron", symlinks=True)
     return dest
 
 
@@ -826,8 +827,7 @@ SERIES_019 = ROOT / "patches" / "0.19"
 def _019_wheel_copy(dest):
     if not (UPSTREAM_019 / "megatron").is_dir():
         pytest.skip("build/upstream-0.19 is missing; run scripts/setup.sh")
-    shutil.copytree(UPSTREAM_019 / "megatron", dest / "megatron", symlinks=True)
-    return dest
+    return copy_upstream(dest, UPSTREAM_019)
 
 
 def test_019_series_applies_checks_and_reverses_on_a_fresh_019_wheel_tree(tmp_path):

@@ -42,16 +42,20 @@ _RUNS: dict = {}
 TREES = ("pristine", "patched")
 
 
-def _run(tree: str, nproc: int) -> ur.Run:
-    """One run per (tree, nproc) per session; all of them written to results.json.
+def _run_side_by_side(trees, nproc: int, files=None) -> None:
+    """Run ``files`` (default ``FILES_BY_NPROC[nproc]``) on ``trees`` at ``nproc`` ranks,
+    side by side (each run leaves cores idle: start-up, gloo waits; the outcomes do not
+    depend on it), into ``_RUNS[(tree, nproc)]``, and write them all to results.json."""
+    with ThreadPoolExecutor(len(trees)) as pool:
+        for t, r in zip(trees, pool.map(lambda t: ur.run(t, nproc, files), trees)):
+            _RUNS[(t, nproc)] = r
+    ur.write_json(list(_RUNS.values()))
 
-    Both trees' runs at ``nproc`` start together, side by side (each run leaves cores
-    idle: start-up, gloo waits); the outcomes do not depend on it."""
+
+def _run(tree: str, nproc: int) -> ur.Run:
+    """One run per (tree, nproc) per session; both trees' runs at ``nproc`` together."""
     if (tree, nproc) not in _RUNS:
-        with ThreadPoolExecutor(len(TREES)) as pool:
-            for t, r in zip(TREES, pool.map(lambda t: ur.run(t, nproc), TREES)):
-                _RUNS[(t, nproc)] = r
-        ur.write_json(list(_RUNS.values()))
+        _run_side_by_side(TREES, nproc)
     return _RUNS[(tree, nproc)]
 
 
@@ -93,21 +97,18 @@ def test_tests_changed_by_the_series_pass_on_patched(nproc):
 
 
 # ------------------------------------------------------------------ the 0.19 base
-_RUNS_019: dict = {}
+TREES_019 = ("pristine-0.19", "patched-0.19")
 
 
 def _run_019(tree: str) -> ur.Run:
-    """The 0.19 checkouts (core_v0.19.0, and it + patches/0.19), FILES_019 at 2 ranks, both
-    trees side by side, once per session; skip when setup.sh found no core_v0.19.0 source."""
-    missing = [t for t in ("pristine-0.19", "patched-0.19") if not (ur.CHECKOUTS[t] / ".git").is_dir()]
+    """The 0.19 checkouts (core_v0.19.0, and it + patches/0.19), FILES_019 at 2 ranks, once
+    per session; skip when setup.sh found no core_v0.19.0 source."""
+    missing = [t for t in TREES_019 if not (ur.CHECKOUTS[t] / ".git").is_dir()]
     if missing:
         pytest.skip(f"{[str(ur.CHECKOUTS[t]) for t in missing]} missing (scripts/setup.sh found no core_v0.19.0)")
-    if not _RUNS_019:
-        trees = ("pristine-0.19", "patched-0.19")
-        with ThreadPoolExecutor(2) as pool:
-            for t, r in zip(trees, pool.map(lambda t: ur.run(t, 2, ur.FILES_019), trees)):
-                _RUNS_019[t] = r
-    return _RUNS_019[tree]
+    if (tree, 2) not in _RUNS:
+        _run_side_by_side(TREES_019, 2, ur.FILES_019)
+    return _RUNS[(tree, 2)]
 
 
 @pytest.mark.parametrize("tree", ["pristine-0.19", "patched-0.19"])
