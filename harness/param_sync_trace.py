@@ -73,6 +73,9 @@ def _register(ddp) -> None:
 def _path(group, force_sync: bool, ddp_class) -> str:
     """Which caller dispatched ``group``'s gather (see the module docstring)."""
     caller = sys._getframe(2)  # 0: _path, 1: the wrapper, 2: its caller
+    if caller.f_code.co_name == "_start_bucket_group_param_sync" and isinstance(caller.f_locals.get("self"), ddp_class):
+        # 0.19: DistributedDataParallel.start_param_sync dispatches each group through this helper.
+        caller = caller.f_back
     name = caller.f_code.co_name
     if name == "finish_param_sync":
         return "pre_hook_self" if caller.f_locals.get("self") is group else "chained_next_bucket_group"

@@ -75,6 +75,46 @@ def checkout_entry() -> Path:
     )
 
 
+#: ``1``: train through ``pretrain()``'s model-provider API instead of the model config that
+#: core_v0.19.0's ``pretrain_gpt.py`` passes (``use_model_provider_api``).
+MODEL_PROVIDER_ENV = "MEGATRON_MODEL_PROVIDER_API"
+
+
+def use_model_provider_api() -> None:
+    """Make ``pretrain_gpt.py``'s ``pretrain(cfg, ...)`` call build the model from a provider.
+
+    core_v0.19.0's ``pretrain_gpt.py`` passes a config container with a model config, so
+    ``setup_model_and_optimizer`` builds the model with ``builder.build_distributed_models``
+    (``megatron/training/models/dist_utils.py``), which never computes the layer-wise param
+    layout: ``--[no-]use-layer-wise-param-layout`` is ignored and the legacy path trains.
+    ``pretrain()`` still takes ``model_provider`` with ``cfg.model`` None, as core_v0.18.2's
+    ``pretrain_gpt.py`` passes it; then ``get_model`` -> ``wrap_model_chunks_with_ddp``
+    (``megatron/training/training.py``) honours the flag, and its default is the layout path.
+    This wraps ``megatron.training.pretrain`` (before ``pretrain_gpt.py`` imports it) to make
+    that call, with the checkout's own ``model_provider`` and ``gpt_builder``.
+
+    Raises:
+        TypeError: a ``pretrain`` call that already passes a model provider.
+    """
+    import dataclasses
+    from functools import partial
+
+    import megatron.training
+
+    real = megatron.training.pretrain
+
+    def pretrain(cfg_container, *args, **kwargs):
+        from gpt_builders import gpt_builder
+        from model_provider import model_provider
+
+        if len(args) > 3 or kwargs.get("model_provider") is not None:
+            raise TypeError(f"{MODEL_PROVIDER_ENV}=1: pretrain() already got a model provider")
+        kwargs["model_provider"] = partial(model_provider, gpt_builder)
+        return real(dataclasses.replace(cfg_container, model=None), *args, **kwargs)
+
+    megatron.training.pretrain = pretrain
+
+
 def main() -> None:
     """Install the CPU runtime, fix the import path, run upstream's entry as __main__."""
     sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
@@ -94,6 +134,8 @@ def main() -> None:
     from harness.trees import check_expected_tree
 
     tree = check_expected_tree()
+    if os.environ.get(MODEL_PROVIDER_ENV) == "1":
+        use_model_provider_api()
     rank = os.environ.get("RANK", "0")
     print(
         f"[upstream_pretrain_gpt] rank {rank}: {entry} with megatron from {tree} "

@@ -5,8 +5,11 @@
 # GPU ranks by torchrun) and compares them:
 # exactly with each other, per step with the committed golden values.
 #
-# Usage: scripts/run_functional_test.sh [--device cpu|cuda] [--update-golden] [--list] [CASE ...|all]
-#   no CASE: the default case gpt_dp2_bf16_fp32grad_overlap_layerwise
+# Usage: scripts/run_functional_test.sh [--base 0.19|0.17.1|all] [--device cpu|cuda] [--update-golden] [--list] [CASE ...|all]
+#   no CASE: each base's default case, 0.19 first: gpt019_dp2_bf16_fp32grad_overlap_legacy
+#     (megatron-core 0.19.2 vs 0.19.2 + patches/0.19, --no-use-layer-wise-param-layout), then
+#     gpt_dp2_bf16_fp32grad_overlap_layerwise (0.17.1 vs 0.17.1 + patches/0.17.1)
+#   --base: only that base's cases (its default case, or 'all' of them)
 #   --device cuda: NCCL on GPUs (golden_values_dgx_h200.json) instead of CPU gloo ranks
 #   --update-golden: rewrite the golden values from this run; refused unless patched == upstream
 # Writes: build/functional/<case>/{upstream,patched}/{metrics,memory}.json, comparison.json, loss_curves.png

@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import json
 from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from harness import param_sync_trace
 from harness.trees import REPO_ROOT, make_mutant_tree
-from tests.functional_tests.python_test_utils import memory_report
+from tests.functional_tests.python_test_utils import memory_report, tensorboard_reader
 from tests.functional_tests.python_test_utils import run_case as rc
 
 MUTANTS_DIR = REPO_ROOT / "tests" / "mutants"
@@ -43,7 +44,11 @@ INVISIBLE_TO_TRAINING = {
 # Mutants that may stop the run instead of only diverging (a failure during training).
 CRASHES_IN_TRAINING: set = set()
 MUTANTS = sorted(p.stem for p in MUTANTS_DIR.glob("*.patch"))
-VPP_CASE = "gpt_pp2_vpp2_dp2_bf16_fp32grad_overlap_layerwise"
+VPP_CASES = ("gpt_pp2_vpp2_dp2_bf16_fp32grad_overlap_layerwise", "gpt019_pp2_vpp2_dp2_bf16_fp32grad_overlap_legacy")
+# The 0.19 case on the layer-wise param layout path (model-provider API), and the 0.19 default
+# case (core_v0.19.0's pretrain_gpt.py, --no-use-layer-wise-param-layout).
+LAYOUT_CASE_019 = "gpt019_dp2_bf16_fp32grad_overlap_layout"
+DEFAULT_CASE_019 = rc.BASES["0.19"].default_case
 MOE_CASE = "gpt_moe_ep2_dp4_bf16_fp32grad_overlap_layerwise"
 # Cases other than the default one that mutants must break, by mutant name (one training
 # run each): without the zeroing the expert buckets' grad_data keeps gathered params too.
@@ -65,7 +70,16 @@ def records_memory(name: str) -> bool:
     default case (the main job's memory block) and cases with EXPECT_PARAM_SYNC (the MoE
     case's expert gathers). Counting every op of a training step costs about a third more
     CPU per run; scripts/run_functional_test.sh records every case."""
-    return name == rc.DEFAULT_CASE or bool(rc.load_case(rc.find_case(name)).expect_param_sync)
+    defaults = {b.default_case for b in rc.BASES.values()}
+    return name in defaults or name == LAYOUT_CASE_019 or bool(rc.load_case(rc.find_case(name)).expect_param_sync)
+
+
+def skip_without_checkout(name: str) -> None:
+    """Skip a case whose base's Megatron-LM checkout scripts/setup.sh did not build (the
+    0.19 one is optional there, like its upstream tests)."""
+    absent = rc.missing_checkouts([name])
+    if absent:
+        pytest.skip(absent[0])
 
 
 @pytest.fixture(scope="session")
@@ -74,6 +88,7 @@ def case_results():
     cache = {}
 
     def get(name):
+        skip_without_checkout(name)
         if name not in cache:
             cache[name] = rc.run_case(name, device="cpu", record_memory=records_memory(name))
         return cache[name]
@@ -104,7 +119,7 @@ def test_default_case_learns(case_results):
     assert last < 0.9 * first, (first, last)
 
 
-@pytest.mark.parametrize("case", [c for c in rc.all_cases() if records_memory(c)])
+@pytest.mark.parametrize("case", [c for c in rc.all_cases() if records_memory(c) and c != LAYOUT_CASE_019])
 def test_series_param_sync_allocates_nothing(case_results, case):
     """The memory block printed next to the verdict, asserted: in every training step and
     every forced sync between steps, on every rank, the series' layer-wise param sync
@@ -119,7 +134,45 @@ def test_series_param_sync_allocates_nothing(case_results, case):
     assert memory_report.step_maxima(upstream)["megatron_bytes"] > 0, memory_report.format_memory(memory)
 
 
-def test_vpp_case_gathers_every_chunk_through_the_schedule(case_results):
+def test_019_layout_case_trains_the_layout_path(case_results):
+    """The 0.19 layout case really gathers the layer-wise param layout's way, on both trees:
+    one all_gather_into_tensor per call, in place (no zero-size op, no megatron tensor), where
+    the legacy default case makes a list all_gather (a broadcast per rank, some zero-size,
+    fresh receive tensors on 0.19.2)."""
+    layout = case_results(LAYOUT_CASE_019)["memory"]
+    legacy = case_results(DEFAULT_CASE_019)["memory"]
+    for variant in rc.VARIANTS:
+        dense = layout[variant]["kinds"]["dense"]
+        assert dense["calls"] > 0 and dense["ops"] == dense["calls"] and dense["zero_size_ops"] == 0, (variant, dense)
+        assert memory_report.step_maxima(layout[variant])["megatron_bytes"] == 0, variant
+    assert legacy["upstream"]["kinds"]["dense"]["ops"] > legacy["upstream"]["kinds"]["dense"]["calls"]
+    assert legacy["upstream"]["kinds"]["dense"]["zero_size_ops"] > 0
+
+
+def test_019_pretrain_gpt_trains_the_legacy_path_whatever_the_layout_flag(case_results, tmp_path):
+    """core_v0.19.0's pretrain_gpt.py builds the model from a model config
+    (``builder.build_distributed_models``, ``megatron/training/models/dist_utils.py``), which
+    computes no layer-wise param layout: without ``--no-use-layer-wise-param-layout`` (the
+    layout path requested, 0.19's default) it trains exactly as with it, the legacy path the
+    series changes. Compared with the default 0.19 case's upstream run: every metric of every
+    step bit for bit, and the same list all_gather per step."""
+    from harness import data
+
+    with_flag = case_results(DEFAULT_CASE_019)
+    case = rc.load_case(rc.find_case(DEFAULT_CASE_019))
+    case = replace(case, model_args={**case.model_args, "--no-use-layer-wise-param-layout": False})
+    base = rc.BASES[case.base]
+    res = rc.run_variant(case, base.trees["upstream"], tmp_path / "no_flag", str(data.prepare(log=lambda m: None).data_prefix),
+                         "cpu", 900, {"MEGATRON_LM_CHECKOUT": str(base.checkout)})
+    assert not res.failures, res.failures
+    flagged = tensorboard_reader.load_run_metrics(rc.OUT_ROOT / DEFAULT_CASE_019 / "upstream")
+    for metric in ("lm loss", "grad-norm", "params-norm"):
+        assert res.metrics[metric].values == flagged[metric].values, metric
+    assert res.memory["kinds"] == with_flag["memory"]["upstream"]["kinds"]
+
+
+@pytest.mark.parametrize("vpp_case", VPP_CASES)
+def test_vpp_case_gathers_every_chunk_through_the_schedule(case_results, vpp_case):
     """The interleaved case really chains the param gathers across model chunks.
 
     Every rank of both trees prints its gathers (``harness/param_sync_trace.py``,
@@ -131,12 +184,12 @@ def test_vpp_case_gathers_every_chunk_through_the_schedule(case_results):
     --eval-interval) and once at the end of training. Both chunks' gathers are pending at
     the same time, and chunk 0 of the first stage has several bucket groups.
     """
-    case_results(VPP_CASE)
-    case = rc.load_case(rc.find_case(VPP_CASE))
+    case_results(vpp_case)
+    case = rc.load_case(rc.find_case(vpp_case))
     steps = case.train_iters - 1
     forced = case.train_iters // int(case.model_args["--eval-interval"]) + 1
     for variant in rc.VARIANTS:
-        log = (rc.OUT_ROOT / VPP_CASE / variant / "stdout.log").read_text()
+        log = (rc.OUT_ROOT / vpp_case / variant / "stdout.log").read_text()
         ranks = param_sync_trace.parse_log(log)
         assert [r["rank"] for r in ranks] == list(range(case.nproc)), f"{variant}: no trace from some rank"
         for r in ranks:

@@ -4,8 +4,10 @@ The main job of the harness (scripts/run_functional_test.sh calls this module). 
 test case folder ``tests/functional_tests/test_cases/<model>/<case>/``:
 
 1. ``model_config.yaml`` (Megatron's layout: ENV_VARS, MODEL_ARGS, METRICS, TEST_TYPE;
-   ours adds NPROC_PER_NODE) becomes a command line of Megatron-LM's own
-   ``pretrain_gpt.py`` (from the checkout ``scripts/setup.sh`` builds, through
+   ours adds NPROC_PER_NODE and BASE) becomes a command line of Megatron-LM's own
+   ``pretrain_gpt.py`` (from the checkout of the case's megatron-core base, ``BASES``:
+   ``BASE: "0.19"`` trains 0.19.2 and 0.19.2 + patches/0.19 with core_v0.19.0's entry, no
+   BASE 0.17.1 and its series with core_v0.17.1's; through
    ``harness/upstream_pretrain_gpt.py``, which only installs the CPU runtime layer and
    selects the megatron tree); ``${VAR}``
    in MODEL_ARGS expands to DATA_PATH, TENSORBOARD_PATH, CHECKPOINT_SAVE_PATH,
@@ -58,6 +60,34 @@ from . import tensorboard_reader as tbr
 CASES_DIR = REPO_ROOT / "tests" / "functional_tests" / "test_cases"
 OUT_ROOT = REPO_ROOT / "build" / "functional"
 DEFAULT_CASE = "gpt_dp2_bf16_fp32grad_overlap_layerwise"
+
+
+@dataclass(frozen=True)
+class Base:
+    """A megatron-core base the cases train on (a case's ``BASE`` key).
+
+    trees: variant ("upstream", "patched") -> ``harness.trees`` label of its megatron tree.
+    checkout: the Megatron-LM checkout whose ``pretrain_gpt.py`` runs (``scripts/setup.sh``
+        builds it; the series does not touch ``pretrain_gpt.py``, so the pristine one serves
+        both variants).
+    default_case: the case the main job runs for this base when given no case.
+    """
+
+    name: str
+    trees: Dict[str, str]
+    checkout: Path
+    default_case: str
+
+
+BASES: Dict[str, Base] = {
+    "0.19": Base("0.19", {"upstream": "upstream-0.19", "patched": "patched-0.19"},
+                 REPO_ROOT / "build" / "megatron-lm" / "core_v0.19.0",
+                 "gpt019_dp2_bf16_fp32grad_overlap_legacy"),
+    "0.17.1": Base("0.17.1", {"upstream": "upstream", "patched": "patched"},
+                   REPO_ROOT / "build" / "megatron-lm" / "core_v0.17.1", DEFAULT_CASE),
+}
+#: A case without a BASE key trains on this base.
+DEFAULT_BASE = "0.17.1"
 GOLDEN_NAME = {"cpu": "golden_values_cpu_gloo.json", "cuda": "golden_values_dgx_h200.json"}
 VARIANTS = ("upstream", "patched")
 # What the committed golden values were trained on (harness.data.provenance: source wheel,
@@ -89,6 +119,7 @@ class Case:
     # EXPECT_PARAM_SYNC: {kind: {"group_size": n}}: param-sync gathers each run must record
     # (memory_report.check_expected_syncs); empty: nothing required.
     expect_param_sync: Dict[str, Dict[str, int]] = field(default_factory=dict)
+    base: str = DEFAULT_BASE
 
     @property
     def train_iters(self) -> int:
@@ -139,6 +170,9 @@ def load_case(folder: Path) -> Case:
         expect = {str(k): {"group_size": int(v["group_size"])} for k, v in expect.items()}
     except (AttributeError, KeyError, TypeError, ValueError) as e:
         raise CaseConfigError(f"{path}: EXPECT_PARAM_SYNC must map a kind to {{group_size: N}}: {e!r}") from e
+    base = str(doc.get("BASE", DEFAULT_BASE))
+    if base not in BASES:
+        raise CaseConfigError(f"{path}: BASE {base!r} not in {sorted(BASES)}")
     unknown = sorted(set(expect) - set(param_sync_recorder.KINDS))
     if unknown:
         raise CaseConfigError(f"{path}: EXPECT_PARAM_SYNC kinds {unknown} not in {param_sync_recorder.KINDS}")
@@ -151,6 +185,7 @@ def load_case(folder: Path) -> Case:
         metrics=list(doc["METRICS"]),
         test_type=doc["TEST_TYPE"],
         expect_param_sync=expect,
+        base=base,
     )
 
 
@@ -416,13 +451,16 @@ def run_case(
     from harness import data
 
     case = load_case(find_case(name))
+    absent = missing_checkouts([name])
+    if absent:
+        raise CaseConfigError(absent[0])
     if model_args:
         case = replace(case, model_args={**case.model_args, **model_args})
     out = out_root / case.name
     out.mkdir(parents=True, exist_ok=True)
     artifacts = data.prepare(log=lambda m: None)
     data_path = str(artifacts.data_prefix)
-    print(f"== {case.name} ({case.test_type}, {case.nproc} ranks, {device})", flush=True)
+    print(f"== {case.name} (megatron-core {case.base}, {case.test_type}, {case.nproc} ranks, {device})", flush=True)
     data_note = None if update_golden else check_golden_data(artifacts)
     if data_note:
         print(f"  WARNING: {data_note}", flush=True)
@@ -434,9 +472,11 @@ def run_case(
                 memory=memory_report.load_run_memory(reuse_upstream) if record_memory else None,
             )
             continue
-        tree = variant if variant == "upstream" or patched_tree is None else Path(patched_tree)
+        base = BASES[case.base]
+        tree = base.trees[variant] if variant == "upstream" or patched_tree is None else Path(patched_tree)
         results[variant] = run_variant(
-            case, tree, out / variant, data_path, device, timeout_s, extra_env, record_memory,
+            case, tree, out / variant, data_path, device, timeout_s,
+            {"MEGATRON_LM_CHECKOUT": str(base.checkout), **(extra_env or {})}, record_memory,
             runtime_flags=runtime_flags,
         )
     failures = [f for r in results.values() for f in r.failures]
@@ -536,6 +576,27 @@ def missing_golden(names: Sequence[str], device: str) -> List[str]:
     return messages
 
 
+def missing_checkouts(names: Sequence[str]) -> List[str]:
+    """One message per base of ``names`` whose Megatron-LM checkout is missing: which, and
+    how ``scripts/setup.sh`` gets it. Empty when every checkout is there."""
+    messages = []
+    for base_name in dict.fromkeys(load_case(find_case(n)).base for n in names):
+        checkout = BASES[base_name].checkout
+        if not (checkout / "pretrain_gpt.py").is_file():
+            tag = checkout.name
+            messages.append(
+                f"megatron-core {base_name}: no Megatron-LM checkout at {checkout}; scripts/setup.sh "
+                f"builds it from ../shared/upstream/Megatron-LM-{tag}.tar.gz, MEGATRON_LM"
+                f"{'_019' if base_name == '0.19' else ''}_SRC or a git clone of {tag}"
+            )
+    return messages
+
+
+def default_cases(bases: Sequence[str]) -> List[str]:
+    """The main job's cases when none is named: each base's default case, in ``bases`` order."""
+    return [BASES[b].default_case for b in bases]
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     ap = argparse.ArgumentParser(
         prog="scripts/run_functional_test.sh",
@@ -545,7 +606,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         f"2 bad arguments; {EXIT_NO_GOLDEN} a case has no golden file for --device (nothing "
         "trained; the message names the file and the --update-golden command).",
     )
-    ap.add_argument("cases", nargs="*", help=f"case names (default: {DEFAULT_CASE}); 'all' for every case")
+    ap.add_argument("cases", nargs="*", help="case names (default: each selected base's default case: "
+                    + ", ".join(f"{b.default_case} on {b.name}" for b in BASES.values())
+                    + "); 'all' for every case of the selected bases")
+    ap.add_argument("--base", choices=(*BASES, "all"), default="all",
+                    help="megatron-core base whose cases run (default: all, 0.19 first); "
+                    "named cases must belong to it")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     ap.add_argument("--update-golden", action="store_true",
                     help="rewrite golden values from this run (refused unless patched == upstream)")
@@ -555,12 +621,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.list:
         print("\n".join(all_cases()))
         return 0
-    names = args.cases or [DEFAULT_CASE]
-    if names == ["all"]:
-        names = all_cases()
+    bases = list(BASES) if args.base == "all" else [args.base]
+    names = args.cases or default_cases(bases)
     try:
-        for n in names:
-            find_case(n)
+        if names == ["all"]:
+            names = [n for b in bases for n in all_cases() if load_case(find_case(n)).base == b]
+        wrong = [n for n in names if load_case(find_case(n)).base not in bases]
+        if wrong:
+            raise CaseConfigError(f"cases {wrong} are not cases of megatron-core {args.base}")
+        absent = missing_checkouts(names)
+        if absent:
+            raise CaseConfigError("; ".join(absent))
     except CaseConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
