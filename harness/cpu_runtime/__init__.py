@@ -14,7 +14,7 @@ module              job
 ``patching``        the record of replaced attributes, so uninstall is exact
 ``device``          ``device='cuda'`` -> CPU (a TorchFunctionMode); CUDA type names
 ``cuda_stubs``      ``torch.cuda`` streams, events, device and memory queries;
-                    ``torch.accelerator`` off
+                    ``torch.accelerator`` off; MoE split sizes to the host
 ``rng``             CUDA RNG on the CPU generator; megatron's RNG helpers;
                     DataLoaders that keep the generator state
 ``compilation``     ``torch.compile`` and megatron's ``compile_helpers`` off

@@ -186,3 +186,21 @@ def stubs() -> Dict[str, Callable]:
 def accelerator_stubs() -> Dict[str, Callable]:
     """``torch.accelerator`` attribute name -> replacement: no accelerator."""
     return {"is_available": lambda: False, "current_accelerator": lambda check_available=False: None}
+
+
+def moe_tensor_to_host(tensor: Any, as_numpy: bool = False, record_stream: bool = False) -> Any:
+    """``megatron/core/transformer/moe/moe_utils.py:maybe_move_tensor_to_cpu`` for tensors
+    that stand in for CUDA ones.
+
+    Megatron copies a tensor to the host only when ``tensor.is_cuda``; under this layer every
+    tensor is a CPU tensor, so the alltoall token dispatcher's split sizes would stay torch
+    tensors, which ``all_to_all_single`` rejects (``TypeError: alltoall_base(): incompatible
+    function arguments``). This takes the CUDA branch for every tensor: a host copy (numpy
+    with ``as_numpy``, as the dispatcher asks for its ``input_splits``/``output_splits``);
+    ``record_stream`` has no stream to record on. Anything else (numpy, None) is returned
+    unchanged, as upstream does.
+    """
+    if not torch.is_tensor(tensor):
+        return tensor
+    host = tensor.detach().clone()
+    return host.numpy() if as_numpy else host

@@ -105,6 +105,18 @@ def _patch_megatron() -> None:
     logging.getLogger(mrandom.__name__).addFilter(_log_filter)
     replace(ds_utils, "compile_helpers", cuda_stubs.noop)
     _installed_items.append(f"megatron RNG helpers + compile_helpers ({os.path.dirname(mrandom.__file__)})")
+    try:
+        import megatron.core.transformer.moe.moe_utils as moe_utils
+    except ImportError as exc:
+        log.info("cpu_runtime: megatron's moe_utils not importable (%s); MoE item skipped", exc)
+        return
+    real_move = getattr(moe_utils, "maybe_move_tensor_to_cpu", None)
+    if real_move is not None:
+        # token_dispatcher.py imports it by name: rebind there too if already loaded.
+        for mod in list(sys.modules.values()):
+            if getattr(mod, "__name__", "").startswith("megatron") and getattr(mod, "maybe_move_tensor_to_cpu", None) is real_move:
+                replace(mod, "maybe_move_tensor_to_cpu", cuda_stubs.moe_tensor_to_host)
+        _installed_items.append("MoE split sizes to the host as from CUDA (maybe_move_tensor_to_cpu)")
 
 
 #: Environment variables set by install, with their values before it (None: unset).

@@ -117,6 +117,24 @@ def test_compile_and_helpers_off(runtime):
     assert ds_utils.compile_helpers() is None  # a no-op: upstream would run `make`
 
 
+def test_moe_split_sizes_reach_the_host_as_from_cuda(runtime):
+    """The alltoall token dispatcher's split sizes: a host numpy copy, as megatron's CUDA
+    branch of maybe_move_tensor_to_cpu gives (all_to_all_single rejects a torch tensor);
+    the dispatcher's own name for it is rebound too."""
+    import numpy as np
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
+
+    splits = torch.tensor([133, 143])
+    host = moe_utils.maybe_move_tensor_to_cpu(splits, as_numpy=True, record_stream=True)
+    assert isinstance(host, np.ndarray) and host.tolist() == [133, 143]
+    splits[0] = 0
+    assert host.tolist() == [133, 143]  # a copy, as a device-to-host transfer is
+    kept = moe_utils.maybe_move_tensor_to_cpu(torch.tensor([1, 2]))
+    assert torch.is_tensor(kept) and kept.tolist() == [1, 2]
+    assert moe_utils.maybe_move_tensor_to_cpu(host) is host and moe_utils.maybe_move_tensor_to_cpu(None) is None
+    assert token_dispatcher.maybe_move_tensor_to_cpu is moe_utils.maybe_move_tensor_to_cpu
+
+
 def _dropout_mask(n: int = 64) -> torch.Tensor:
     return torch.nn.functional.dropout(torch.ones(n), p=0.5)
 
