@@ -30,6 +30,8 @@ SERIES_DIR = REPO_ROOT / "patches" / "0.17.1"
 TREE_PARENTS = {"upstream": "build/upstream", "patched": ".", "upstream-0.19": "build/upstream-0.19",
                 "patched-0.19": "build/patched-0.19"}
 TREES = tuple(TREE_PARENTS)
+#: Base (a folder of patches/) -> (its pristine tree, its patched tree).
+BASES = {"0.17.1": ("upstream", "patched"), "0.19": ("upstream-0.19", "patched-0.19")}
 
 
 def tree_parent(tree: Union[str, Path]) -> Path:
@@ -113,11 +115,12 @@ def _tree_with_patches(base: Path, patches: list, dest: Path) -> Path:
     return dest
 
 
-def make_mutant_tree(mutant_patch: Path, dest: Path) -> Path:
-    """Copy the patched tree to dest/megatron and apply a mutant patch on top of it.
+def make_mutant_tree(mutant_patch: Path, dest: Path, tree: str = "patched") -> Path:
+    """Copy `tree` (a label of TREES, by default the 0.17.1 series) to dest/megatron and
+    apply a mutant patch on top of it.
 
-    Mutants (tests/mutants/*.patch) are deliberate bugs used to prove
-    that the tests catch them; they are never part of patches/.
+    Mutants (tests/mutants/*.patch; tests/mutants/0.19/ for "patched-0.19") are deliberate
+    bugs used to prove that the tests catch them; they are never part of patches/.
 
     Returns:
         dest, to pass to env_for_tree().
@@ -126,7 +129,7 @@ def make_mutant_tree(mutant_patch: Path, dest: Path) -> Path:
         RuntimeError: the mutant does not apply cleanly (patch -p1 --fuzz=0), with
             patch's output; dest is removed.
     """
-    return _tree_with_patches(tree_parent("patched"), [mutant_patch], dest)
+    return _tree_with_patches(tree_parent(tree), [mutant_patch], dest)
 
 
 def is_checkout_only(patch: Path) -> bool:
@@ -136,21 +139,29 @@ def is_checkout_only(patch: Path) -> bool:
     return bool(paths) and all(p.startswith("tests/unit_tests/") for p in paths)
 
 
-def series_patches(checkout: bool = False) -> list:
-    """Patch files of patches/0.17.1/series, in order (comments and blank lines skipped).
+def series_patches(checkout: bool = False, base: str = "0.17.1") -> list:
+    """Patch files of patches/<base>/series, in order (comments and blank lines skipped).
 
     Args:
         checkout: include the checkout-only patches (``is_checkout_only``); by default only
             the patches of the megatron/ trees.
+        base: a key of BASES.
+
+    Raises:
+        ValueError: unknown base.
     """
-    lines = (SERIES_DIR / "series").read_text().splitlines()
+    if base not in BASES:
+        raise ValueError(f"unknown base {base!r}; expected one of {tuple(BASES)}")
+    series_dir = REPO_ROOT / "patches" / base
+    lines = (series_dir / "series").read_text().splitlines()
     names = [ln.strip() for ln in lines if ln.strip() and not ln.lstrip().startswith("#")]
-    patches = [SERIES_DIR / n for n in names]
+    patches = [series_dir / n for n in names]
     return patches if checkout else [p for p in patches if not is_checkout_only(p)]
 
 
-def make_prefix_tree(k: int, dest: Path) -> Path:
-    """Pristine tree plus the first k patches of the series, in dest/megatron.
+def make_prefix_tree(k: int, dest: Path, base: str = "0.17.1") -> Path:
+    """Pristine tree of `base` (a key of BASES) plus the first k patches of its series, in
+    dest/megatron.
 
     Used to check that every prefix of the series is correct on its own.
 
@@ -161,7 +172,7 @@ def make_prefix_tree(k: int, dest: Path) -> Path:
         ValueError: k outside 0..len(series).
         RuntimeError: a patch does not apply cleanly (patch -p1 --fuzz=0); dest removed.
     """
-    patches = series_patches()
+    patches = series_patches(base=base)
     if not 0 <= k <= len(patches):
         raise ValueError(f"prefix length {k} outside 0..{len(patches)}")
-    return _tree_with_patches(tree_parent("upstream"), patches[:k], dest)
+    return _tree_with_patches(tree_parent(BASES[base][0]), patches[:k], dest)

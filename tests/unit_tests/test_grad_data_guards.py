@@ -27,7 +27,7 @@ in most of them), and pins:
 
 Some scenarios run on a model with an expert layer too (suffix _moe: expert-parallel
 bucket groups, gathered over the expert-DP group). test_guard_mutants_are_caught runs every
-scenario on each guard mutant (tests/mutants/guards/).
+scenario on each guard mutant (tests/mutants/guards/), on both bases (tests/mutants/0.19/).
 """
 
 from __future__ import annotations
@@ -41,13 +41,14 @@ import pytest
 import torch
 
 from harness.launch import CORE_PRELOAD, torchrun_command
-from harness.trees import REPO_ROOT, make_mutant_tree
+from harness.trees import BASES, REPO_ROOT, make_mutant_tree
 
 WORKER = Path(__file__).with_name("grad_data_guard_worker.py")
-# Guard mutants: tests/mutants/guards/ (test_layerwise_param_sync.py does not run them),
-# and the shared tests/mutants/zero_grad_buffer_under_pending_gather.patch.
+# Guard mutants: guards/ of a base's mutants folder (test_layerwise_param_sync.py does not
+# run them), and its shared zero_grad_buffer_under_pending_gather.patch.
 MUTANTS = REPO_ROOT / "tests" / "mutants"
-GUARD_MUTANTS = MUTANTS / "guards"
+#: Base (harness.trees.BASES) -> its mutants (tests/mutants/0.19/: the same bugs on patches/0.19).
+MUTANT_DIRS = {"0.17.1": MUTANTS, "0.19": MUTANTS / "0.19"}
 CONFIG = "bf16-fp32grad-layers"
 SCENARIOS = (
     "baseline,zero_grad,offload,forward_only,bypass_prehook,gather_after_backward,reentry,"
@@ -458,25 +459,51 @@ GUARD_MUTANT_MUST_FAIL = {
 }
 
 
-def mutant_patch(name):
-    return GUARD_MUTANTS / f"{name}.patch" if (GUARD_MUTANTS / f"{name}.patch").exists() else MUTANTS / f"{name}.patch"
+#: Base -> mutant -> the scenarios it must fail. 0.19: the same, measured mutant by mutant
+#: (its series has the same code at each mutated line; step_marks_only_dense_groups mutates
+#: step_with_ready_grads(), 0.19's step); no mutant is skipped. The references stay
+#: pristine 0.17.1 (EXPECT), which 0.19 + its series equals bitwise in every scenario
+#: (test_019_series_equals_the_0171_series_in_every_scenario); pristine 0.19.2 is wrong in
+#: some (it zeroes the grads of a forced sync before the step).
+GUARD_MUTANT_MUST_FAIL_BY_BASE = {
+    "0.17.1": GUARD_MUTANT_MUST_FAIL,
+    "0.19": {mutant: set(scenarios) for mutant, scenarios in GUARD_MUTANT_MUST_FAIL.items()},
+}
 
 
-def test_guard_mutants_exist():
-    assert {p.stem for p in GUARD_MUTANTS.glob("*.patch")} <= set(GUARD_MUTANT_MUST_FAIL)
-    assert all(mutant_patch(m).is_file() for m in GUARD_MUTANT_MUST_FAIL)
+def mutant_patch(name, base="0.17.1"):
+    """The base's guard mutant `name`: in guards/ of its mutants folder, else shared there."""
+    guard = MUTANT_DIRS[base] / "guards" / f"{name}.patch"
+    return guard if guard.exists() else MUTANT_DIRS[base] / f"{name}.patch"
 
 
-@pytest.mark.parametrize("mutant", sorted(GUARD_MUTANT_MUST_FAIL))
-def test_guard_mutants_are_caught(runs, tmp_path, mutant):
-    tree = make_mutant_tree(mutant_patch(mutant), tmp_path / "tree")
+@pytest.mark.parametrize("base", BASES)
+def test_guard_mutants_exist(base):
+    must_fail = GUARD_MUTANT_MUST_FAIL_BY_BASE[base]
+    assert {p.stem for p in (MUTANT_DIRS[base] / "guards").glob("*.patch")} <= set(must_fail)
+    assert all(mutant_patch(m, base).is_file() for m in must_fail)
+
+
+def failed_expectations(runs, tree):
+    """The EXPECT scenarios whose expectation fails on `tree`."""
     got = set()
     for scenario, expect in EXPECT.items():
         try:
             expect(runs, tree)
         except AssertionError:
             got.add(scenario)
-    want = GUARD_MUTANT_MUST_FAIL[mutant]
+    return got
+
+
+@pytest.mark.parametrize(
+    "base,mutant", [(b, m) for b in BASES for m in sorted(GUARD_MUTANT_MUST_FAIL_BY_BASE[b])]
+)
+def test_guard_mutants_are_caught(runs, tmp_path, base, mutant):
+    if base != "0.17.1":
+        _skip_without_019()
+    tree = make_mutant_tree(mutant_patch(mutant, base), tmp_path / "tree", BASES[base][1])
+    got = failed_expectations(runs, tree)
+    want = GUARD_MUTANT_MUST_FAIL_BY_BASE[base][mutant]
     assert got == want, f"not failed {sorted(want - got)}; failed unexpectedly {sorted(got - want)}"
 
 
@@ -517,6 +544,13 @@ def test_019_pristine_forced_sync_before_step_zeroes_every_grad(runs):
         assert summary["error"] is None and summary["grad_norms"] == [0.0] * 3, (scenario, summary)
         ok, _ = record(runs, "upstream", scenario)
         assert all(n > 0 for n in ok["grad_norms"]), (scenario, ok)
+
+
+def test_019_every_expectation_holds_on_the_series(runs):
+    """Control of the 0.19 guard mutants: every scenario's expectation (EXPECT, references
+    pristine 0.17.1) holds on 0.19 + its series."""
+    _skip_without_019()
+    assert not failed_expectations(runs, "patched-0.19")
 
 
 def test_019_series_trains_like_pristine_019_where_it_is_right(runs):

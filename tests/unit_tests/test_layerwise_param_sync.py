@@ -13,7 +13,7 @@ counts come from the CPU runtime layer's collective model (harness/cpu_runtime/
 collectives.py: ops, zero-size ops, NCCL group launches, NCCL temporaries as
 ProcessGroupNCCL issues them), measured on both trees in the same test. tests/mutants
 holds deliberate bugs; test_mutants_are_caught shows that these tests catch each of them
-for its own reason.
+for its own reason, on both bases (tests/mutants/0.19/: the same bugs on patches/0.19).
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ import pytest
 from harness.launch import CORE_PRELOAD, LaunchError, run_command, torchrun_command
 from harness.ranks import FIRST_FAILURE
 from harness.trees import (
+    BASES,
     REPO_ROOT,
     make_mutant_tree,
     make_prefix_tree,
@@ -37,6 +38,9 @@ from harness.trees import (
 WORKER = Path(__file__).with_name("layerwise_worker.py")
 PROGRESS = "[layerwise_worker] done"  # the worker's per-scenario progress line
 MUTANTS = REPO_ROOT / "tests" / "mutants"
+#: Base (harness.trees.BASES) -> its mutants: tests/mutants/0.19/ holds, at the same
+#: relative paths, the same bugs as tests/mutants/ written against build/patched-0.19.
+MUTANT_DIRS = {"0.17.1": MUTANTS, "0.19": MUTANTS / "0.19"}
 # Models (layerwise_worker.MODELS) by the share patterns of their buckets:
 # - mixed: at DP 2 one bucket with equal shares (all_gather_into_tensor) and unequal ones
 #   with single-param, multi-param and empty owners; at DP 4 unequal ones only, one with two
@@ -442,11 +446,12 @@ def test_optimizer_path_with_offloaded_grad_buffers(runs):
         assert r["params_synced"] and r["storage_stayed_freed"], (tree, r)
 
 
-def test_optimizer_path_writing_freed_grad_data_is_caught(runs, tmp_path):
+@pytest.mark.parametrize("base", BASES)
+def test_optimizer_path_writing_freed_grad_data_is_caught(runs, tmp_path, base):
     """The mutant whose optimizer path ignores offloaded grad buffers receives into freed
     storage: torch refuses the view (series v3, which zeroed the freed grad_data instead,
-    died of SIGSEGV on CPU), so the scenario raises on every rank."""
-    tree = make_mutant_tree(MUTANTS / "offload" / "optimizer_path_writes_freed_grad_data.patch", tmp_path / "tree")
+    died of SIGSEGV on CPU), so the scenario raises on every rank (both bases)."""
+    tree = base_mutant_tree(base, "offload/optimizer_path_writes_freed_grad_data.patch", tmp_path / "tree")
     r = runs(tree, 2, "optimizer_offloaded", CONFIGS[:1])[f"{CONFIGS[0]}/optimizer_offloaded"]
     assert "out of bounds for storage of size 0" in r.get("error", ""), r
 
@@ -471,7 +476,7 @@ def _bucket_group_of_two(tree):
     return r
 
 
-def test_every_gather_of_a_bucket_group_is_waited_on(runs, tmp_path):
+def test_every_gather_of_a_bucket_group_is_waited_on(runs):
     """A bucket group of two buckets (disable_bucketing over bf16 and fp32 params, as for
     VPP chunks after the first), each bucket's gather landing only when its own work is
     waited on (collectives.defer_async_completion(), a schedule c10d allows and Gloo's
@@ -479,13 +484,21 @@ def test_every_gather_of_a_bucket_group_is_waited_on(runs, tmp_path):
     synchronously after each step, on the same tree and on pristine (patch 0001).
     Pristine (waits on the last work only): the first bucket's params are copied from
     receive buffers nothing was written into, and training parts. So does the mutant
-    that reverts 0001 on the series."""
+    that reverts 0001 on the series (test_the_mutant_waiting_on_the_last_work_only_is_caught)."""
     r = _bucket_group_of_two(runs("patched", 2, "bucket_group_of_two", CONFIGS[:1]))
     u = _bucket_group_of_two(runs("upstream", 2, "bucket_group_of_two", CONFIGS[:1]))
     assert r["params_overlap_equal_forced"] and r["grad_norms_equal"], r
     assert r["params_sha256_overlap"] == r["params_sha256_forced"] == u["params_sha256_forced"], (r, u)
     assert not u["params_overlap_equal_forced"] and not u["grad_norms_equal"], u
-    tree = make_mutant_tree(MUTANTS / "handles" / "wait_on_last_handle_only.patch", tmp_path / "tree")
+
+
+@pytest.mark.parametrize("base", BASES)
+def test_the_mutant_waiting_on_the_last_work_only_is_caught(runs, tmp_path, base):
+    """Patch 0001 reverted on the base's series (handles/wait_on_last_handle_only.patch):
+    the bucket group of two under deferred completion parts from its forced-sync run,
+    which still equals the series'."""
+    tree = base_mutant_tree(base, "handles/wait_on_last_handle_only.patch", tmp_path / "tree")
+    r = _bucket_group_of_two(runs(BASES[base][1], 2, "bucket_group_of_two", CONFIGS[:1]))
     m = _bucket_group_of_two(runs(tree, 2, "bucket_group_of_two", CONFIGS[:1]))
     assert not m["params_overlap_equal_forced"] and m["params_sha256_forced"] == r["params_sha256_forced"], m
 
@@ -593,6 +606,41 @@ MUTANT_MUST_FAIL = {
 }
 
 
+#: Base -> mutant -> the checks it must fail. 0.19: the same checks, measured mutant by
+#: mutant (its series has the same code at every mutated line, and MUTANT_SCENARIOS and
+#: MUTANT_CONFIGS, bf16, run there); no mutant is skipped on 0.19. Kept per base so that
+#: either can change alone.
+MUTANT_MUST_FAIL_BY_BASE = {
+    "0.17.1": MUTANT_MUST_FAIL,
+    "0.19": {mutant: set(checks) for mutant, checks in MUTANT_MUST_FAIL.items()},
+}
+MUTANT_CASES = [(b, m) for b in BASES for m in sorted(MUTANT_MUST_FAIL_BY_BASE[b])]
+
+
+def base_mutant_tree(base, rel, dest):
+    """make_mutant_tree() of the base's mutant `rel` (a path in its MUTANT_DIRS folder) on
+    the base's patched tree; skips where build/patched-0.19 is missing."""
+    if base != "0.17.1":
+        _skip_without_019()
+    return make_mutant_tree(MUTANT_DIRS[base] / rel, dest, BASES[base][1])
+
+
+def series_main_run(runs, base):
+    """The patched tree's main run of `base` on 2 ranks (every main scenario, collectives)."""
+    if base == "0.17.1":
+        return runs("patched", 2)
+    _skip_without_019()
+    return runs("patched-0.19", 2, PATCHED_SCENARIOS_019, CONFIGS_019)
+
+
+def pristine_main_run(runs, base):
+    """The pristine tree's main run of `base` on 2 ranks."""
+    if base == "0.17.1":
+        return runs("upstream", 2)
+    _skip_without_019()
+    return runs("upstream-0.19", 2, SCENARIOS_019, CONFIGS_019)
+
+
 def assert_mutant_fails_exactly(runs, tree, must_fail):
     """Run the mutant tree's checks; AssertionError unless exactly `must_fail` fail
     (a worker that cannot start, e.g. a broken import, raises from run_worker)."""
@@ -604,24 +652,38 @@ def assert_mutant_fails_exactly(runs, tree, must_fail):
     ), f"mutant checks differ: not failed {sorted(missed)}; failed unexpectedly {sorted(extra)}"
 
 
-def test_every_mutant_has_its_checks():
-    assert set(MUTANT_MUST_FAIL) == {p.stem for p in MUTANTS.glob("*.patch")}
-    assert all(MUTANT_MUST_FAIL.values())
+@pytest.mark.parametrize("base", BASES)
+def test_every_mutant_has_its_checks(base):
+    must_fail = MUTANT_MUST_FAIL_BY_BASE[base]
+    assert set(must_fail) == {p.stem for p in MUTANT_DIRS[base].glob("*.patch")}
+    assert all(must_fail.values())
 
 
-def test_the_mutant_checks_pass_on_the_series(runs):
-    """Control: the checks the mutants are measured by all pass on the patched tree (its
-    main run holds them)."""
-    res = runs("patched", 2)
+def test_every_mutant_has_a_019_counterpart():
+    """Every mutant of tests/mutants/ (guards/, handles/, offload/ included) has its 0.19
+    counterpart at the same relative path of tests/mutants/0.19/, and nothing else is there."""
+
+    def rel(folder, skip=()):
+        paths = (p.relative_to(folder) for p in folder.rglob("*.patch"))
+        return {p.as_posix() for p in paths if p.parts[0] not in skip}
+
+    assert rel(MUTANTS, skip=("0.19",)) == rel(MUTANT_DIRS["0.19"])
+
+
+@pytest.mark.parametrize("base", BASES)
+def test_the_mutant_checks_pass_on_the_series(runs, base):
+    """Control: the checks the mutants are measured by all pass on the base's patched tree
+    (its main run holds them)."""
+    res = series_main_run(runs, base)
     keys = [f"{c}/{s}" for c in MUTANT_CONFIGS for s in MUTANT_SCENARIOS.split(",") if s != "collectives"]
     assert not _failed_checks({k: res[k] for k in keys + ["models/collectives"]})
 
 
-@pytest.mark.parametrize("mutant", sorted(MUTANT_MUST_FAIL))
-def test_mutants_are_caught(runs, tmp_path, mutant):
-    """Each planted bug fails exactly the checks named for it (2 ranks)."""
-    tree = make_mutant_tree(MUTANTS / f"{mutant}.patch", tmp_path / "tree")
-    assert_mutant_fails_exactly(runs, tree, MUTANT_MUST_FAIL[mutant])
+@pytest.mark.parametrize("base,mutant", MUTANT_CASES)
+def test_mutants_are_caught(runs, tmp_path, base, mutant):
+    """Each planted bug fails exactly the checks named for it (2 ranks), on each base."""
+    tree = base_mutant_tree(base, f"{mutant}.patch", tmp_path / "tree")
+    assert_mutant_fails_exactly(runs, tree, MUTANT_MUST_FAIL_BY_BASE[base][mutant])
 
 
 def test_mutant_with_a_broken_import_fails_the_mutant_check(runs, tmp_path):
@@ -645,6 +707,8 @@ CONFIGS_019 = CONFIGS[:2]
 # async_without_ddp: 0.19.2 raises AttributeError on bucket_groups there, with and without the
 # series (the 0.17.1 series' assertion is not carried).
 SCENARIOS_019 = MAIN_SCENARIOS.replace(",async_without_ddp", "")
+# The series' main run (series_main_run), as on 0.17.1: with the collectives scenario.
+PATCHED_SCENARIOS_019 = SCENARIOS_019 + ",collectives"
 
 
 def _skip_without_019():
@@ -656,14 +720,14 @@ def test_019_series_passes_every_check_and_trains_like_pristine(runs):
     """0.19.2 + patches/0.19, 2 ranks: every check of the main scenarios holds (gathered
     params, grad_data zero after the gather, microbatch accumulation, forced sync,
     free_overlap_buffers and zero_grad_buffer with a gather pending, offload, 0 bytes of
-    temporaries), and training is bitwise equal to pristine 0.19.2's on both paths.
+    temporaries, the designed collectives on every path), and training is bitwise equal to
+    pristine 0.19.2's on both paths.
     Pristine 0.19.2: stale params after a forced sync, free_overlap_buffers() or
     zero_grad_buffer() with a gather pending, a crash on offloaded grad buffers, and
     temporaries on every path."""
-    _skip_without_019()
-    r = runs("patched-0.19", 2, SCENARIOS_019, CONFIGS_019)
+    r = series_main_run(runs, "0.19")
     assert not _failed_checks(r), _failed_checks(r)
-    u = runs("upstream-0.19", 2, SCENARIOS_019, CONFIGS_019)
+    u = pristine_main_run(runs, "0.19")
     for c in CONFIGS_019:
         for key in ("params_sha256_overlap", "params_sha256_sync", "grad_norms_overlap"):
             assert result(r, c, "training")[key] == result(u, c, "training")[key], (c, key)
@@ -704,26 +768,33 @@ def test_019_every_gather_of_a_bucket_group_is_waited_on(runs):
 PREFIX_SCENARIOS = "gather,microbatches,training"
 # A claim of the finished series beyond numerics: the exact bytes the pre-hook gather
 # writes (its forms, 0006; 0004 receives every rank's share into a slot, 0.17.1 into
-# temporaries). Every prefix must still leave grad_data zero before backward, and
-# main_grad zero or the grad when step() returns.
+# temporaries; on 0.19 the prefixes before 0006 fail it, as pristine 0.19.2 does). Every
+# prefix must still leave grad_data zero before backward, and main_grad zero or the grad
+# when step() returns.
 NOT_NUMERICS = {"gather.async_zeroed_exactly_where_written"}
 
 
-@pytest.mark.parametrize("k", range(1, len(series_patches()) + 1))
-def test_every_prefix_of_the_series_keeps_numerics(runs, tmp_path, k):
-    """Pristine + the first k patches (k = all: the patched tree's main run): params
-    gathered right, grad_data zero before backward, grads equal overlap-off, real training
-    steps overlap == sync and bitwise equal to the pristine tree's, on 2 ranks."""
-    if k == len(series_patches()):
-        res = runs("patched", 2)
+PREFIX_CASES = [(b, k) for b in BASES for k in range(1, len(series_patches(base=b)) + 1)]
+
+
+@pytest.mark.parametrize("base,k", PREFIX_CASES)
+def test_every_prefix_of_the_series_keeps_numerics(runs, tmp_path, base, k):
+    """Pristine + the first k patches of the base's series (k = all: the patched tree's
+    main run): params gathered right, grad_data zero before backward, grads equal
+    overlap-off, real training steps overlap == sync and bitwise equal to the pristine
+    tree's, on 2 ranks."""
+    if k == len(series_patches(base=base)):
+        res = series_main_run(runs, base)
     else:
-        tree = make_prefix_tree(k, tmp_path / "tree")
+        if base != "0.17.1":
+            _skip_without_019()
+        tree = make_prefix_tree(k, tmp_path / "tree", base)
         res = runs(tree, 2, PREFIX_SCENARIOS, CONFIGS[:1])
     keep = {f"{CONFIGS[0]}/{s}" for s in PREFIX_SCENARIOS.split(",")}
     checks = _failed_checks({key: res[key] for key in keep})
     bad = [f for f in checks if f.split("/", 1)[1] not in NOT_NUMERICS]
-    assert not bad, f"prefix of {k} patches fails: {bad}"
+    assert not bad, f"prefix of {k} patches of {base} fails: {bad}"
     mine = result(res, CONFIGS[0], "training")
-    pristine = result(runs("upstream", 2), CONFIGS[0], "training")
+    pristine = result(pristine_main_run(runs, base), CONFIGS[0], "training")
     for path in ("overlap", "sync"):
         assert mine[f"params_sha256_{path}"] == pristine[f"params_sha256_{path}"], path
