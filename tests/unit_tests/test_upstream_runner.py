@@ -59,3 +59,16 @@ def test_a_skipped_patched_only_test_counts_and_a_passing_one_does_not():
     patched = _recorded("patched", {T1: "passed", T2: "skipped", T3: "passed"})
     assert ur.patched_only(pristine, patched) == [T2, T3]
     assert ur.new_test_failures(pristine, patched) == [f"{T2}: skipped"]
+
+
+# ------------------------------------------------------- per-file node-id selection
+def test_selected_node_ids_count_under_their_file():
+    sel = ur.select("tests/unit_tests/test_y.py", "TestY::test_a[1-2]", "test_b")
+    assert sel == ("tests/unit_tests/test_y.py::TestY::test_a[1-2]", "tests/unit_tests/test_y.py::test_b")
+    run = ur.Run(tree="pristine", nproc=2, files=["tests/unit_tests/test_x.py", *sel])
+    assert ur.files_of(run.files) == ["tests/unit_tests/test_x.py", "tests/unit_tests/test_y.py"]
+    run.results = {sel[0]: "passed", sel[1]: "skipped", T1: "failed"}
+    assert {f: dict(c) for f, c in run.by_file().items()} == {
+        "tests/unit_tests/test_x.py": {"passed": 0, "failed": 1, "skipped": 0},
+        "tests/unit_tests/test_y.py": {"passed": 1, "failed": 0, "skipped": 1},
+    }

@@ -101,8 +101,9 @@ TREES_019 = ("pristine-0.19", "patched-0.19")
 
 
 def _run_019(tree: str) -> ur.Run:
-    """The 0.19 checkouts (core_v0.19.0, and it + patches/0.19), FILES_019 at 2 ranks, once
-    per session; skip when setup.sh found no core_v0.19.0 source."""
+    """The 0.19 checkouts (core_v0.19.0, and it + patches/0.19), FILES_019 (whole files and
+    node ids of ``ur.select``) at 2 ranks, once per session; skip when setup.sh found no
+    core_v0.19.0 source."""
     missing = [t for t in TREES_019 if not (ur.CHECKOUTS[t] / ".git").is_dir()]
     if missing:
         pytest.skip(f"{[str(ur.CHECKOUTS[t]) for t in missing]} missing (scripts/setup.sh found no core_v0.19.0)")
@@ -115,7 +116,9 @@ def _run_019(tree: str) -> ur.Run:
 def test_019_upstream_tests_ran(tree):
     run = _run_019(tree)
     counts = run.by_file()
-    assert set(counts) == set(ur.FILES_019) and all(c["passed"] > 0 for c in counts.values()), (counts, run.log)
+    assert set(counts) == set(ur.files_of(ur.FILES_019)) and all(c["passed"] > 0 for c in counts.values()), (counts, run.log)
+    selected = [t for t in ur.FILES_019 if "::" in t]
+    assert not [t for t in selected if t not in run.results], ("selected, not reported", run.log)
     assert run.returncode != 124, f"timed out; see {run.log}"
 
 

@@ -63,11 +63,51 @@ FILES_BY_NPROC: Dict[int, tuple] = {
     4: ("tests/unit_tests/test_layer_wise_optimizer.py",),
 }
 
+
+def select(file: str, *tests: str) -> tuple:
+    """Node ids that run only ``tests`` of ``file`` (ids below the file, e.g.
+    ``"TestX::test_y[1-2]"``). ``run`` takes them like files; ``Run.by_file`` counts them
+    under ``file``."""
+    return tuple(f"{file}::{t}" for t in tests)
+
+
+def files_of(entries: Iterable[str]) -> List[str]:
+    """The distinct files of ``entries`` (files or node ids), in order."""
+    return list(dict.fromkeys(e.split("::", 1)[0] for e in entries))
+
+
+_LW_CKPT = "TestLayerWiseOptimizer::test_layer_wise_optimizer"
 #: The 0.19 base's files (tag core_v0.19.0), at 2 ranks: the DDP buffer tests and the
-#: layer-wise optimizer tests (both ``use_param_layout`` values, parametrized upstream).
+#: layer-wise optimizer tests (both ``use_param_layout`` values, parametrized upstream), whole;
+#: two files by node id (measured 2026-12-02, both trees side by side, a loaded 2-core machine):
+#: * ``test_emerging_optimizers.py``: its 2 tests that build a LayerWiseDistributedOptimizer
+#:   (legacy path: DDP without a param layout) and step it. The whole file: 80 tests, 40-43 s
+#:   wall, 53 / 27 / 0 on both trees; the 27 failures are AdaptiveMuon and SOAP against the
+#:   installed emerging-optimizers 0.3.0 (upstream pins v0.2.0), not the touched code.
+#: * ``dist_checkpointing/test_layer_wise_optimizer.py``: the 11 tests that pass on pristine
+#:   at 2 ranks, all on the legacy path (``dist_opt=False``, ``use_param_layout`` False). The
+#:   whole file: 442 tests, 213 s wall and 112 CPU s per tree, 11 / 272 / 159 on both trees:
+#:   152 + 45 need 4 or 8 ranks, 56 use the Transformer Engine spec (``TESpecProvider`` is
+#:   None), and the 19 save/load tests left (among them 3 of the only layout-path test,
+#:   ``test_optimizer_common_state_dict_hybrid``) fail in ``load_state_dict``: without TE or
+#:   Apex Adam is ``torch.optim.AdamW``, which needs a ``step`` in the state that upstream's
+#:   ``init_state_fn`` does not write (KeyError: 'step'). The layout path is covered by
+#:   ``test_layer_wise_optimizer.py`` above.
 FILES_019: tuple = (
     "tests/unit_tests/distributed/test_param_and_grad_buffer.py",
     "tests/unit_tests/test_layer_wise_optimizer.py",
+    *select(
+        "tests/unit_tests/test_emerging_optimizers.py",
+        "TestMuonOptimizerMultiRank::test_get_megatron_optimizer_layer_wise",
+        "TestMuonOptimizerMultiRank::test_get_megatron_muon_optimizer_backward_compatible",
+    ),
+    *select(
+        "tests/unit_tests/dist_checkpointing/test_layer_wise_optimizer.py",
+        "TestLayerWiseOptimizer::test_parameter_sharding",
+        *(f"TestLayerWiseOptimizer::test_broadcast_params[{p}]" for p in ("1-1", "1-2", "2-1")),
+        *(f"{_LW_CKPT}_{t}[{p}]" for t in ("grad_norm", "count_zeros") for p in ("1-1", "1-2", "2-1")),
+        f"{_LW_CKPT}_dp_sizes[4]",
+    ),
 )
 #: Upstream files that import the touched modules but are not run, and why.
 NOT_RUN = {
@@ -77,8 +117,14 @@ NOT_RUN = {
         "need 4 or 8 ranks"
     ),
     "tests/unit_tests/dist_checkpointing/test_layer_wise_optimizer.py": (
-        "runs but takes over 400 s on 2 CPU ranks (torch_dist save/load per parametrization); "
-        "the layer-wise checkpoint path is covered by the ckpt-resume functional case"
+        "0.17.1: runs but takes over 400 s on 2 CPU ranks (torch_dist save/load per "
+        "parametrization); the layer-wise checkpoint path is covered by the ckpt-resume "
+        "functional case. 0.19: 11 of its 442 tests run (FILES_019); the whole file takes "
+        "213 s wall per tree and passes only those 11 on CPU at 2 ranks"
+    ),
+    "tests/unit_tests/test_emerging_optimizers.py": (
+        "0.19: 2 of its 80 tests run (FILES_019), the layer-wise ones; the rest test Muon, "
+        "SOAP and Lion updates, not the touched code"
     ),
     "tests/unit_tests/distributed/megatron_fsdp/*": "Megatron-FSDP, not the touched code; CUDA-only",
     "tests/unit_tests/dist_checkpointing/test_optimizer.py": (
@@ -116,8 +162,9 @@ class Run:
     log: str = ""
 
     def by_file(self) -> Dict[str, Counter]:
-        """``{file: Counter(passed=, failed=, skipped=)}`` for every file of the run."""
-        out = {f: Counter(passed=0, failed=0, skipped=0) for f in self.files}
+        """``{file: Counter(passed=, failed=, skipped=)}`` for every file of the run (node ids
+        of ``select`` counted under their file)."""
+        out = {f: Counter(passed=0, failed=0, skipped=0) for f in files_of(self.files)}
         for nodeid, outcome in self.results.items():
             out.setdefault(nodeid.split("::", 1)[0], Counter())[outcome] += 1
         return out
@@ -127,13 +174,17 @@ def command(checkout: Path, files: Sequence[str], nproc: int, results_dir: Path)
     """``(argv, env)`` of one run: torchrun + pytest + ``cpu_gloo_plugin`` in ``checkout``.
 
     ``-o addopts=`` drops upstream's ``-x`` (stop at first failure) and ``-s``; every test of
-    every file is run and reported.
+    every file is run and reported. pytest's temporary root is ``results_dir/tmp``:
+    upstream's ``tmp_path_dist_ckpt`` keeps checkpoints in one directory per user
+    (``<root>/pytest-of-<user>/tmp_dist_ckpt``), which runs side by side would share.
     """
     env = dict(os.environ)
+    (results_dir / "tmp").mkdir(parents=True, exist_ok=True)
     env.update(
         PYTHONPATH=os.pathsep.join([str(PLUGIN_DIR), str(REPO_ROOT)]),
         MEGATRON_LM_CHECKOUT=str(checkout),
         UPSTREAM_TESTS_RESULTS=str(results_dir),
+        PYTEST_DEBUG_TEMPROOT=str(results_dir / "tmp"),
         NVIDIA_PYTORCH_VERSION=NVIDIA_PYTORCH_VERSION,
         OMP_NUM_THREADS="1",
         CUDA_DEVICE_MAX_CONNECTIONS="1",
