@@ -51,7 +51,7 @@ from typing import Dict, List, Optional, Sequence
 import yaml
 
 from harness import launch, param_sync_recorder
-from harness.trees import REPO_ROOT
+from harness.trees import BASES as TREE_BASES, REPO_ROOT
 
 from . import checks, golden_schema, golden_update, memory_report, plot, tolerances, verdicts
 from .formatting import format_table
@@ -66,7 +66,8 @@ DEFAULT_CASE = "gpt_dp2_bf16_fp32grad_overlap_layerwise"
 class Base:
     """A megatron-core base the cases train on (a case's ``BASE`` key).
 
-    trees: variant ("upstream", "patched") -> ``harness.trees`` label of its megatron tree.
+    trees: variant ("upstream", "patched") -> ``harness.trees`` label of its megatron tree
+        (``harness.trees.BASES``).
     checkout: the Megatron-LM checkout whose ``pretrain_gpt.py`` runs (``scripts/setup.sh``
         builds it; the series does not touch ``pretrain_gpt.py``, so the pristine one serves
         both variants).
@@ -80,10 +81,10 @@ class Base:
 
 
 BASES: Dict[str, Base] = {
-    "0.19": Base("0.19", {"upstream": "upstream-0.19", "patched": "patched-0.19"},
+    "0.19": Base("0.19", dict(zip(("upstream", "patched"), TREE_BASES["0.19"])),
                  REPO_ROOT / "build" / "megatron-lm" / "core_v0.19.0",
                  "gpt019_dp2_bf16_fp32grad_overlap_legacy"),
-    "0.17.1": Base("0.17.1", {"upstream": "upstream", "patched": "patched"},
+    "0.17.1": Base("0.17.1", dict(zip(("upstream", "patched"), TREE_BASES["0.17.1"])),
                    REPO_ROOT / "build" / "megatron-lm" / "core_v0.17.1", DEFAULT_CASE),
 }
 #: A case without a BASE key trains on this base.
