@@ -77,8 +77,23 @@ FORCED_PENDING_MESSAGE = re.compile(
 pytestmark = [pytest.mark.gloo]
 
 
+#: Scenarios left out on a tree, and why. Pristine 0.19.2 gathers into grad_data, and
+#: offload_grad_buffers() frees grad_data's storage under the pending gathers: on CPU its
+#: torch.cuda.synchronize() (a no-op in the CPU runtime) does not wait for gloo's worker
+#: threads as CUDA's waits for NCCL kernels, so a late write into the freed storage kills a
+#: rank with SIGSEGV, or not, by timing (on a GPU, by reading, the gather lands and
+#: finish_param_sync() later copies from the reallocated grad_data). No result to record.
+NOT_RUN_ON = {"upstream-0.19": ("offload",)}
+
+
+def scenarios_for(tree) -> str:
+    """SCENARIOS less NOT_RUN_ON[tree], comma-separated."""
+    skip = NOT_RUN_ON.get(str(tree), ())
+    return ",".join(s for s in SCENARIOS.split(",") if s not in skip)
+
+
 def run_worker(tree, out: Path) -> dict:
-    """Run every scenario on 2 gloo ranks importing `tree`; return results.json.
+    """Run every scenario (``scenarios_for``) on 2 gloo ranks importing `tree`; return results.json.
 
     torchrun stops every rank when one dies (e.g. SIGSEGV), so a crash is an
     AssertionError here, not a hang; TIMEOUT_S bounds the rest.
@@ -86,7 +101,7 @@ def run_worker(tree, out: Path) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     cmd, env = torchrun_command(
         WORKER,
-        ["--out", str(out), "--scenarios", SCENARIOS, "--configs", CONFIG],
+        ["--out", str(out), "--scenarios", scenarios_for(tree), "--configs", CONFIG],
         nproc=len(RANKS),
         tree=tree,
         preload=CORE_PRELOAD,
