@@ -618,3 +618,50 @@ def test_every_split_of_every_case_gets_documents():
                 # blended_megatron_dataset_builder._build_megatron_dataset_splits
                 count = int(round(lo_hi[1] * documents)) - int(round(lo_hi[0] * documents))
                 assert count >= 1, (name, split, lo_hi, documents)
+
+
+# --------------------------------------------------------------------------- bases
+
+
+@pytest.fixture
+def no_training(monkeypatch):
+    from tests.functional_tests.python_test_utils import run_case as rc
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("trained although the arguments were refused")
+
+    monkeypatch.setattr(rc, "run_case", refuse)
+    return rc
+
+
+def test_main_job_runs_each_base_default_case_0_19_first():
+    from tests.functional_tests.python_test_utils import run_case as rc
+
+    assert rc.default_cases(list(rc.BASES)) == ["gpt019_dp2_bf16_fp32grad_overlap_legacy", rc.DEFAULT_CASE]
+    for name in rc.default_cases(list(rc.BASES)):
+        case = rc.load_case(rc.find_case(name))
+        assert rc.BASES[case.base].default_case == name
+    assert rc.load_case(rc.find_case(rc.DEFAULT_CASE)).base == "0.17.1"
+
+
+def test_a_case_of_another_base_is_refused_before_training(no_training, capsys):
+    rc = no_training
+    assert rc.main(["--base", "0.17.1", rc.BASES["0.19"].default_case]) == 2
+    assert "are not cases of megatron-core 0.17.1" in capsys.readouterr().err
+
+
+def test_a_missing_checkout_is_named_before_training(no_training, monkeypatch, tmp_path, capsys):
+    rc = no_training
+    monkeypatch.setitem(rc.BASES, "0.19", rc.replace(rc.BASES["0.19"], checkout=tmp_path / "core_v0.19.0"))
+    assert rc.main(["--base", "0.19"]) == 2
+    err = capsys.readouterr().err
+    assert f"no Megatron-LM checkout at {tmp_path / 'core_v0.19.0'}" in err and "MEGATRON_LM_019_SRC" in err
+
+
+def test_an_unknown_base_in_a_case_is_refused(tmp_path):
+    from tests.functional_tests.python_test_utils import run_case as rc
+
+    src = rc.find_case(rc.DEFAULT_CASE) / "model_config.yaml"
+    (tmp_path / "model_config.yaml").write_text('BASE: "0.18.2"\n' + src.read_text())
+    with pytest.raises(rc.CaseConfigError, match=r"BASE '0.18.2' not in \['0.17.1', '0.19'\]"):
+        rc.load_case(tmp_path)
