@@ -38,6 +38,11 @@ Python objects after import, never a file of the checkout:
    fixture tries first, but its ``barrier(timeout=...)`` raises ``TypeError`` on torch 2.11
    (``barrier`` has no ``timeout``), so it returns early; a gloo group left alive at
    interpreter exit stalls each rank for about 30 s.
+8. Every test is called right after ``torch.manual_seed(SEED)`` on every rank (after its
+   fixtures). Upstream draws inputs from the unseeded default generator, and its layer-wise
+   parameter-update tests fail by bf16 rounding at about 1 seed in 200, on both trees alike
+   (``docs/upstream_tests.md``, ``scripts/seed_sweep_upstream_test.py``): seeded, both trees
+   get the same inputs, so an outcome that differs between them is the series'.
 
 Environment: ``MEGATRON_LM_CHECKOUT`` (the checkout root), ``UPSTREAM_TESTS_RESULTS`` (a
 directory), torchrun's ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``/``MASTER_ADDR``/``MASTER_PORT``.
@@ -60,6 +65,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 _RANK = int(os.environ.get("RANK", "0"))
+SEED = 0  # item 8; not among the seed sweep's failing seeds (264, 452, 529 of 0-599 at 4 ranks)
 # torchrun's rendezvous store and a counter of the default groups made on it.
 _STORE = {"base": None, "generation": 0}
 # Item 6: groups made by new_group since the last test teardown.
@@ -163,6 +169,12 @@ def pytest_runtest_teardown(item, nextitem):
     yield
     if torch.distributed.is_initialized():
         _destroy_created_groups()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_call(item):
+    """Item 8: seed the default generator (and the CPU runtime's CUDA RNG) before the call."""
+    torch.manual_seed(SEED)
 
 
 def _install() -> None:
