@@ -25,8 +25,8 @@ Python objects after import, never a file of the checkout:
    the patched ``megatron/`` of the wheel tree.
 5. Every rank writes ``$UPSTREAM_TESTS_RESULTS/rank<R>.json``: ``{nodeid: outcome}`` with
    outcome ``passed``, ``failed`` (setup, call or teardown), ``skipped`` (and the skip reason in
-   ``skip_reasons``, a failure's crash message in ``fail_reasons``). ``upstream_runner.merge_ranks``
-   combines the ranks.
+   ``skip_reasons``, a failure's crash message in ``fail_reasons``), after every test and at
+   the end (``finished``: true). ``upstream_runner.merge_ranks`` combines the ranks.
 6. Every process group a test creates (``torch.distributed.new_group``, which megatron's
    ``parallel_state.initialize_model_parallel`` calls for each of its groups) is destroyed
    after the test's teardown, then ``parallel_state.destroy_model_parallel()`` clears the
@@ -43,6 +43,12 @@ Python objects after import, never a file of the checkout:
    parameter-update tests fail by bf16 rounding at about 1 seed in 200, on both trees alike
    (``docs/upstream_tests.md``, ``scripts/seed_sweep_upstream_test.py``): seeded, both trees
    get the same inputs, so an outcome that differs between them is the series'.
+9. A test that fails with ``GLOO_CONNECT_FAILURE`` (a new group's TCP mesh did not connect,
+   seen under heavy load) leaves the ranks out of step: the others are inside the test's
+   collectives, and the run hangs until its timeout. The rank writes its report with
+   ``aborted`` (the message) and exits at once, so torchrun stops the others;
+   ``upstream_runner.run`` runs the tests not finished on every rank once more.
+   ``$UPSTREAM_TESTS_DESELECT`` (a JSON list of node ids) deselects the tests already done.
 
 Environment: ``MEGATRON_LM_CHECKOUT`` (the checkout root), ``UPSTREAM_TESTS_RESULTS`` (a
 directory), torchrun's ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``/``MASTER_ADDR``/``MASTER_PORT``.
@@ -74,6 +80,9 @@ _CREATED_GROUPS: list = []
 _RESULTS: dict = {}
 _SKIPS: dict = {}
 _FAILS: dict = {}  # nodeid -> the failure's crash message
+#: Item 9: the message gloo raises when a new group's ranks cannot connect (ProcessGroupGloo.cpp).
+GLOO_CONNECT_FAILURE = "Gloo connectFullMesh failed"
+_DONE: list = []  # item 9: node ids whose teardown has been reported, in order
 
 
 def _stub_download_module() -> None:
@@ -191,13 +200,32 @@ def _install() -> None:
 _install()
 
 
+def pytest_collection_modifyitems(config, items) -> None:
+    """Item 9: deselect the node ids listed in ``$UPSTREAM_TESTS_DESELECT`` (done already)."""
+    path = os.environ.get("UPSTREAM_TESTS_DESELECT")
+    if not path:
+        return
+    done = set(json.loads(Path(path).read_text()))
+    keep = [item for item in items if item.nodeid not in done]
+    config.hook.pytest_deselected(items=[item for item in items if item.nodeid in done])
+    items[:] = keep
+
+
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
-    """Item 5: one outcome per test; a failure in any phase wins over a pass."""
+    """Item 5: one outcome per test; a failure in any phase wins over a pass. Item 9."""
     results, skips = _RESULTS, _SKIPS
+    out = os.environ.get("UPSTREAM_TESTS_RESULTS")
     if report.failed:
         results[report.nodeid] = "failed"
         crash = getattr(report.longrepr, "reprcrash", None)
-        _FAILS.setdefault(report.nodeid, crash.message if crash else report.longreprtext[-500:])
+        why = crash.message if crash else report.longreprtext[-500:]
+        _FAILS.setdefault(report.nodeid, why)
+        if GLOO_CONNECT_FAILURE in report.longreprtext:
+            if out:
+                _write_results(Path(out), None, aborted=why)
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(3)
     elif report.skipped:
         if results.get(report.nodeid) != "failed":
             results[report.nodeid] = "skipped"
@@ -205,26 +233,35 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
             skips[report.nodeid] = str(longrepr[2] if isinstance(longrepr, tuple) else longrepr)
     elif report.when == "call" and results.get(report.nodeid) is None:
         results[report.nodeid] = "passed"
+    if report.when == "teardown":
+        _DONE.append(report.nodeid)
+        if out:
+            _write_results(Path(out), None)
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     """Write this rank's outcomes (item 5), then destroy the default group (item 7)."""
     out = os.environ.get("UPSTREAM_TESTS_RESULTS")
     if out:
-        _write_results(Path(out), exitstatus)
+        _write_results(Path(out), exitstatus, finished=True)
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
 
 
-def _write_results(out: Path, exitstatus: int) -> None:
+def _write_results(out: Path, exitstatus, finished: bool = False, aborted: str = "") -> None:
     path = out / f"rank{_RANK}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     data = {
         "rank": _RANK,
         "world_size": int(os.environ.get("WORLD_SIZE", "1")),
-        "exitstatus": int(exitstatus),
+        "exitstatus": None if exitstatus is None else int(exitstatus),
+        "finished": finished,
+        "aborted": aborted,
         "results": _RESULTS,
         "skip_reasons": _SKIPS,
         "fail_reasons": _FAILS,
+        "done": _DONE,
     }
-    path.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
+    tmp = path.with_suffix(".json.tmp")  # a rank stopped mid-write leaves its last report
+    tmp.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
+    os.replace(tmp, path)

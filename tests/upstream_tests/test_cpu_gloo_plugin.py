@@ -1,9 +1,12 @@
-"""``cpu_gloo_plugin`` item 8: every upstream test is called from ``torch.manual_seed(SEED)``.
+"""``cpu_gloo_plugin`` and ``upstream_runner``, on tiny test files run as upstream's are.
 
-Two tests that draw from the default generator, run by the plugin in one pytest session (as
-upstream's files are, ``upstream_runner.command``), must draw the same numbers, those of a
-fresh ``torch.manual_seed(SEED)``. Without the seeding the second draws after the first, and
-the parameter-update tests' outcomes would again depend on the tests run before them.
+* Item 8: two tests that draw from the default generator in one pytest session must draw the
+  same numbers, those of a fresh ``torch.manual_seed(SEED)``. Without the seeding the second
+  draws after the first, and the parameter-update tests' outcomes would again depend on the
+  tests run before them.
+* Item 9: a test failing with gloo's connect failure on one rank, while the other waits in
+  the test's barrier, stops the run there; the runner runs that test and the rest once more.
+  Without the stop, rank 0 goes on to the next test while rank 1 is still in the first one.
 """
 
 from __future__ import annotations
@@ -47,3 +50,36 @@ def test_every_test_is_called_from_the_same_seed(tmp_path):
     expected = torch.rand(4).tolist() + torch.randn(2).tolist()
     for name in ("first", "second"):
         assert json.loads((tmp_path / f"{name}.json").read_text()) == expected, name
+
+
+CONNECT = '''
+import os, pathlib, torch
+from tests.unit_tests.test_utilities import Utils
+MARK = pathlib.Path(os.environ["DRAWS_DIR"]) / "connect_failed_once"
+def test_1_connect():
+    Utils.initialize_distributed()
+    if Utils.rank == 0 and not MARK.exists():
+        MARK.write_text("")
+        raise RuntimeError("Gloo connectFullMesh failed with [a stand-in for gloo's]")
+    torch.distributed.barrier()
+def test_2_after():
+    Utils.initialize_distributed()
+    torch.distributed.barrier()
+'''
+
+
+def test_a_gloo_connect_failure_stops_the_run_and_the_rest_runs_again(tmp_path, monkeypatch):
+    checkout = ur.CHECKOUTS["pristine"]
+    if not (checkout / "tests" / "unit_tests").is_dir():
+        pytest.skip(f"{checkout} missing (scripts/setup.sh)")
+    test_file = tmp_path / "test_connect.py"
+    test_file.write_text(CONNECT)
+    monkeypatch.setenv("DRAWS_DIR", str(tmp_path))
+    out = tmp_path / "results"
+    result = ur.run("pristine", 2, [str(test_file)], timeout_s=300, out_dir=out)
+    first = json.loads((out / "rank0.json").read_text())
+    assert first["aborted"] and not [k for k in first["results"] if k.endswith("::test_2_after")], first
+    assert [k.split("::")[-1] for k in result.retried] == ["test_1_connect"], (result.retried, result.log)
+    assert {k.split("::")[-1]: v for k, v in result.results.items()} == \
+        {"test_1_connect": "passed", "test_2_after": "passed"}, (result.results, result.log)
+    assert result.returncode == 0, result.log

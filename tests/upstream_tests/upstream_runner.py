@@ -8,13 +8,13 @@ inside a Megatron-LM checkout (``scripts/setup.sh`` builds them under ``build/me
 
 Each rank reports ``{nodeid: passed | failed | skipped}`` (``cpu_gloo_plugin``);
 ``merge_ranks`` combines them: failed on any rank -> failed, else passed on any -> passed,
-else skipped. A rank that wrote no report (crash, timeout) fails every test of the run.
+else skipped. A rank that did not finish (crash, timeout) fails every test of the run.
 A test that failed because gloo could not connect a new group's ranks
 (``GLOO_CONNECT_FAILURE``: a TCP connection between ranks on 127.0.0.1 closed while the mesh
-was set up; seen once, at 2 ranks, in a test whose other rank passed, with pytest-xdist running
-other gloo jobs beside it)
-says nothing about the tree: it is run once more on its own, and ``Run.retried`` keeps the
-first failure's message.
+was set up; seen under heavy load, with other gloo jobs beside the run) says nothing about the
+tree, but leaves the ranks out of step, and the run would hang to its timeout: the plugin stops
+the run there (its item 9), the tests not finished on every rank run once more, and
+``Run.retried`` keeps the first failure's message.
 
 ``python -m tests.upstream_tests.upstream_runner`` runs the whole matrix, writes
 ``build/upstream_tests/results.json`` and prints the per-file table of
@@ -138,7 +138,7 @@ NOT_RUN = {
 # element is one bf16 addition, rounded once, equal to the fp32 sum rounded (docs/upstream_tests.md).
 
 #: The message of gloo's failure to connect a new group's ranks (ProcessGroupGloo.cpp).
-GLOO_CONNECT_FAILURE = "Gloo connectFullMesh failed"
+GLOO_CONNECT_FAILURE = "Gloo connectFullMesh failed"  # as cpu_gloo_plugin.GLOO_CONNECT_FAILURE
 
 #: The container version upstream's CI runs in (our Dockerfile's NGC 25.12). Upstream skips
 #: the layer-wise optimizer tests when NVIDIA_PYTORCH_VERSION <= 25.05 ("LTS").
@@ -234,10 +234,13 @@ def _wait(proc: subprocess.Popen, timeout_s: float):
 
 
 def run(tree: str, nproc: int, files: Sequence[str] | None = None, timeout_s: float = 900,
-        out_dir: Path | None = None, retry: bool = True, checkout: Path | None = None) -> Run:
+        out_dir: Path | None = None, retry: bool = True, checkout: Path | None = None,
+        deselect: Iterable[str] = ()) -> Run:
     """Run ``files`` (default ``FILES_BY_NPROC[nproc]``) of ``tree`` on ``nproc`` gloo ranks,
-    logs and rank reports in ``out_dir`` (default ``RESULTS_DIR/<tree>-np<nproc>``). With
-    ``retry``, tests failed by ``GLOO_CONNECT_FAILURE`` run once more (in ``out_dir/retry``).
+    logs and rank reports in ``out_dir`` (default ``RESULTS_DIR/<tree>-np<nproc>``), leaving
+    out the node ids in ``deselect``. When a test fails with ``GLOO_CONNECT_FAILURE`` the run
+    stops there (``cpu_gloo_plugin`` item 9); with ``retry``, that test and every test not
+    finished on all ranks run once more (in ``out_dir/retry``), else they count as failed.
     ``checkout`` replaces ``CHECKOUTS[tree]`` (e.g. a copy of the patched checkout with a
     deliberate bug in it); ``tree`` stays the run's label.
 
@@ -253,6 +256,9 @@ def run(tree: str, nproc: int, files: Sequence[str] | None = None, timeout_s: fl
         old.unlink()
     out_dir.mkdir(parents=True, exist_ok=True)
     argv, env = command(checkout, files, nproc, out_dir)
+    if deselect:
+        (out_dir / "deselect.json").write_text(json.dumps(sorted(deselect)))
+        env["UPSTREAM_TESTS_DESELECT"] = str(out_dir / "deselect.json")
     log_path = out_dir / "pytest.log"
     start = time.monotonic()
     with open(log_path, "w") as log:
@@ -270,15 +276,28 @@ def run(tree: str, nproc: int, files: Sequence[str] | None = None, timeout_s: fl
         if path.is_file():
             reports.append(json.loads(path.read_text()))
     result.results, result.skip_reasons, result.fail_reasons = merge_ranks(reports)
-    if len(reports) < nproc:  # a rank died: nothing it ran can count as passed
+    aborted = any(r.get("aborted") for r in reports)
+    if not aborted and (len(reports) < nproc or not all(r.get("finished") for r in reports)):
+        # a rank died: nothing it ran can count as passed
         result.results = {k: "failed" for k in result.results} or {f: "failed" for f in files}
         return result
-    unconnected = connect_failures(result)
-    if retry and unconnected:
-        again = run(tree, nproc, unconnected, timeout_s, out_dir / "retry", retry=False, checkout=checkout)
-        result.retried = {k: result.fail_reasons[k] for k in unconnected}
-        result.results.update({k: again.results.get(k, "failed") for k in unconnected})
-        result.fail_reasons.update(again.fail_reasons)
+    if aborted:
+        unconnected = connect_failures(result)
+        done = set.intersection(*(set(r["done"]) for r in reports)) if len(reports) == nproc else set()
+        done -= set(unconnected)
+        result.results = {k: v for k, v in result.results.items() if k in done}
+        if not retry:
+            result.results.update(dict.fromkeys(unconnected, "failed"))
+            return result
+        again = run(tree, nproc, files, timeout_s, out_dir / "retry", retry=False, checkout=checkout,
+                    deselect=set(deselect) | done)
+        result.retried = {k: result.fail_reasons.pop(k) for k in unconnected}
+        result.results.update(again.results)
+        result.skip_reasons = {k: v for k, v in {**result.skip_reasons, **again.skip_reasons}.items()
+                               if result.results.get(k) == "skipped"}
+        result.fail_reasons = {k: v for k, v in {**result.fail_reasons, **again.fail_reasons}.items()
+                               if result.results.get(k) == "failed"}
+        result.returncode = again.returncode
         result.wall_s, result.cpu_s = result.wall_s + again.wall_s, result.cpu_s + again.cpu_s
     return result
 
