@@ -24,10 +24,19 @@ pytestmark = [pytest.mark.gloo]
 #: cpu_gloo_plugin.SEED (importing the plugin here would install the CPU runtime in this process).
 SEED = 0
 
+@pytest.fixture
+def checkout():
+    """The pristine 0.17.1 checkout: the plugin needs a Megatron-LM checkout to run in."""
+    path = ur.CHECKOUTS["pristine"]
+    if not (path / "tests" / "unit_tests").is_dir():
+        pytest.skip(f"{path} missing (scripts/setup.sh)")
+    return path
+
+
 DRAWS = '''
 import json, os, torch
 def _draw(name):
-    with open(os.path.join(os.environ["DRAWS_DIR"], name + ".json"), "w") as f:
+    with open(os.path.join(os.environ["TEST_DIR"], name + ".json"), "w") as f:
         json.dump(torch.rand(4).tolist() + torch.randn(2).tolist(), f)
 def test_first():
     _draw("first")
@@ -36,14 +45,11 @@ def test_second():
 '''
 
 
-def test_every_test_is_called_from_the_same_seed(tmp_path):
-    checkout = ur.CHECKOUTS["pristine"]
-    if not (checkout / "tests" / "unit_tests").is_dir():
-        pytest.skip(f"{checkout} missing (scripts/setup.sh)")
+def test_every_test_is_called_from_the_same_seed(checkout, tmp_path):
     test_file = tmp_path / "test_draws.py"
     test_file.write_text(DRAWS)
     argv, env = ur.command(checkout, [str(test_file)], 1, tmp_path / "results")
-    env["DRAWS_DIR"] = str(tmp_path)
+    env["TEST_DIR"] = str(tmp_path)
     proc = subprocess.run(argv, env=env, cwd=checkout, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     torch.manual_seed(SEED)
@@ -55,7 +61,7 @@ def test_every_test_is_called_from_the_same_seed(tmp_path):
 CONNECT = '''
 import os, pathlib, torch
 from tests.unit_tests.test_utilities import Utils
-MARK = pathlib.Path(os.environ["DRAWS_DIR"]) / "connect_failed_once"
+MARK = pathlib.Path(os.environ["TEST_DIR"]) / "connect_failed_once"
 def test_1_connect():
     Utils.initialize_distributed()
     if Utils.rank == 0 and not MARK.exists():
@@ -68,15 +74,12 @@ def test_2_after():
 '''
 
 
-def test_a_gloo_connect_failure_stops_the_run_and_the_rest_runs_again(tmp_path, monkeypatch):
-    checkout = ur.CHECKOUTS["pristine"]
-    if not (checkout / "tests" / "unit_tests").is_dir():
-        pytest.skip(f"{checkout} missing (scripts/setup.sh)")
+def test_a_gloo_connect_failure_stops_the_run_and_the_rest_runs_again(checkout, tmp_path, monkeypatch):
     test_file = tmp_path / "test_connect.py"
     test_file.write_text(CONNECT)
-    monkeypatch.setenv("DRAWS_DIR", str(tmp_path))
+    monkeypatch.setenv("TEST_DIR", str(tmp_path))
     out = tmp_path / "results"
-    result = ur.run("pristine", 2, [str(test_file)], timeout_s=300, out_dir=out)
+    result = ur.run("pristine", 2, [str(test_file)], timeout_s=300, out_dir=out, checkout=checkout)
     first = json.loads((out / "rank0.json").read_text())
     assert first["aborted"] and not [k for k in first["results"] if k.endswith("::test_2_after")], first
     assert [k.split("::")[-1] for k in result.retried] == ["test_1_connect"], (result.retried, result.log)

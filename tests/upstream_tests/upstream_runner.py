@@ -138,7 +138,7 @@ NOT_RUN = {
 # element is one bf16 addition, rounded once, equal to the fp32 sum rounded (docs/upstream_tests.md).
 
 #: The message of gloo's failure to connect a new group's ranks (ProcessGroupGloo.cpp).
-GLOO_CONNECT_FAILURE = "Gloo connectFullMesh failed"  # as cpu_gloo_plugin.GLOO_CONNECT_FAILURE
+GLOO_CONNECT_FAILURE = "Gloo connectFullMesh failed"
 
 #: The container version upstream's CI runs in (our Dockerfile's NGC 25.12). Upstream skips
 #: the layer-wise optimizer tests when NVIDIA_PYTORCH_VERSION <= 25.05 ("LTS").
@@ -285,9 +285,8 @@ def run(tree: str, nproc: int, files: Sequence[str] | None = None, timeout_s: fl
         unconnected = connect_failures(result)
         done = set.intersection(*(set(r["done"]) for r in reports)) if len(reports) == nproc else set()
         done -= set(unconnected)
-        result.results = {k: v for k, v in result.results.items() if k in done}
+        result.results = {k: v if k in done else "failed" for k, v in result.results.items()}
         if not retry:
-            result.results.update(dict.fromkeys(unconnected, "failed"))
             return result
         again = run(tree, nproc, files, timeout_s, out_dir / "retry", retry=False, checkout=checkout,
                     deselect=set(deselect) | done)
