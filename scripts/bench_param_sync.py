@@ -2,7 +2,7 @@
 
 Usage (from the repo root, after scripts/setup.sh):
 
-    .venv/bin/python scripts/bench_param_sync.py            # about 10 min on 2 shared CPU cores
+    .venv/bin/python scripts/bench_param_sync.py            # about 3 min on 2 CPU cores (173 s at load 9 to 12)
     .venv/bin/python scripts/bench_param_sync.py --quick    # smoke run for tests (about a minute)
     .venv/bin/python scripts/bench_param_sync.py --publish  # also copy PNG + MD to docs/bench/
     .venv/bin/python scripts/bench_param_sync.py --device cuda   # on a GPU machine (NCCL)
@@ -311,20 +311,39 @@ def timing_table(timing: dict, labels) -> list:
     return rows
 
 
-def run_step_memory(trees: dict, cfg: dict, device: str, raw: Path) -> list:
+def run_step_memory(trees: dict, cfg: dict, device: str, raw: Path, timeout_s: float = WORKER_TIMEOUT_S) -> list:
     """harness/bench/step_memory.py under torchrun, for each DP in cfg["step_memory"] (comma
-    list) and each tree (memory does not drift with load, so one after the other)."""
+    list) and each tree (memory does not drift with load, so one after the other).
+
+    Each run gets ``timeout_s`` seconds (about 15 s on 2 idle cores at DP 2); its ranks
+    print every thread's stack and exit 10 s before that (``--watchdog-s``), and the whole
+    process group is killed at the deadline, so that no rank outlives a failed run.
+
+    Raises:
+        WorkerError: a run exited non-zero or ran out of time (its command and output tail).
+    """
     records = []
     for dp, (label, tree) in ((int(d), t) for d in cfg["step_memory"].split(",") for t in trees.items()):
         out = raw / f"{label}-step-memory-dp{dp}.json"
-        argv, env = torchrun_command(STEP_WORKER, ["--out", str(out), "--tree", label],
+        log = raw / f"{label}-step-memory-dp{dp}.log"
+        argv, env = torchrun_command(STEP_WORKER, ["--out", str(out), "--tree", label,
+                                                   "--watchdog-s", str(max(timeout_s - 10, 1))],
                                      nproc=dp, tree=tree, cpu=device == "cpu", preload=CORE_PRELOAD)  # fmt: skip
         print(f"[bench] {label}: step memory, DP={dp}", flush=True)
-        proc = subprocess.run(argv, env=_env(env), cwd=REPO_ROOT, capture_output=True, text=True,
-                              timeout=WORKER_TIMEOUT_S)  # fmt: skip
-        if proc.returncode != 0:
-            raise WorkerError(f"{label} step memory failed (rc={proc.returncode}): {shlex.join(argv)}\n"
-                              + (proc.stdout + proc.stderr)[-4000:])  # fmt: skip
+        t0 = time.perf_counter()
+        with log.open("w") as sink:
+            proc = subprocess.Popen(argv, env=_env(env), cwd=REPO_ROOT, stdout=sink,
+                                    stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+            try:
+                rc = proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                rc = None
+                os.killpg(proc.pid, 9)  # the ranks are forks in the same process group
+                proc.wait()
+        if rc != 0:
+            why = f"no result in {timeout_s:.0f} s" if rc is None else f"rc={rc}"
+            raise WorkerError(f"{label} step memory DP={dp} failed ({why}, {time.perf_counter() - t0:.0f} s): "
+                              f"{shlex.join(argv)}\n{_tail(log)}")  # fmt: skip
         records += json.loads(out.read_text())
     return records
 

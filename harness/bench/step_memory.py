@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import bisect
+import faulthandler
 import json
 import os
 import sys
@@ -191,7 +192,12 @@ def main(argv=None) -> int:
     ap.add_argument("--device", choices=("cpu",), default="cpu",
                     help="cpu only: the phases' peaks come from the CPU allocator's events")  # fmt: skip
     ap.add_argument("--warmup", type=int, default=1, help="untimed steps before the profiled one")
+    ap.add_argument("--watchdog-s", type=float, default=0,
+                    help="after this many seconds, print every thread's stack to stderr and exit "
+                    "(a hang becomes a failure that says where; 0: off)")  # fmt: skip
     args = ap.parse_args(argv)
+    if args.watchdog_s > 0:
+        faulthandler.dump_traceback_later(args.watchdog_s, exit=True)
     tree_dir = check_expected_tree()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     dist.init_process_group(backend="gloo")
@@ -211,6 +217,7 @@ def main(argv=None) -> int:
     dist.barrier()
     parallel_state.destroy_model_parallel()
     dist.destroy_process_group()
+    faulthandler.cancel_dump_traceback_later()
     return 0
 
 

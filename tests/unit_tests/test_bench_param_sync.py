@@ -203,6 +203,45 @@ def test_markdown_and_plot(bench):
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
 
 
+# ---------------------------------------------------------------- step memory at DP 2
+#: Seconds the step-memory run at DP 2 may take: it takes about 15 s on 2 idle cores and
+#: 21 s at load average 12; a hang (the bench's defaults once sat at its 900 s worker
+#: timeout here) or a tenfold slowdown exceeds it.
+STEP_MEMORY_BUDGET_S = 240
+
+
+def _bench_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_param_sync", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.gloo
+def test_step_memory_worker_finishes_at_dp2_within_budget(tmp_path):
+    """The bench's step-memory run of the upstream tree at DP 2 (run_step_memory, as the
+    defaults run it) finishes within STEP_MEMORY_BUDGET_S (a hang raises WorkerError with
+    the ranks' stacks), and measures what the README's step-memory table reads: every
+    phase, and on the optimizer path upstream's whole-model gather, at least half the
+    model's param bytes above the step's start (it allocates the model once more)."""
+    from harness.bench.trees import all_trees
+
+    bench = _bench_module()
+    cfg = dict(bench.DEFAULTS, step_memory="2")
+    records = bench.run_step_memory(all_trees(["upstream"]), cfg, "cpu", tmp_path, timeout_s=STEP_MEMORY_BUDGET_S)
+    by_overlap = {r["overlap"]: r for r in records}
+    assert sorted(by_overlap) == [False, True] and all(r["dp_size"] == 2 for r in records), records
+    for overlap, r in by_overlap.items():
+        measured = {p for p, v in r["phase_peak_bytes"].items() if v is not None}
+        # With overlap the optimizer gathers nothing in step(): the next forward's pre-hooks do.
+        expected = {"forward", "backward", "optimizer step"} | (set() if overlap else {"optimizer gather"})
+        assert measured == expected, r
+    off = by_overlap[False]
+    assert off["phase_peak_bytes"]["optimizer gather"] >= off["param_bytes"] // 2, off
+
+
 # ---------------------------------------------------------------- theory, stats: no megatron
 def _p(*numels):
     return [torch.empty(n) for n in numels]
