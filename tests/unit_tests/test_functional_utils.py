@@ -520,24 +520,108 @@ def test_update_golden_writes_and_shows_per_step_diff(tmp_path):
 # --------------------------------------------------------------------------- plot
 
 
-def test_plot_writes_png(tmp_path):
+MIB = 1024 * 1024
+
+
+def memory_summary(sync_mib: float, peaks_mib: list[float], between_mib: float | None = None) -> dict:
+    """A memory.json dict (memory_report's layout): the param sync allocates ``sync_mib`` of
+    megatron tensors and none in NCCL at every step; step peaks as given."""
+    steps = {str(t): {"megatron_bytes": int(sync_mib * MIB), "nccl_temporary_bytes": 0,
+                      "step_peak_bytes": int(p * MIB)} for t, p in enumerate(peaks_mib, 1)}  # fmt: skip
+    between = {} if between_mib is None else {"5": {"megatron_bytes": int(between_mib * MIB), "nccl_temporary_bytes": 0}}
+    return {"schema": 1, "ranks": 2, "steps": steps, "between_steps": between, "kinds": {}}
+
+
+def run_info(verdict: str, line: str, base: str = "0.19") -> plot.RunInfo:
+    version, trees = {"0.19": ("0.19.2", ("upstream-0.19", "patched-0.19")), "0.17.1": ("0.17.1", ("upstream", "patched"))}[base]
+    return plot.RunInfo(case="gpt_case", base=base, version=version, series=f"patches/{base}", ranks=2,
+                        device="cpu", verdict=verdict, verdict_line=line,
+                        trees=dict(zip(("upstream", "patched"), trees)))  # fmt: skip
+
+
+def render(tmp_path, info, patched_lm=None, divergent_step=None):
+    """Both the PNG (through plot_loss_curves) and the figure object of one comparison."""
     up = three()
-    lm = list(up["lm loss"].values.values())
-    lm[5] += 1.0
-    path = plot.plot_loss_curves(
-        tmp_path / "sub" / "loss_curves.png",
-        {"upstream": up, "patched": three(lm=lm), "golden": golden_schema.round_all(up)},
-        first_divergent_step=6,
-        title="case: diverged at step 6",
-    )
+    curves = {"upstream": up, "patched": three(lm=patched_lm), "golden": golden_schema.round_all(up)}
+    peaks = [4.0, 4.1, 4.246] + [4.0] * (STEPS - 3)
+    memory = {"upstream": memory_summary(0.119, peaks, between_mib=0.119), "patched": memory_summary(0.0, peaks, between_mib=0.0)}
+    rules = tolerances.rules_for(["lm loss", "grad-norm", "num-zeros"])
+    path = plot.plot_loss_curves(tmp_path / "sub" / "loss_curves.png", curves, divergent_step, memory=memory,
+                                 rules=rules, info=info)  # fmt: skip
+    return path, plot.build_figure(curves, divergent_step, memory=memory, rules=rules, info=info), up
+
+
+def _axes(fig) -> dict:
+    return {ax.get_title(): ax for ax in fig.axes}
+
+
+def _line(ax, label):
+    return next(line for line in ax.get_lines() if line.get_label() == label)
+
+
+def _red_lines(ax) -> list:
+    return [line.get_xdata()[0] for line in ax.get_lines() if line.get_color() == "red"]
+
+
+def test_plot_of_an_identical_run_explains_itself(tmp_path):
+    """Title: case, base version, ranks, device, both trees, the verdict and "bit for bit";
+    the golden band; the memory panels' zeros visible as markers; the step peak's maximum as
+    the memory table prints it."""
+    path, fig, up = render(tmp_path, run_info("identical", "identical"))
     data = path.read_bytes()
-    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
-    width, height = int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
-    assert (width, height) == (1700, 480)
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")) == (1500, 1000)
+    title = fig._suptitle.get_text()
+    for words in ("gpt_case", "megatron-core 0.19.2", "2 ranks", "CPU, gloo", "upstream = upstream-0.19",
+                  "patched = patched-0.19 (0.19.2 + patches/0.19)", "verdict: identical", "bit for bit",
+                  "within the golden tolerance"):  # fmt: skip
+        assert words in title, (words, title)
+    axes = _axes(fig)
+    lm = axes["lm loss"]
+    band = next(c for c in lm.collections if c.get_label().startswith("golden ± tolerance"))
+    ys = band.get_paths()[0].vertices[:, 1]
+    g1 = round(up["lm loss"].values[1], 5)
+    assert min(ys) == pytest.approx(min(g * (1 - 1e-3) for g in golden_schema.round_all(up)["lm loss"].values.values()))
+    assert g1 * (1 + 1e-3) == pytest.approx(max(ys))
+    assert "rtol=0.001" in band.get_label()
+    assert [line.get_label() for line in lm.get_lines()] == ["golden", "upstream-0.19", "patched-0.19"]
+    sync = next(ax for title, ax in axes.items() if title.startswith("layer-wise param sync"))
+    zeros = _line(sync, "patched-0.19: megatron tensors, per step (max 0.000)")
+    assert list(zeros.get_ydata()) == [0.0] * STEPS and zeros.get_marker() not in ("None", "", None)
+    assert zeros.get_linestyle() == "None" and sync.get_ylim()[0] < 0 < sync.get_ylim()[1]
+    upstream = _line(sync, "upstream-0.19: megatron tensors, per step (max 0.119)")
+    assert list(upstream.get_ydata()) == [pytest.approx(0.119, abs=1e-6)] * STEPS
+    forced = _line(sync, "upstream-0.19: megatron tensors, forced sync after the step (max 0.119)")
+    assert list(forced.get_xdata()) == [5.5]
+    peak = next(ax for title, ax in axes.items() if title.startswith("step peak"))
+    assert _line(peak, "upstream-0.19 (max 4.246)").get_ydata()[2] == pytest.approx(4.246, abs=1e-6)
+    assert any(list(line.get_ydata()) == [pytest.approx(4.246, abs=1e-6)] * 2 for line in peak.get_lines())
+    assert all(_red_lines(ax) == [] for ax in fig.axes)
+    assert all(ax.get_legend() is not None and ax.get_legend().get_texts()[0].get_fontsize() >= 8
+               for ax in fig.axes)  # fmt: skip
+
+
+def test_plot_of_a_divergent_run_marks_the_step_and_says_what_it_means(tmp_path):
+    up_lm = [curve("lm loss", t) for t in range(1, STEPS + 1)]
+    lm = list(up_lm)
+    lm[5] += 1.0
+    info = run_info("diverged", "diverged at step 6 (lm loss, 6.25 upstream, 7.25 patched)", base="0.17.1")
+    _, fig, _ = render(tmp_path, info, patched_lm=lm, divergent_step=6)
+    title = fig._suptitle.get_text()
+    assert "megatron-core 0.17.1" in title and "upstream = upstream (" in title and "patched = patched (0.17.1 + patches/0.17.1)" in title
+    assert "verdict: diverged at step 6 (lm loss" in title and "patched differs from upstream" in title
+    assert "bit for bit" not in title
+    axes = _axes(fig)
+    assert list(_line(axes["lm loss"], "patched").get_ydata()) == lm
+    assert all(_red_lines(ax) == [6] for ax in fig.axes)
+    # The two bases draw their trees in different colours.
+    _, fig019, _ = render(tmp_path, run_info("identical", "identical"))
+    assert _line(axes["lm loss"], "upstream").get_color() != _line(_axes(fig019)["lm loss"], "upstream-0.19").get_color()
+
+
+def test_plot_refuses_curves_without_either_metric(tmp_path):
     with pytest.raises(ValueError, match="no curve"):
-        plot.plot_loss_curves(
-            tmp_path / "x.png", {"upstream": {"num-zeros": up["num-zeros"]}, "golden": None}
-        )
+        plot.plot_loss_curves(tmp_path / "x.png", {"upstream": {"num-zeros": three()["num-zeros"]}, "golden": None})
 
 
 # --------------------------------------------------------------------------- runner decisions

@@ -54,7 +54,11 @@ def test_memory_block_prints_both_trees_in_mib():
     assert row.split()[-2:] == [f"{up['megatron_bytes'] / MIB:.3f}", "0.000"]
     peak_row = next(line for line in text.splitlines() if "step peak" in line)
     assert peak_row.split()[-2] == f"{up['step_peak_bytes'] / MIB:.3f}"
-    assert "expert param sync, group of 2" in text
+    assert "expert param sync on a group of 2 ranks" in text
+    dense = memories["upstream"]["kinds"]["dense"]
+    assert (f"    upstream: {dense['calls']} c10d calls, {dense['ops']} NCCL operations ({dense['zero_size_ops']} zero-size) "
+            f"in {dense['launches']} group launches") in text
+    assert "c10d call: one torch.distributed function call" in text
     assert memory_report.format_memory({"upstream": None, "patched": None}) == "memory: no param-sync records"
 
 
@@ -65,16 +69,22 @@ def test_plot_draws_the_memory_panel_from_the_fixture(tmp_path):
     steps = [int(s) for s in memories["upstream"]["steps"]]
     curve = {"lm loss": MetricSeries(min(steps), max(steps), 1, {s: 9.0 - s for s in steps})}
     lines = plot.memory_lines(memories)
-    by_label = {label: (xs, ys) for label, xs, ys in lines}
-    xs, ys = by_label["upstream: param sync, megatron"]
+    by_key = {(variant, fld): (xs, ys) for variant, fld, xs, ys in lines}
+    xs, ys = by_key[("upstream", "megatron_bytes")]
     assert xs == steps
     assert ys == [memories["upstream"]["steps"][str(s)]["megatron_bytes"] / MIB for s in steps]
-    assert max(by_label["patched: param sync, megatron"][1]) == 0
-    assert len(lines) == 6
+    assert max(by_key[("patched", "megatron_bytes")][1]) == 0
+    assert len(lines) == 4
+    fig = plot.build_figure({"upstream": curve, "patched": curve}, memory=memories)
+    sync = next(ax for ax in fig.axes if ax.get_title().startswith("layer-wise param sync"))
+    labels = [line.get_label() for line in sync.get_lines()]
+    # Every row of the printed memory block is drawn, with the maximum the block prints.
+    up = memory_report.step_maxima(memories["upstream"])
+    assert f"upstream: megatron tensors, per step (max {up['megatron_bytes'] / MIB:.3f})" in labels
+    assert f"upstream: NCCL temporaries, forced sync after the step (max {up['between_nccl_temporary_bytes'] / MIB:.3f})" in labels
+    assert "patched: megatron tensors, forced sync after the step (max 0.000)" in labels
     path = plot.plot_loss_curves(tmp_path / "p.png", {"upstream": curve, "patched": curve}, memory=memories)
-    data = path.read_bytes()
-    assert data[:8] == b"\x89PNG\r\n\x1a\n"
-    assert (int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")) == (1700, 480)
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert plot.memory_lines({"upstream": None}) == []
 
 

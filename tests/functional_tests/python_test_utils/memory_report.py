@@ -178,6 +178,23 @@ def check_expected_syncs(summary: Mapping, expected: Mapping[str, Mapping[str, i
     return failures
 
 
+#: The three counts of a param sync, defined once; printed under the memory block.
+TERMS = (
+    "c10d call: one torch.distributed function call; NCCL operation: one ncclAllGather or "
+    "ncclBroadcast that a call issues (a list all_gather of unequal sizes issues one broadcast "
+    "per rank); group launch: the operations between one ncclGroupStart/ncclGroupEnd, launched "
+    "together (a call outside a group is one launch)"
+)
+
+
+def format_counts(totals: Mapping) -> str:
+    """"C c10d calls, O NCCL operations (Z zero-size) in L group launches, W MiB received"
+    from a ``kinds`` entry of ``memory.json`` (see ``TERMS``)."""
+    zero = f" ({totals['zero_size_ops']} zero-size)" if totals.get("zero_size_ops") else ""
+    return (f"{totals['calls']} c10d calls, {totals['ops']} NCCL operations{zero} in "
+            f"{totals['launches']} group launches, {totals['wire_bytes'] / MIB:.2f} MiB received")
+
+
 def _mib(n: Optional[int]) -> str:
     return "-" if n is None else f"{n / MIB:.3f}"
 
@@ -217,12 +234,12 @@ def format_memory(memories: Mapping[str, Optional[Mapping]]) -> str:
     for kind in kinds:
         per = {n: (memories[n] or {}).get("kinds", {}).get(kind) for n in names}
         group = max((t["group_size"] for t in per.values() if t), default=0)
-        desc = "; ".join(
-            f"{n} {t['calls']} calls, {t['ops']} NCCL ops in {t['launches']} launches, "
-            f"{t['wire_bytes'] / MIB:.2f} MiB received"
-            for n, t in per.items() if t
-        )
-        lines.append(f"  {kind} param sync, group of {group}, run totals over all ranks: {desc}")
+        lines.append(f"  {kind} param sync on a group of {group} ranks, totals over the run and all ranks:")
+        for n, t in per.items():
+            if t:
+                lines.append(f"    {n + ':':<{max(map(len, names)) + 1}} {format_counts(t)}")
     lines.append("  (megatron: allocation counter in the param sync; NCCL: collective model; "
                  "step peak: allocation counter around train_step)")
+    if kinds:
+        lines.append(f"  ({TERMS})")
     return "\n".join(lines)

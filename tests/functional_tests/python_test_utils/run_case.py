@@ -530,11 +530,18 @@ def run_case(
         "patched": results["patched"].metrics,
         "golden": golden_schema.load(golden_path) if golden_path.exists() else None,
     }
+    base = BASES[case.base]
+    info = plot.RunInfo(
+        case=case.name, base=case.base, version=tree_version(base.trees["upstream"]),
+        series=f"patches/{case.base}", ranks=case.nproc, device=device,
+        verdict=comparison["verdict"], verdict_line=comparison["verdict_line"],
+        trees={"upstream": base.trees["upstream"],
+               "patched": base.trees["patched"] if patched_tree is None else f"mutant tree {Path(patched_tree).name}"},
+    )  # fmt: skip
     try:
         plot.plot_loss_curves(
             out / "loss_curves.png", curves, comparison["first_divergent_step"],
-            title=f"{case.name}: {comparison['verdict_line']}",
-            memory=memories if record_memory else None,
+            memory=memories if record_memory else None, rules=rules, info=info,
         )
     except ValueError as e:
         print(f"  no plot: {e}")
@@ -543,6 +550,20 @@ def run_case(
         print(memory_report.format_memory(memories))
     print(f"VERDICT {case.name}: {comparison['verdict_line']}", flush=True)
     return comparison
+
+
+def tree_version(tree) -> str:
+    """MAJOR.MINOR.PATCH of a megatron tree (a ``harness.trees`` label or a Path), read from
+    its ``megatron/core/package_info.py``; "?" when the file has no such fields.
+
+    Raises:
+        FileNotFoundError: the tree was not generated (``harness.trees.tree_parent``).
+    """
+    from harness.trees import tree_parent
+
+    text = (tree_parent(tree) / "megatron" / "core" / "package_info.py").read_text()
+    parts = [re.search(rf"^{key}\s*=\s*(\d+)", text, re.M) for key in ("MAJOR", "MINOR", "PATCH")]
+    return ".".join(m.group(1) for m in parts) if all(parts) else "?"
 
 
 def check_golden_data(artifacts) -> Optional[str]:

@@ -23,6 +23,16 @@ from .golden_schema import Metrics
 from .tolerances import MetricRule
 
 VERDICTS = ("identical", "diverged", "failed", "no_golden", "outside_golden")
+#: What each verdict means, in words a reader of the plot or the printed summary needs.
+VERDICT_MEANING = {
+    "identical": "patched equals upstream bit for bit in every logged metric at every step, "
+    "and both lie within the golden tolerance",
+    "diverged": "patched differs from upstream (red line: the first step that differs)",
+    "failed": "a run crashed, or a metric, a step or the golden file is missing or invalid "
+    "(comparison.json lists why)",
+    "no_golden": "no golden values for this device: patched was compared with upstream only",
+    "outside_golden": "patched equals upstream bit for bit, but a step lies outside the golden tolerance",
+}
 
 
 def _json_float(x: float | None) -> float | None:
