@@ -334,7 +334,8 @@ mlm_checkout "$MLM_019_TAG" "$MLM_019_VERSION" "$MLM_019_COMMIT" "$MLM_019_TARBA
 # The user's path: the series on the core_v0.17.1 checkout with scripts/apply_patches.sh
 # (git am, one commit per patch). The prebuilt dataset helpers of the wheel go next to the
 # sources in both 0.17.1 checkouts, as `make` would put them (*.so is in upstream's .gitignore).
-helpers_so=(build/upstream/megatron/core/datasets/helpers_cpp*.so)
+EXT_SUFFIX="$("$VPY" -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')"
+MAKEFILE17="$MLM/$MLM_TAG/megatron/core/datasets/Makefile"
 patched_sha="$( { cat "build/stamps/mlm-$MLM_TAG"; cat build/stamps/series; sha scripts/apply_patches.sh; } | sha256sum | awk '{print $1}')"
 PC="$MLM/patched"
 # Its top commits are the checkout-only patches (tests/unit_tests/): a developer edits them
@@ -347,17 +348,52 @@ if [[ -d "$PC/.git" && -n "$(cat build/stamps/mlm-patched-head 2>/dev/null || tr
         || die "$PC has commits that patches/0.17.1/ does not have (HEAD: $(git -C "$PC" log -1 --format='%h %s')). Run scripts/refresh_patches.sh to write them to patches/0.17.1/, or drop them (rm -rf $PC), then rerun."
     rm -f build/stamps/mlm-patched
 fi
-# place_helpers CHECKOUT SO...: the wheel's prebuilt dataset helpers beside CHECKOUT's sources,
-# as `make` would put them (*.so is in upstream's .gitignore); present ones are kept.
+# place_helpers TREE WHEEL_TREE MAKEFILE: make megatron.training's dataset-helper step pass in
+# TREE (a directory holding megatron/). On GPU ranks, rank 0 runs compile_helpers()
+# (megatron/training/initialize.py:_compile_dependencies), i.e. `make -C
+# TREE/megatron/core/datasets`; the wheel has no Makefile there, and make then fails ("no
+# makefile found"). So, in TREE/megatron/core/datasets:
+#   - the wheel's prebuilt helpers_cpp*.so (from WHEEL_TREE), as `make` would put them (*.so is
+#     in upstream's .gitignore), only where helpers.cpp is byte-identical to the wheel's (the
+#     source it was built from); present ones are kept;
+#   - upstream's own Makefile (MAKEFILE, from the Megatron-LM checkout) where there is none;
+#   - a GNUmakefile (make reads it before Makefile) that includes that Makefile with LIBEXT
+#     pinned to the extension suffix of .venv's Python, the one that imports helpers_cpp:
+#     upstream's Makefile asks the python3-config on PATH, which may be another Python's
+#     (here: 3.11's), and then names a target that does not exist and tries to compile it;
+#   - the prebuilt .so no older than helpers.cpp, so that make finds it up to date (mtimes of
+#     a wheel or tarball unpack, or a clone, say nothing about which was built from which).
+# A helpers.cpp that differs from the wheel's gets no .so: make builds it (g++ and pybind11).
 place_helpers() {
-    local dest="$1/megatron/core/datasets" so; shift
-    for so in "$@"; do [[ -f "$dest/$(basename "$so")" ]] || cp -p "$so" "$dest/"; done
+    local tree="$1" dest="$1/megatron/core/datasets" src="$2/megatron/core/datasets" makefile="$3" so
+    if ! cmp -s "$src/helpers.cpp" "$dest/helpers.cpp"; then
+        log "$dest/helpers.cpp differs from $src's: no prebuilt helpers placed (make builds them)"
+    else
+        for so in "$src"/helpers_cpp*.so; do [[ -f "$dest/${so##*/}" ]] || cp -p "$so" "$dest/"; done
+    fi
+    [[ -f "$dest/Makefile" ]] || cp -p "$makefile" "$dest/Makefile"
+    printf '%s\n' \
+        "# Written by scripts/setup.sh (place_helpers). make reads this before upstream's Makefile:" \
+        "# the prebuilt helpers_cpp is named for the Python that imports it ($VPY), not" \
+        "# for whichever python3-config is first on PATH." \
+        "override LIBEXT := $EXT_SUFFIX" \
+        "include Makefile" > "$dest/GNUmakefile"
+    for so in "$dest"/helpers_cpp*.so; do
+        if [[ -f "$so" && "$dest/helpers.cpp" -nt "$so" ]] && cmp -s "$src/helpers.cpp" "$dest/helpers.cpp"; then
+            touch -r "$dest/helpers.cpp" "$so"
+        fi
+    done
+    # A Megatron-LM checkout stays clean for git (apply_patches.sh checks it).
+    if [[ -d "$tree/.git" ]] && ! grep -qx '/megatron/core/datasets/GNUmakefile' "$tree/.git/info/exclude" 2>/dev/null; then
+        mkdir -p "$tree/.git/info" && echo '/megatron/core/datasets/GNUmakefile' >> "$tree/.git/info/exclude"
+    fi
+    return 0
 }
-# patch_checkout TAG DEST STAMP SHA HELPERS...: DEST = a clone of $MLM/TAG with
-# scripts/apply_patches.sh applied (git am), the dataset helpers beside its sources;
+# patch_checkout TAG DEST STAMP SHA WHEEL_TREE MAKEFILE: DEST = a clone of $MLM/TAG with
+# scripts/apply_patches.sh applied (git am), the dataset helpers placed (place_helpers);
 # rebuilt when build/stamps/STAMP differs from SHA.
 patch_checkout() {
-    local tag="$1" dest="$2" stamp="$3" want="$4" out; shift 4
+    local tag="$1" dest="$2" stamp="$3" want="$4" out
     if [[ "$(cat "build/stamps/$stamp" 2>/dev/null || true)" == "$want" && -d "$dest/.git" ]]; then
         log "patched Megatron-LM checkout $dest up to date"; return 0
     fi
@@ -369,19 +405,32 @@ patch_checkout() {
     out="$(GIT_COMMITTER_DATE="2000-01-01T00:00:00Z" scripts/apply_patches.sh "$dest.tmp" 2>&1)" \
         || { rm -rf "$dest.tmp"; die "the series does not apply to the Megatron-LM $tag checkout: $out"; }
     log "$out"
-    place_helpers "$dest.tmp" "$@"
+    place_helpers "$dest.tmp" "$5" "$6"
     rm -rf "$dest" && mv "$dest.tmp" "$dest"
     git -C "$dest" rev-parse HEAD > "build/stamps/$stamp-head"
     echo "$want" > "build/stamps/$stamp"
 }
-patch_checkout "$MLM_TAG" "$PC" mlm-patched "$patched_sha" "${helpers_so[@]}"
-place_helpers "$MLM/$MLM_TAG" "${helpers_so[@]}"
+patch_checkout "$MLM_TAG" "$PC" mlm-patched "$patched_sha" build/upstream "$MAKEFILE17"
 # The 0.19 base's checkout with its series (git am), when the core_v0.19.0 source was found.
 PC19="$MLM/patched-0.19"
 if [[ -d "$MLM/$MLM_019_TAG/.git" ]]; then
     patched19_sha="$( { cat "build/stamps/mlm-$MLM_019_TAG"; cat build/stamps/series-0.19; sha scripts/apply_patches.sh; } | sha256sum | awk '{print $1}')"
-    helpers19_so=(build/upstream-0.19/megatron/core/datasets/helpers_cpp*.so)
-    patch_checkout "$MLM_019_TAG" "$PC19" mlm-patched-0.19 "$patched19_sha" "${helpers19_so[@]}"
-    place_helpers "$MLM/$MLM_019_TAG" "${helpers19_so[@]}"
+    patch_checkout "$MLM_019_TAG" "$PC19" mlm-patched-0.19 "$patched19_sha" build/upstream-0.19 \
+        "$MLM/$MLM_019_TAG/megatron/core/datasets/Makefile"
 fi
+# Every tree a GPU rank may import gets the dataset-helper step (place_helpers): the wheel trees
+# with the Makefile of their base's checkout (0.19's from core_v0.17.1 when core_v0.19.0 is
+# missing: the two files are identical), the checkouts with their own. Run on every setup, so a
+# rebuilt tree gets them again. core_v0.18.2 (the audit and refusal tests; nothing trains on it)
+# gets the 0.19.2 wheel's helpers: its helpers.cpp is byte-identical (place_helpers checks).
+MAKEFILE19="$MLM/$MLM_019_TAG/megatron/core/datasets/Makefile"
+[[ -f "$MAKEFILE19" ]] || MAKEFILE19="$MAKEFILE17"
+place_helpers build/upstream build/upstream "$MAKEFILE17"
+place_helpers . build/upstream "$MAKEFILE17"
+place_helpers "$MLM/$MLM_TAG" build/upstream "$MAKEFILE17"
+place_helpers build/upstream-0.19 build/upstream-0.19 "$MAKEFILE19"
+place_helpers build/patched-0.19 build/upstream-0.19 "$MAKEFILE19"
+for t in "$MLM/$MLM_019_TAG" "$PC19" "$MLM/$MLM_NEXT_TAG"; do
+    if [[ -d "$t/.git" ]]; then place_helpers "$t" build/upstream-0.19 "$MAKEFILE19"; fi
+done
 log "ready: .venv, build/upstream/megatron (pristine), megatron/ (patched), build/upstream-0.19/megatron (pristine $MCORE19_VERSION), build/patched-0.19/megatron, $MLM/{$MLM_TAG,patched$([[ -d "$MLM/$MLM_NEXT_TAG/.git" ]] && echo ",$MLM_NEXT_TAG")$([[ -d "$MLM/$MLM_019_TAG/.git" ]] && echo ",$MLM_019_TAG,patched-0.19")}"
