@@ -14,10 +14,10 @@ What is asserted:
   upstream's files) passes there, at 2 and at 4 ranks: a skip or a failure of one fails
   ``test_tests_only_on_patched_pass``, which the comparison above cannot see (it walks
   pristine's tests);
-* the two ``TestFreeOverlapBuffers`` tests that read ``bucket._layerwise_src_buffer`` (removed
-  by the series; ``bucket.layerwise_gather_list`` is kept, holding the gather in flight) pass
-  on patched through the series' own test patch, and so do the regression tests that patch
-  adds (they are counted like every other patched test).
+* the two ``TestFreeOverlapBuffers`` tests that read ``bucket._layerwise_src_buffer`` and
+  ``bucket.layerwise_gather_list`` (removed by the series; ``bucket.layerwise_pending_copies``
+  holds the gather in flight) pass on patched through the series' own test patch, and so do
+  the regression tests that patch adds (they are counted like every other patched test).
 """
 
 from __future__ import annotations
@@ -30,9 +30,9 @@ from tests.upstream_tests import upstream_runner as ur
 
 pytestmark = [pytest.mark.slow, pytest.mark.gloo]
 
-#: Upstream tests that inspect ``bucket._layerwise_src_buffer``, which the series removes (it
-#: keeps ``bucket.layerwise_gather_list``). The series carries their update in its last patch
-#: (tests/unit_tests/ of a checkout only).
+#: Upstream tests that inspect ``bucket._layerwise_src_buffer`` and ``bucket.layerwise_gather_list``,
+#: which the series removes (``bucket.layerwise_pending_copies`` holds the gather in flight). The
+#: series carries their update in its last patch (tests/unit_tests/ of a checkout only).
 CHANGED_BY_SERIES = (
     "tests/unit_tests/distributed/test_param_and_grad_buffer.py::TestFreeOverlapBuffers::test_bucket_group_clears_buffers",
     "tests/unit_tests/distributed/test_param_and_grad_buffer.py::TestFreeOverlapBuffers::test_bucket_group_noop_when_no_buffers",
