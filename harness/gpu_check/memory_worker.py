@@ -32,7 +32,8 @@ Measured on every rank, in bytes (``torch.cuda``; None on CPU ranks):
   temporaries on the GPU, so they are inside the measured peaks.
 
 Also per step the lm loss (``float.hex``, so that trees compare bit for bit) and the
-grad norm, and at the end a float64 checksum of the params. Rank 0 writes
+grad norm, and a float64 checksum of the params before the first step
+(``init_params_checksum``: both trees start from the same weights) and at the end. Rank 0 writes
 ``{"ranks": [one dict per rank], ...}`` to ``--out``. A rank that raises prints its
 traceback and exits 1 at once (the others may wait in a collective; torchrun stops them),
 and ``--out`` is not written.
@@ -149,6 +150,13 @@ class Setup:
         from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
         from megatron.core.transformer import TransformerConfig
 
+        # Both generators: megatron seeds the CUDA one (weights built on the GPU), and the CPU one
+        # draws the weights built on CPU whatever use_cpu_initialization says, e.g. the learned
+        # position embedding (a torch.nn.Embedding, core/models/common/embeddings/
+        # language_model_embedding.py:LanguageModelEmbedding). Unseeded, two processes (upstream
+        # and patched) would start from different weights. (megatron.training seeds both in
+        # initialize.py:_set_random_seed.)
+        torch.manual_seed(seed)
         model_parallel_cuda_manual_seed(seed)
         config = TransformerConfig(
             num_layers=cfg["num_layers"], hidden_size=cfg["hidden_size"],
@@ -258,6 +266,7 @@ def main(argv=None) -> int:
         record["megatron_core_dir"] = check_expected_tree()
         parallel_state.initialize_model_parallel()
         s = Setup(CONFIGS[args.config])
+        record["init_params_checksum"] = s.checksum()
         from megatron.core.distributed import param_and_grad_buffer
 
         # Whether DDP's grad sync runs through shared_gpu's coalescing manager.

@@ -77,6 +77,7 @@ def memory_tree(doc: Optional[dict]) -> Optional[dict]:
         "optimizer_sync_gather_calls": r0["sync_optimizer"]["gather_calls"],
         "losses_hex": [s["loss_hex"] for s in r0["steps"]],
         "params_checksums": sorted({r["params_checksum"] for r in ranks}),
+        "init_params_checksums": sorted({r.get("init_params_checksum") for r in ranks} - {None}),
         "devices": [r["device"] for r in ranks],
     }
 
@@ -95,6 +96,9 @@ def summarize_memory(run: dict, run_dir: Path) -> dict:
         if diverged is not None:
             out["problems"].append(f"lm loss differs at step {diverged}: upstream {up['losses_hex'][diverged - 1]}, "
                                    f"patched {pa['losses_hex'][diverged - 1]}")
+        if up["init_params_checksums"] != pa["init_params_checksums"]:
+            out["problems"].append(f"the trees start from different weights: upstream {up['init_params_checksums']}, "
+                                   f"patched {pa['init_params_checksums']} (the worker's seeding)")
         if up["params_checksums"] != pa["params_checksums"] or len(pa["params_checksums"]) != 1:
             out["problems"].append(f"params after training differ: upstream {up['params_checksums']}, "
                                    f"patched {pa['params_checksums']}")

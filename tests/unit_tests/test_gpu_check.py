@@ -574,3 +574,26 @@ def test_the_equal_shares_run_requires_an_equal_bucket_and_all_gather_into_tenso
         assert run["ok"], run["problems"]
     else:
         assert not run["ok"] and problem in " ".join(run["problems"])
+
+
+@pytest.mark.gloo
+def test_memory_workers_start_from_the_same_weights_whatever_their_cpu_generator_was(tmp_path):
+    """Two memory-worker processes whose CPU generators were in different states before the
+    worker ran, with the CUDA generator separate from the CPU one as on a GPU
+    (memory_worker_rng_wrapper.py), start from the same weights: the worker seeds the CPU
+    generator that draws the weights built on CPU (on a GPU, at least the learned position
+    embedding). Without its torch.manual_seed the two checksums differ."""
+    from harness import launch
+
+    wrapper = Path(__file__).with_name("memory_worker_rng_wrapper.py")
+    checksums = []
+    for prior in (1, 2):
+        out = tmp_path / f"prior{prior}.json"
+        argv, env = launch.torchrun_command(
+            wrapper, [str(prior), "--", "--backend", "gloo", "--config", "tiny", "--steps", "1", "--out", str(out)],
+            2, tree="patched", cpu=True)
+        launch.run_command(argv, env, run_dir=tmp_path / f"log{prior}", timeout_s=400, what=f"memory worker {prior}")
+        ranks = json.loads(out.read_text())["ranks"]
+        assert len({r["init_params_checksum"] for r in ranks}) == 1, "DP ranks start from the same weights"
+        checksums.append(ranks[0]["init_params_checksum"])
+    assert checksums[0] == checksums[1], checksums
