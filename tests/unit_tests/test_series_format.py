@@ -10,6 +10,12 @@ Each patch carries a real author (a name and a mail address that is not a placeh
 a subject of at most ~75 characters, a body that says why, DEP-3-style provenance lines
 (Origin, Forwarded, Last-Update) in the body and a Developer Certificate of Origin
 trailer (`Signed-off-by:`) as its last line.
+
+Every number a patch message states is asserted somewhere, so that a rewrite of the series
+cannot leave one stale: MESSAGE_NUMBERS lists, per base and patch, each number of the
+message and where it is asserted (a test's node id, or a row of the real-shape audit's
+report); a message number missing from the table fails, and so does a table entry the
+message no longer states.
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ import sys
 
 import pytest
 
-from harness.trees import REPO_ROOT, SERIES_DIR, series_patches, tree_parent
+from harness.trees import BASES, REPO_ROOT, SERIES_DIR, series_patches, tree_parent
 
 BLACK = [sys.executable, "-m", "black", "--check", "-q", "-l", "100", "-S", "-C"]
 ISORT = [sys.executable, "-m", "isort", "--check-only", "-q", "--profile", "black", "-l", "100"]
@@ -73,3 +79,127 @@ def test_patch_header(patch):
 def test_series_header_names_the_base():
     first = (SERIES_DIR / "series").read_text().splitlines()[0]
     assert first.startswith("#") and "0.17.1" in first and "core_v0.17.1" in first
+
+
+# ------------------------------------------------------------ numbers in the patch messages
+#: The real-shape audit's report (scripts/audit_param_sync.py --publish writes it; its
+#: faithfulness to megatron and its series claims are tests/unit_tests/test_real_shapes_audit.py).
+AUDIT_REPORT = REPO_ROOT / "docs" / "bench" / "real_shapes.md"
+# A number is a run of digits, with at most one decimal point, that touches no letter, digit,
+# '_', '-', '.', '#' or '/' outside itself, and has two characters or more: so versions
+# (0.19.2, core_v0.19.0), pull requests (#3751), dates (2026-12-05), model names
+# (Llama-3-8B), dtypes (fp32) and single-digit setups (2 ranks, TP 1, DP 8) are not numbers.
+# Neither are megatron-core minor versions written alone (0.17 to 0.20) or patch names (0004).
+NUMBER = re.compile(r"(?<![\w.#/\-])\d+(?:\.\d+)?(?![\w\-]|\.\d)")
+NOT_NUMBERS = re.compile(r"0\.(1[7-9]|20)|000\d")
+TRAILERS = re.compile(r"(Origin|Forwarded|Last-Update|Signed-off-by):")
+
+
+def audit(section: str, dp: int, tree: str) -> tuple:
+    """A number's source: the row of AUDIT_REPORT under `## {section}` whose first two
+    cells are `dp` (a DP size, expert DP in parentheses ignored) and `tree` (a tree label of
+    the report)."""
+    return ("audit", section, dp, tree)
+
+
+_8B = "Llama-3-8B, TP 1"
+#: Base -> patch number -> each number its message states -> where it is asserted: a node id
+#: ("tests/...py::test_name[params]") or audit(). Single-digit setups are not listed (NUMBER).
+MESSAGE_NUMBERS = {
+    "0.19": {
+        "0004": {
+            "784": audit(_8B, 8, "mcore_0.19_legacy"),  # NCCL calls of the pre-hook path
+            "629": audit(_8B, 8, "mcore_0.19_legacy"),  # of them zero-size
+            "98": audit(_8B, 8, "mcore_0.19_legacy"),  # launches
+            "0.11": audit(_8B, 8, "mcore_0.19_legacy"),  # GiB of flattened shares at once
+            "29.92": audit(_8B, 8, "mcore_0.19_legacy"),  # GiB zeroed per step
+            "512": audit(_8B, 512, "mcore_0.19_legacy"),
+            "7168": audit(_8B, 512, "mcore_0.19_legacy"),
+            "6973": audit(_8B, 512, "mcore_0.19_legacy"),
+            "14": audit(_8B, 512, "mcore_0.19_legacy"),
+            "155": audit(_8B, 8, "patched_0.19"),
+            "2.94": audit(_8B, 8, "patched_0.19"),
+            "195": audit(_8B, 512, "patched_0.19"),
+        },
+        "0007": {
+            "14.96": audit(_8B, 8, "mcore_0.19_legacy"),  # optimizer-path temporaries, GiB
+            "16.43": audit("Llama-3-70B, TP 8", 8, "mcore_0.19_legacy"),
+            "64": audit(_8B, 64, "patched_0.19"),  # 14.96 GiB zeroed at DP 8 and 64
+            "512": audit(_8B, 512, "patched_0.19"),  # none from DP 512
+        },
+    },
+    "0.17.1": {},
+}
+
+
+def message_numbers(text: str) -> set:
+    """The numbers (NUMBER) of a patch file's message: its subject and body, without the
+    provenance and Signed-off-by trailers."""
+    head, rest = text.split("\n\n", 1)
+    subject = re.search(r"^Subject: (?:\[PATCH[^\]]*\] )?(.+(?:\n .+)*)", head, flags=re.M)
+    body = rest.split("\n---\n", 1)[0]
+    lines = [subject.group(1) if subject else ""] + [
+        ln for ln in body.splitlines() if not TRAILERS.match(ln)
+    ]
+    return {n for n in NUMBER.findall("\n".join(lines)) if len(n) > 1 and not NOT_NUMBERS.fullmatch(n)}
+
+
+def audit_row(section: str, dp: int, tree: str) -> str:
+    """The report row audit(section, dp, tree) names, or AssertionError saying what is missing."""
+    text = AUDIT_REPORT.read_text()
+    start = text.find(f"\n## {section}\n")
+    assert start >= 0, f"no section {section!r} in {AUDIT_REPORT}"
+    end = text.find("\n## ", start + 1)
+    for row in text[start : end if end > 0 else None].splitlines():
+        cells = [c.strip() for c in row.strip().strip("|").split("|")]
+        if len(cells) > 2 and cells[0].split(" ")[0] == str(dp) and cells[1] == tree:
+            return row
+    raise AssertionError(f"no row DP {dp}, tree {tree} under {section!r} in {AUDIT_REPORT}")
+
+
+def test_message_numbers_rule():
+    """What counts as a number of a message, and what does not."""
+    text = (
+        "From: A <a@b.org>\nSubject: [PATCH] ddp: save 2.5 GiB\n\n"
+        "megatron-core 0.19.2 (core_v0.19.0, in 0.19 and #3751, patch 0004) on 2 ranks at TP 1,\n"
+        "Llama-3-8B, fp32 grads, 16-byte slots: 784 calls (629 zero-size) at DP 512; grad\n"
+        "norm 0.0 instead of 4.291256; 14.96 GiB.\n\n"
+        "Origin: #4609, 2026\nLast-Update: 2026-12-05\n\nSigned-off-by: A <a@b.org>\n---\n 42 +\n"
+    )
+    assert message_numbers(text) == {"2.5", "784", "629", "512", "0.0", "4.291256", "14.96"}
+
+
+@pytest.mark.parametrize("base", BASES)
+def test_every_message_number_is_in_the_table(base):
+    """Per patch of the base's series: the numbers its message states == the table's."""
+    table = MESSAGE_NUMBERS[base]
+    patches = {p.name[:4]: p for p in series_patches(checkout=True, base=base)}
+    bad = []
+    for key, patch in patches.items():
+        stated, listed = message_numbers(patch.read_text()), set(table.get(key, {}))
+        if stated - listed:
+            bad.append(f"{base} {key}: stated, not in MESSAGE_NUMBERS: {sorted(stated - listed)}")
+        if listed - stated:
+            bad.append(f"{base} {key}: in MESSAGE_NUMBERS, no longer stated: {sorted(listed - stated)}")
+    bad += [f"{base} {key}: no such patch" for key in set(table) - set(patches)]
+    assert not bad, "\n".join(bad)
+
+
+@pytest.mark.parametrize("base", BASES)
+def test_every_listed_number_has_its_source(base):
+    """An audit source's report row holds the number (as a cell value); a node id names a
+    test function that exists."""
+    bad = []
+    for key, numbers in MESSAGE_NUMBERS[base].items():
+        for number, source in numbers.items():
+            if isinstance(source, tuple):
+                row = audit_row(*source[1:])
+                if number not in re.split(r"[\s|/()]+", row):
+                    bad.append(f"{base} {key}: {number} not in the audit row {row}")
+                continue
+            path, _, name = source.partition("::")
+            func = name.split("[")[0]
+            src = REPO_ROOT / path
+            if not (src.is_file() and re.search(rf"^def {re.escape(func)}\(", src.read_text(), re.M)):
+                bad.append(f"{base} {key}: {number}: no test {source}")
+    assert not bad, "\n".join(bad)
