@@ -103,6 +103,7 @@ def audit(section: str, dp: int, tree: str) -> tuple:
 
 
 _8B = "Llama-3-8B, TP 1"
+_DSV2 = "DeepSeek-V2-Lite/Moonlight-like MoE, 64 experts top-6 + shared, EP 8"
 #: Base -> patch number -> each number its message states -> where it is asserted: a node id
 #: ("tests/...py::test_name[params]") or audit(). Single-digit setups are not listed (NUMBER).
 MESSAGE_NUMBERS = {
@@ -128,7 +129,40 @@ MESSAGE_NUMBERS = {
             "512": audit(_8B, 512, "patched_0.19"),  # none from DP 512
         },
     },
-    "0.17.1": {},
+    "0.17.1": {
+        "0004": {
+            "1.09": audit(_8B, 8, "upstream"),  # GiB of receive temporaries at once, DP 8
+            "784": audit(_8B, 8, "upstream"),  # NCCL calls of the pre-hook path
+            "629": audit(_8B, 8, "upstream"),  # of them zero-size
+            "4.71": audit(_8B, 1024, "upstream"),
+            "512": audit(_8B, 512, "upstream"),
+            "7168": audit(_8B, 512, "upstream"),
+            "6973": audit(_8B, 512, "upstream"),
+            "0.13": audit(_DSV2, 64, "upstream"),  # GiB NCCL allocates for the equal shares
+            "64": audit(_DSV2, 64, "upstream"),  # 64 experts, DP 64
+            "155": audit(_8B, 8, "patched"),
+            "2.94": audit(_8B, 8, "patched"),  # GiB of slots zeroed per step
+            "190": audit(_8B, 64, "patched"),
+            "1.57": audit(_8B, 64, "patched"),
+            "195": audit(_8B, 512, "patched"),
+            "1024": audit(_8B, 1024, "patched"),
+        },
+        "0006": {
+            # pristine 0.19.2: grad norm 0.0 after a forced sync before the step
+            "0.0": "tests/unit_tests/test_grad_data_guards.py::test_019_pristine_forced_sync_before_step_zeroes_every_grad",
+        },
+        "0007": {
+            "14.96": audit(_8B, 8, "upstream"),  # optimizer-path temporaries, GiB
+            "16.43": audit("Llama-3-70B, TP 8", 8, "upstream"),
+            "64": audit(_8B, 64, "patched"),  # 14.96 GiB zeroed at DP 8 and 64
+            "29.92": audit(_8B, 8, "exact_list_slots"),  # whole grad buffers zeroed
+            "512": audit(_8B, 512, "upstream"),
+            "317": audit(_8B, 512, "upstream"),  # zero-size calls of the list all_gather
+            "195": audit(_8B, 512, "patched"),
+            "1024": audit(_8B, 1024, "upstream"),
+            "829": audit(_8B, 1024, "upstream"),
+        },
+    },
 }
 
 
