@@ -180,10 +180,11 @@ def check_expected_syncs(summary: Mapping, expected: Mapping[str, Mapping[str, i
 
 #: The three counts of a param sync, defined once; printed under the memory block.
 TERMS = (
-    "c10d call: one torch.distributed function call; NCCL operation: one ncclAllGather or "
-    "ncclBroadcast that a call issues (a list all_gather of unequal sizes issues one broadcast "
-    "per rank); group launch: the operations between one ncclGroupStart/ncclGroupEnd, launched "
-    "together (a call outside a group is one launch)"
+    "c10d call: one torch.distributed function call",
+    "NCCL operation: one ncclAllGather or ncclBroadcast that a call issues (a list all_gather "
+    "of unequal sizes issues one broadcast per rank)",
+    "group launch: the operations between one ncclGroupStart/ncclGroupEnd, launched together "
+    "(a call outside a group is one launch)",
 )
 
 
@@ -241,5 +242,5 @@ def format_memory(memories: Mapping[str, Optional[Mapping]]) -> str:
     lines.append("  (megatron: allocation counter in the param sync; NCCL: collective model; "
                  "step peak: allocation counter around train_step)")
     if kinds:
-        lines.append(f"  ({TERMS})")
+        lines += [f"  {term}" for term in TERMS]
     return "\n".join(lines)

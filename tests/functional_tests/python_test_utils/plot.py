@@ -185,8 +185,9 @@ def _metric_panel(ax, metric, ylabel, curves, rule, colours, names) -> None:
         band = tolerance_band(golden, rule)
         if band is not None:
             steps, low, high = band
-            ax.fill_between(steps, low, high, label=f"golden ± tolerance ({rule.tolerance.describe()})",
-                            **BAND_STYLE)  # fmt: skip
+            half = (high[0] - low[0]) / 2
+            ax.fill_between(steps, low, high, **BAND_STYLE,
+                            label=f"golden ± tolerance ({rule.tolerance.describe()}: ±{half:.2g} at step {steps[0]})")  # fmt: skip
         exact = rule is not None and isinstance(rule.tolerance, Exact)
         ax.plot(list(golden.steps), [golden.values[t] for t in golden.steps],
                 label="golden (exact)" if exact else "golden", **GOLDEN_STYLE)  # fmt: skip

@@ -461,7 +461,7 @@ def run_case(
     out.mkdir(parents=True, exist_ok=True)
     artifacts = data.prepare(log=lambda m: None)
     data_path = str(artifacts.data_prefix)
-    print(f"== {case.name} (megatron-core {case.base}, {case.test_type}, {case.nproc} ranks, {device})", flush=True)
+    print(case_header(case, device), flush=True)
     data_note = None if update_golden else check_golden_data(artifacts)
     if data_note:
         print(f"  WARNING: {data_note}", flush=True)
@@ -545,11 +545,28 @@ def run_case(
         )
     except ValueError as e:
         print(f"  no plot: {e}")
-    print(format_table(comparison))
-    if record_memory:
-        print(memory_report.format_memory(memories))
-    print(f"VERDICT {case.name}: {comparison['verdict_line']}", flush=True)
+    print(case_report(comparison), flush=True)
     return comparison
+
+
+def case_header(case: Case, device: str) -> str:
+    """The line the main job prints before training a case."""
+    return f"== {case.name} (megatron-core {case.base}, {case.test_type}, {case.nproc} ranks, {device})"
+
+
+def case_report(comparison: dict) -> str:
+    """What the main job prints after a case's runs: the per-metric table, the memory block
+    (when the runs recorded it, ``comparison["memory"]``) and the verdict line."""
+    parts = [format_table(comparison)]
+    if comparison.get("memory"):
+        parts.append(memory_report.format_memory(comparison["memory"]))
+    parts.append(f"VERDICT {comparison['case']}: {comparison['verdict_line']}")
+    return "\n".join(parts)
+
+
+def summary_report(verdict_lines: Dict[str, str], seconds: float) -> str:
+    """The main job's closing summary: the wall time of all cases and each case's verdict."""
+    return "\n".join([f"\n== summary ({seconds:.0f} s)"] + [f"  {n:55s} {v}" for n, v in verdict_lines.items()])
 
 
 def tree_version(tree) -> str:
@@ -669,9 +686,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     verdicts = {}
     for n in names:
         verdicts[n] = run_case(n, args.device, args.update_golden, args.timeout)["verdict_line"]
-    print(f"\n== summary ({time.monotonic() - t0:.0f} s)")
-    for n, v in verdicts.items():
-        print(f"  {n:55s} {v}")
+    print(summary_report(verdicts, time.monotonic() - t0))
     return 0 if all(v == "identical" for v in verdicts.values()) else 1
 
 
