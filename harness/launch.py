@@ -22,7 +22,10 @@ command instead of running it::
 On CPU (the default) ranks use gloo and ``harness.cpu_runtime`` (``MEGATRON_CPU_RUNTIME=1``);
 on GPUs (``cpu=False`` / ``--device cuda``) NCCL. ``RUNTIME_FLAGS`` (local transformer
 implementation, CPU initialization, no fused kernels) apply to both, so CPU and GPU
-training runs differ only in ``--distributed-backend``.
+training runs differ only in ``--distributed-backend``, with one exception: a GPU launch on
+megatron-core 0.19 or later gets no ``--use-cpu-initialization`` (``runtime_flags_for``), and
+refuses it from the caller (``check_gpu_flags``): there the model builder leaves the model on
+the CPU with that flag.
 
 Tree selection goes through ``harness.trees.env_for_tree``: PYTHONPATH puts the chosen tree
 first and ``MEGATRON_EXPECT_TREE`` makes the rank refuse to run on another one.
@@ -79,6 +82,72 @@ RUNTIME_FLAGS: Tuple[str, ...] = (
     "--no-bias-dropout-fusion",
     "--no-rope-fusion",
 )
+
+#: megatron-core from which ``--use-cpu-initialization`` keeps the model on the CPU on GPUs.
+CPU_INIT_STAYS_ON_CPU_FROM = (0, 19)
+CPU_INIT_FLAG = "--use-cpu-initialization"
+
+
+def megatron_core_version(tree: Union[str, Path]) -> Tuple[int, int]:
+    """(major, minor) of the megatron-core tree ``tree`` (a label of ``harness.trees.TREES`` or
+    a directory holding megatron/), from its ``megatron/core/package_info.py``.
+
+    Raises:
+        ValueError / FileNotFoundError: as ``harness.trees.tree_parent``, or a package_info.py
+            without MAJOR and MINOR.
+    """
+    import re
+
+    from harness.trees import tree_parent
+
+    info = (tree_parent(tree) / "megatron" / "core" / "package_info.py").read_text()
+    fields = dict(re.findall(r"^(MAJOR|MINOR)\s*=\s*(\d+)", info, re.M))
+    if set(fields) != {"MAJOR", "MINOR"}:
+        raise ValueError(f"{tree}: megatron/core/package_info.py names no MAJOR and MINOR")
+    return int(fields["MAJOR"]), int(fields["MINOR"])
+
+
+def cpu_init_stays_on_cpu(tree: Union[str, Path]) -> bool:
+    """Whether, on ``tree``, ``--use-cpu-initialization`` leaves the model on the CPU on GPUs.
+
+    core_v0.19.0's ``pretrain_gpt.py`` builds the model through
+    ``megatron/training/models/dist_utils.py:prepare_existing_model_chunks_for_distributed_training``,
+    which calls ``.cuda()`` only when ``use_cpu_initialization`` is off (and neither FSDP2
+    nor meta-device init is on); ``Float16OptimizerWithFloat16Params`` then refuses the CPU
+    params ("Wrapped parameters must be one of torch.cuda.FloatTensor ..."). core_v0.17.1's
+    ``megatron/training/training.py:get_model`` moves the model to CUDA whatever that flag
+    says (unless FSDP2 is on too): there it only picks where the weights are drawn, the CPU
+    generator, as on CPU runs (so GPU runs start from the weights of the CPU golden values).
+    """
+    return megatron_core_version(tree) >= CPU_INIT_STAYS_ON_CPU_FROM
+
+
+def runtime_flags_for(tree: Union[str, Path], cpu: bool) -> Tuple[str, ...]:
+    """``RUNTIME_FLAGS`` for a launch on ``tree``: all of them on CPU and on 0.17.1; without
+    ``--use-cpu-initialization`` on GPUs where the model would stay on the CPU with it
+    (``cpu_init_stays_on_cpu``)."""
+    if cpu or not cpu_init_stays_on_cpu(tree):
+        return RUNTIME_FLAGS
+    return tuple(f for f in RUNTIME_FLAGS if f != CPU_INIT_FLAG)
+
+
+def check_gpu_flags(tree: Union[str, Path], megatron_args: Sequence[str], cpu: bool) -> None:
+    """Refuse ``--use-cpu-initialization`` in a GPU launch on a tree where it leaves the
+    model on the CPU (``cpu_init_stays_on_cpu``), with ``--use-torch-fsdp2`` the exception
+    (FSDP2 places the params itself).
+
+    Raises:
+        ValueError: the message says what the flag does there and what to do.
+    """
+    args = list(megatron_args)
+    if cpu or CPU_INIT_FLAG not in args or "--use-torch-fsdp2" in args or not cpu_init_stays_on_cpu(tree):
+        return
+    major, minor = megatron_core_version(tree)
+    raise ValueError(
+        f"{CPU_INIT_FLAG} on GPUs with megatron-core {major}.{minor}: its model builder "
+        "(megatron/training/models/dist_utils.py) then leaves the model on the CPU, and the bf16/fp16 "
+        "optimizer raises TypeError ('Wrapped parameters must be one of torch.cuda.FloatTensor ...'); "
+        f"drop {CPU_INIT_FLAG} (the weights are then initialized on the GPU)")
 
 
 class LaunchError(RuntimeError):
@@ -243,7 +312,9 @@ def pretrain_command(
     """The torchrun command and environment that train upstream's ``pretrain_gpt.py`` on ``tree``.
 
     ``torchrun_command`` of ``PRETRAIN_SCRIPT`` with ``--distributed-backend``
-    (gloo on CPU, nccl on GPUs), then ``RUNTIME_FLAGS``, then ``megatron_args``.
+    (gloo on CPU, nccl on GPUs), then ``runtime_flags_for(tree, cpu)`` (``RUNTIME_FLAGS``,
+    on GPUs with megatron-core >= 0.19 without ``--use-cpu-initialization``), then
+    ``megatron_args``.
 
     Args:
         tree: "upstream" (pristine), "patched", or a directory holding a megatron/ tree.
@@ -251,19 +322,21 @@ def pretrain_command(
             over ours where argparse lets the last occurrence win.
         nproc: ranks on this node (``--nproc-per-node``); keep <= 4 on small CPU machines.
         cpu: gloo + ``MEGATRON_CPU_RUNTIME=1``; False: NCCL on GPUs.
-        runtime_flags: prepend ``RUNTIME_FLAGS``.
+        runtime_flags: prepend ``runtime_flags_for(tree, cpu)``.
         extra_env: merged into the environment last.
 
     Returns:
         ``(argv, env)``, as ``torchrun_command``.
 
     Raises:
-        ValueError / FileNotFoundError: as ``torchrun_command``.
+        ValueError / FileNotFoundError: as ``torchrun_command``; ``--use-cpu-initialization``
+            in ``megatron_args`` of a GPU launch on megatron-core >= 0.19 (``check_gpu_flags``).
     """
+    check_gpu_flags(tree, megatron_args, cpu)
     return torchrun_command(
         PRETRAIN_SCRIPT,
         ["--distributed-backend", "gloo" if cpu else "nccl",
-         *(RUNTIME_FLAGS if runtime_flags else ()), *megatron_args],
+         *(runtime_flags_for(tree, cpu) if runtime_flags else ()), *megatron_args],
         nproc, tree=tree, cpu=cpu, extra_env=extra_env, preload=PRETRAIN_PRELOAD,
     )
 

@@ -33,7 +33,9 @@
 #                      with --vocab-file and --merge-file: --tokenizer-type GPT2BPETokenizer
 # Refused (megatron's rules for this path): --optimizer other than dist_muon,
 # --use-distributed-optimizer (Muon forbids it), --fp16 (megatron/core/optimizer/muon.py raises
-# 'muon with fp16 is not supported.' when the optimizer is built, after start-up).
+# 'muon with fp16 is not supported.' when the optimizer is built, after start-up), and on a
+# megatron-core 0.19 checkout --use-cpu-initialization without --use-torch-fsdp2 (0.19's model
+# builder then leaves the model on the CPU and the bf16 optimizer raises TypeError).
 # Warned about: a data-parallel size of 1 (world / (tp x pp x cp)): the layer-wise optimizer then
 # gathers nothing (patch 0002) and none of the series' param-sync code runs. Not Megatron flags, refused with the upstream
 # name: --tp, --pp, --fp32-grad-accum, --bf16-grad-reduce.
@@ -153,6 +155,14 @@ optimizer="$(val --optimizer dist_muon)"
 [[ "$optimizer" == dist_muon ]] || die "--optimizer $optimizer: this script runs the layer-wise optimizer, --optimizer dist_muon"
 ! has --fp16 || die "--fp16 is refused: Muon does not support fp16 (megatron/core/optimizer/muon.py: 'muon with fp16 is not supported.', raised when the optimizer is built); use --bf16"
 ! has --use-distributed-optimizer || die "--use-distributed-optimizer is forbidden with dist_muon (megatron: 'Muon optimizer does not support distributed optimizer')"
+# megatron-core >= 0.19 builds the model in megatron/training/models/dist_utils.py
+# (prepare_existing_model_chunks_for_distributed_training), which moves it to the GPU only
+# without --use-cpu-initialization; 0.17.1's get_model moves it either way.
+mcore_version="$(sed -nE 's/^(MAJOR|MINOR)[[:space:]]*=[[:space:]]*([0-9]+).*/\2/p' "$checkout/megatron/core/package_info.py" 2>/dev/null | head -n2 | paste -sd.)"
+if has --use-cpu-initialization && ! has --use-torch-fsdp2 && [[ "$mcore_version" =~ ^([0-9]+)\.([0-9]+)$ ]] \
+    && (( BASH_REMATCH[1] > 0 || BASH_REMATCH[2] >= 19 )); then
+    die "--use-cpu-initialization on GPUs with megatron-core $mcore_version: its model builder (megatron/training/models/dist_utils.py) then leaves the model on the CPU, and the bf16 optimizer raises TypeError ('Wrapped parameters must be one of torch.cuda.FloatTensor ...'); drop --use-cpu-initialization (the weights are then initialized on the GPU)"
+fi
 for f in --tensor-model-parallel-size --pipeline-model-parallel-size --context-parallel-size \
          --micro-batch-size --train-iters --seq-length; do
     ! has "$f" || is_posint "${given[$f]}" || die "$f must be a positive integer, got '${given[$f]}'"

@@ -7,6 +7,7 @@ torchrun on GPUs) will do with it.
 
 from __future__ import annotations
 
+import json
 import os
 import shlex
 import subprocess
@@ -152,3 +153,112 @@ def test_run_command_lets_a_progressing_run_finish(tmp_path):
     launch.run_command(argv, env, run_dir=tmp_path, timeout_s=100, progress_marker="UNIT done",
                        stall_factor=5.0, stall_floor_s=3.0)
     assert (tmp_path / "stdout.log").read_text().count("UNIT done") == 30
+
+
+# ------------------------------------------------ GPU launches: the model builder puts the model on CUDA
+# In a child with the tree first on PYTHONPATH: megatron's own parse_args + validate_args on
+# the flags a launch passes to pretrain_gpt.py, then the base's own model placement on them.
+# 0.19: the model builder's post-build step (megatron/training/models/dist_utils.py:
+# prepare_existing_model_chunks_for_distributed_training) with the TransformerConfig that
+# pretrain_gpt.py derives (argument_utils.gpt_config_from_args); 0.17.1: training.get_model.
+# A probe module records the .cuda() calls (no GPU here; torch.cuda.current_device is 0).
+BUILDER_PROBE = r"""
+import json, os, sys, types
+import torch
+os.environ.update(WORLD_SIZE="2", RANK="0", LOCAL_RANK="0")
+from megatron.training.arguments import parse_args, validate_args
+port = sys.argv[2]
+sys.argv = ["pretrain_gpt.py", *json.loads(sys.argv[1])]
+args = parse_args()
+validate_args(args)
+torch.cuda.current_device = lambda: 0
+moved = []
+
+class Probe(torch.nn.Module):
+    def __init__(self, config=None):
+        super().__init__()
+        self.config = config
+        self.weight = torch.nn.Parameter(torch.zeros(4))
+
+    def cuda(self, device=None):
+        moved.append(device)
+        return self
+
+try:
+    from megatron.training.models.dist_utils import prepare_existing_model_chunks_for_distributed_training
+except ImportError:
+    prepare_existing_model_chunks_for_distributed_training = None
+if prepare_existing_model_chunks_for_distributed_training is not None:
+    from megatron.training.argument_utils import gpt_config_from_args
+    config = gpt_config_from_args(args).transformer
+    rank = types.SimpleNamespace(rank=lambda: 1, size=lambda: 1)
+    pg = types.SimpleNamespace(dp=rank, cp=rank, tp=rank, pp=rank, gtp_remat=rank)
+    prepare_existing_model_chunks_for_distributed_training(
+        [Probe(config)], config, pg, wrap_with_ddp=False, mixed_precision_wrapper=None)
+else:
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from megatron.training import training
+    from megatron.training.arguments import core_transformer_config_from_args
+    from megatron.training.global_vars import set_args
+    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + port, world_size=1, rank=0)
+    parallel_state.initialize_model_parallel()
+    set_args(args)
+    config = core_transformer_config_from_args(args)
+    config.use_cpu_initialization = args.use_cpu_initialization
+    training.get_model(lambda **kw: Probe(config), wrap_with_ddp=False)
+print("RESULT " + json.dumps({"use_cpu_initialization": args.use_cpu_initialization,
+                             "config_use_cpu_initialization": config.use_cpu_initialization, "cuda_calls": moved}))
+"""
+
+
+def builder_placement(tree: str, megatron_args, tmp_path) -> dict:
+    """What the base's model placement does with the flags ``pretrain_command(tree,
+    megatron_args, cpu=False)`` passes (BUILDER_PROBE), as a dict."""
+    from harness.trees import env_for_tree
+
+    argv, _ = launch.pretrain_command(tree, megatron_args, 2, cpu=False)
+    flags = argv[argv.index(str(launch.PRETRAIN_SCRIPT)) + 1:]
+    script = tmp_path / f"probe_{tree}.py"
+    script.write_text(BUILDER_PROBE)
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {k: v for k, v in env_for_tree(tree).items() if k != launch.CPU_RUNTIME_ENV}
+    proc = subprocess.run([sys.executable, str(script), json.dumps(flags), str(port)], cwd=REPO_ROOT,
+                          env=dict(env, PYTHONWARNINGS="ignore"), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    return json.loads(proc.stdout.split("RESULT ", 1)[1].splitlines()[0])
+
+
+@pytest.mark.parametrize("tree, cpu_init", [("upstream", True), ("upstream-0.19", False)])
+def test_a_gpu_launch_puts_the_model_on_cuda_on_either_base(tree, cpu_init, tmp_path):
+    """A GPU launch's flags, through megatron's parser, make the base's model placement call
+    .cuda(): on 0.19 the launch leaves out --use-cpu-initialization (with it, the builder
+    would keep the model on the CPU, and Float16OptimizerWithFloat16Params raise TypeError);
+    on 0.17.1 it keeps it (CPU-drawn weights, as the CPU golden values) and get_model moves
+    the model anyway."""
+    got = builder_placement(tree, launch.tiny_gpt_args(10), tmp_path)
+    assert bool(got["use_cpu_initialization"]) is cpu_init and bool(got["config_use_cpu_initialization"]) is cpu_init, got
+    assert got["cuda_calls"] == [0], got
+
+
+def test_the_0_19_builder_keeps_the_model_on_cpu_with_cpu_initialization(tmp_path, monkeypatch):
+    """The reason for the rule, on 0.19's own builder: the flags of a GPU launch plus
+    --use-cpu-initialization (as RUNTIME_FLAGS passed it before) never move the model."""
+    monkeypatch.setattr(launch, "check_gpu_flags", lambda *a: None)
+    got = builder_placement("upstream-0.19", [*launch.tiny_gpt_args(10), "--use-cpu-initialization"], tmp_path)
+    assert got["config_use_cpu_initialization"] is True and got["cuda_calls"] == [], got
+
+
+@pytest.mark.parametrize("tree, refused", [("upstream-0.19", True), ("upstream", False)])
+def test_cpu_initialization_on_gpus_is_refused_on_0_19_with_the_reason(tree, refused):
+    rc, _, argv, err = dry_run("--tree", tree, "--device", "cuda", "pretrain", "--", "--use-cpu-initialization")
+    if refused:
+        assert rc == 2 and "leaves the model on the CPU" in err and "drop --use-cpu-initialization" in err, err
+    else:
+        assert rc == 0 and argv.count("--use-cpu-initialization") == 2, (rc, err)
+    rc, _, argv, err = dry_run("--tree", tree, "pretrain", "--", "--use-cpu-initialization")  # CPU: as ever
+    assert rc == 0 and "--use-cpu-initialization" in argv, err

@@ -344,3 +344,15 @@ def test_the_optimizer_gather_path_can_be_launched(checkouts):
                                          "attrs": ["overlap_param_gather", "optimizer", "data_parallel_size"]}])
     assert result["ok"], result
     assert result["attrs"] == {"overlap_param_gather": False, "optimizer": "dist_muon", "data_parallel_size": 2}
+
+
+def test_cpu_initialization_is_refused_on_a_0_19_checkout_with_the_reason(checkouts, tmp_path):
+    """0.19's model builder keeps the model on the CPU with --use-cpu-initialization (see
+    test_launch.py's builder tests); on 0.17.1 get_model moves it, so the flag passes there."""
+    c19 = make_checkout(tmp_path / "mlm019", ROOT / "build" / "upstream-0.19" / "megatron")
+    proc = launch("--dry-run", "--allow-unpatched", c19, "--use-cpu-initialization")
+    assert proc.returncode == 2 and proc.stdout == "", proc.stderr
+    assert "megatron-core 0.19: its model builder" in proc.stderr and "drop --use-cpu-initialization" in proc.stderr
+    assert "--use-cpu-initialization" in dry_run("--allow-unpatched", c19, "--use-cpu-initialization",
+                                                 "--use-torch-fsdp2")[2]
+    assert "--use-cpu-initialization" in dry_run(checkouts["patched"], "--use-cpu-initialization")[2]
