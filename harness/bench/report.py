@@ -68,7 +68,7 @@ def write_markdown(path: Path, result: dict) -> None:
 
 def _header(meta) -> List[str]:
     return [
-        "# Layer-wise param sync: memory, NCCL calls and time, upstream vs exact list slots vs series",
+        "# Layer-wise param sync: memory, NCCL operations and time, upstream vs exact list slots vs series",
         "",
         "Produced by (repo root):",
         "",
@@ -184,7 +184,7 @@ def _real_table(result) -> List[str]:
         "",
         "| model | DP | path | buckets | shares equal | "
         + " | ".join(f"{SHORT.get(t, t)} MiB (+NCCL)" for t in trees)
-        + " | " + " | ".join(f"{SHORT.get(t, t)} calls (launches)" for t in trees)
+        + " | " + " | ".join(f"{SHORT.get(t, t)} NCCL ops (launches)" for t in trees)
         + " | wire MiB " + "/".join(SHORT.get(t, t) for t in trees) + " |",
         "|---|--:|---|--:|---|" + "--:|" * (2 * len(trees) + 1),
     ]  # fmt: skip
@@ -204,9 +204,10 @@ def _real_table(result) -> List[str]:
     return lines + _legend(
         "*MiB*: tensor storages the sync's ATen ops allocate (dispatch level); *(+NCCL)*: what "
         "ProcessGroupNCCL allocates on top (the flat output of a list `all_gather` with equal "
-        "slots). *calls (launches)*: NCCL calls per sync (one per all-gather, one per broadcast; "
-        "a list `all_gather` with unequal slots is one broadcast per rank) and NCCL group "
-        "launches (calls inside one coalesced group share one). *wire*: bytes this rank receives."
+        "slots). *NCCL ops (launches)*: NCCL operations per sync (one per all-gather, one per "
+        "broadcast; a list `all_gather` with unequal slots issues one broadcast per rank) and "
+        "NCCL group launches (the operations inside one coalesced group share one). *wire*: "
+        "bytes this rank receives."
     )
 
 
@@ -251,7 +252,7 @@ def _fake_table(result) -> List[str]:
         "## Large DP (fake process group, counts only): NCCL ops and temporaries per sync",
         "",
         "| model | DP | rank | bucket | path | buckets | shares equal | "
-        + " | ".join(f"{SHORT.get(t, t)} calls (launches)" for t in trees)
+        + " | ".join(f"{SHORT.get(t, t)} NCCL ops (launches)" for t in trees)
         + " | " + " | ".join(f"{SHORT.get(t, t)} MiB (+NCCL)" for t in trees) + " |",
         "|---|--:|--:|--:|---|--:|---|" + "--:|" * (2 * len(trees)),
     ]  # fmt: skip
@@ -298,7 +299,7 @@ def _method(meta) -> List[str]:
     return [
         "## Method",
         "",
-        "Bytes, NCCL calls and launches per sync on the rank shown, one sync after a warm-up: "
+        "Bytes, NCCL operations and group launches per sync on the rank shown, one sync after a warm-up: "
         "`harness/bench/counters.py` (a `TorchDispatchMode` that sees every ATen op and every "
         "`c10d` collective op). NCCL's own allocations follow ProcessGroupNCCL's `allgather`: "
         "a list `all_gather` with equal slots allocates a flat `world_size x numel` output and "
@@ -396,7 +397,7 @@ def readme_block(result: dict) -> str:
     recs = result["records"]
     timing = {(t["dp_size"], t["model"], t["path"]): t for t in result["timing"] if t["bucket_size"] is None}
     out = [
-        "| model | DP | path | shares equal | " + " | ".join(f"{SHORT.get(t, t)} MiB (+NCCL) / calls (launches)" for t in trees)
+        "| model | DP | path | shares equal | " + " | ".join(f"{SHORT.get(t, t)} MiB (+NCCL) / NCCL ops (launches)" for t in trees)
         + " | series/up time [95 % CI] | control [95 % CI] |",
         "|---|--:|---|---|" + "--:|" * (len(trees) + 2),
     ]  # fmt: skip
@@ -429,7 +430,7 @@ def readme_block(result: dict) -> str:
            and r["model"] == "gpt_unequal" and r["bucket_size"] is not None]  # fmt: skip
     if big:
         dps = sorted({r["dp_size"] for r in big})
-        out += ["", "| NCCL calls (launches) per step, optimizer path, gpt_unequal, 14 buckets | "
+        out += ["", "| NCCL operations (launches) per step, optimizer path, gpt_unequal, 14 buckets | "
                 + " | ".join(f"DP {d}" for d in dps) + " |",
                 "|---|" + "--:|" * len(dps)]
         for t in trees:
