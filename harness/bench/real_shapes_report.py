@@ -231,8 +231,18 @@ def memory_table(rows: List[dict], legacy_trees: List[str], layout_tree: str) ->
     return "\n".join(lines)
 
 
+#: Hand-written reading of the tables (who should use which release and path, with the
+#: figures that decide it), placed after the column legend of real_shapes.md.
+FINDINGS = Path(__file__).with_name("real_shapes_findings.md")
+
+
 def write_markdown(data: dict, path: Path, plot_name: str = "real_shapes.png") -> None:
-    """docs/bench/real_shapes.md from the published JSON ``data`` ({"meta", "cells"})."""
+    """docs/bench/real_shapes.md from the published JSON ``data`` ({"meta", "cells"}) and
+    ``FINDINGS``; ``scripts/audit_param_sync.py`` calls it, and so can anyone with the JSON:
+    the Markdown needs no new audit run.
+
+    Raises:
+        OSError: ``FINDINGS`` is missing."""
     meta, cells = data["meta"], data["cells"]
     trees = list(meta["trees"])
     layout = [t for t, m in meta["trees"].items() if m.get("layout")]
@@ -255,6 +265,7 @@ def write_markdown(data: dict, path: Path, plot_name: str = "real_shapes.png") -
     ]
     out += [f"- `{t}`: {m['title']} (`{m['dir']}`)" for t, m in meta["trees"].items()]
     out += ["", "Columns: " + meta["columns"], ""]
+    out += ["## What the tables show, by release", "", FINDINGS.read_text().rstrip(), ""]
     for label, spec in meta["models"].items():
         recs = [c for c in cells if c["model"] == label]
         if not recs:
