@@ -134,6 +134,56 @@ def test_series_param_sync_allocates_nothing(case_results, case):
     assert memory_report.step_maxima(upstream)["megatron_bytes"] > 0, memory_report.format_memory(memory)
 
 
+def readme_example() -> dict:
+    """The README's example output of the main job, by section: {case: [lines]} and
+    "summary": [lines]; a line that is only "..." marks lines left out."""
+    text = (REPO_ROOT / "README.md").read_text()
+    block = text.split("## The main job's output", 1)[1].split("```", 2)[1]
+    sections, current = {}, None
+    for line in block.splitlines()[1:]:
+        if line.startswith("== summary"):
+            current = "summary"
+        elif line.startswith("== "):
+            current = line.split()[1]
+        if current is not None:
+            sections.setdefault(current, []).append(line)
+    return sections
+
+
+def _in_order(shown: list, printed: list) -> list:
+    """The lines of ``shown`` ("..." and blank lines aside) that are not lines of ``printed``
+    in that order."""
+    missing, at = [], 0
+    for line in shown:
+        if line.strip() in ("", "..."):
+            continue
+        try:
+            at = printed.index(line, at) + 1
+        except ValueError:
+            missing.append(line)
+    return missing
+
+
+def test_readme_example_is_the_main_jobs_output(case_results):
+    """README.md's example of the main job's output is what the main job prints for the runs
+    this session made of the same cases (the default case of each base): every line shown,
+    in order, with its counts and memory figures; only the summary's wall time may differ."""
+    import re
+
+    sections = readme_example()
+    defaults = rc.default_cases(list(rc.BASES))
+    assert [c for c in sections if c != "summary"] == defaults, sections.keys()
+    verdicts = {}
+    for case in defaults:
+        comparison = case_results(case)
+        printed = [rc.case_header(rc.load_case(rc.find_case(case)), "cpu")] + rc.case_report(comparison).splitlines()
+        assert _in_order(sections[case], printed) == [], "\n".join(printed)
+        verdicts[case] = comparison["verdict_line"]
+    no_time = lambda lines: [re.sub(r"\(\d+ s\)", "(N s)", line) for line in lines]  # noqa: E731
+    summary = no_time(rc.summary_report(verdicts, 0).splitlines())
+    assert _in_order(no_time(sections["summary"]), summary) == [], "\n".join(summary)
+
+
 def test_019_layout_case_trains_the_layout_path(case_results):
     """The 0.19 layout case really gathers the layer-wise param layout's way, on both trees:
     one all_gather_into_tensor per call, in place (no zero-size op, no megatron tensor), where
