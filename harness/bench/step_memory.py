@@ -1,9 +1,13 @@
 """Peak memory per phase of one real training step, for the tree PYTHONPATH selects.
 
-Run under torchrun (scripts/bench_param_sync.py --step-memory starts it once per tree):
+scripts/bench_param_sync.py starts it once per tree and DP size (``--step-memory``), with
+the environment ``harness.launch.torchrun_command`` gives a tree (its parent first on
+PYTHONPATH, the CPU runtime layer on; a bare torchrun of this file on a CPU-only machine
+stops at "Found no NVIDIA driver"). The step-memory runs alone, upstream and the series at
+DP 2 (35 s on 2 cores):
 
-    python -m torch.distributed.run --standalone --nproc-per-node 2 \
-        harness/bench/step_memory.py --tree upstream --out S.json
+    .venv/bin/python scripts/bench_param_sync.py --real-dp "" --fake-dp "" --step-memory 2 \
+        --trees upstream,patched --out-dir build/bench-step-memory
 
 A GPTModel in megatron DDP with the layer-wise Muon optimizer (bf16 params, fp32
 grad_data) takes training steps on random tokens, with --overlap-param-gather on and off.
