@@ -69,7 +69,7 @@ class RunInfo:
         series: the series applied to make the patched tree ("patches/0.19").
         trees: variant -> tree label (``harness.trees`` label, or "mutant <name>").
         ranks: training ranks.
-        device: "cpu" (gloo ranks) or "cuda" (NCCL).
+        device: "cpu" (gloo ranks) or "cuda" (GPUs; NCCL, or gloo on one GPU in the GPU check).
         verdict: one of ``verdicts.VERDICTS``.
         verdict_line: ``comparison["verdict_line"]`` (e.g. "diverged at step 6 (...)").
     """
@@ -89,7 +89,7 @@ def figure_title(info: RunInfo) -> str:
     """Three lines: case, base, ranks, device; the two trees; the verdict and its meaning."""
     from .verdicts import VERDICT_MEANING
 
-    device = {"cpu": "CPU, gloo", "cuda": "GPU, NCCL"}.get(info.device, info.device)
+    device = {"cpu": "CPU, gloo", "cuda": "GPU"}.get(info.device, info.device)
     meaning = VERDICT_MEANING.get(info.verdict, "")
     line = info.verdict_line if info.verdict_line.startswith(info.verdict) else f"{info.verdict}: {info.verdict_line}"
     return (
