@@ -36,27 +36,34 @@ PLACEHOLDER_MAIL = re.compile(
 )
 
 
-def touched_files():
+def touched_files(base="0.17.1"):
     files = set()
-    for patch in series_patches():
+    for patch in series_patches(base=base):
         files.update(re.findall(r"^\+\+\+ b/(\S+)", patch.read_text(), flags=re.M))
     return sorted(files)
 
 
-def test_series_touches_python_files():
-    files = touched_files()
+@pytest.mark.parametrize("base", BASES)
+def test_series_touches_python_files(base):
+    files = touched_files(base)
     assert files and all(f.startswith("megatron/core/") and f.endswith(".py") for f in files)
 
 
-@pytest.mark.parametrize("tree", ["patched", "upstream"])
+@pytest.mark.parametrize("base", BASES)
+@pytest.mark.parametrize("side", [1, 0], ids=["patched", "upstream"])
 @pytest.mark.parametrize("tool", ["black", "isort"])
-def test_touched_files_keep_upstream_format(tree, tool):
-    cmd = (BLACK if tool == "black" else ISORT) + touched_files()
+def test_touched_files_keep_upstream_format(base, side, tool):
+    tree = BASES[base][side]
+    cmd = (BLACK if tool == "black" else ISORT) + touched_files(base)
     proc = subprocess.run(cmd, cwd=tree_parent(tree), capture_output=True, text=True)
     assert proc.returncode == 0, f"{tool} rejects {tree} files:\n{proc.stdout}{proc.stderr}"
 
 
-@pytest.mark.parametrize("patch", series_patches(checkout=True), ids=lambda p: p.name[:4])
+@pytest.mark.parametrize(
+    "patch",
+    [p for b in BASES for p in series_patches(checkout=True, base=b)],
+    ids=lambda p: f"{p.parent.name}-{p.name[:4]}",
+)
 def test_patch_header(patch):
     text = patch.read_text()
     subject = re.search(r"^Subject: \[PATCH\] (.+)$", text, flags=re.M)
@@ -76,9 +83,10 @@ def test_patch_header(patch):
     assert signed.groups() == author.groups(), f"{patch.name}: Signed-off-by differs from author"
 
 
-def test_series_header_names_the_base():
-    first = (SERIES_DIR / "series").read_text().splitlines()[0]
-    assert first.startswith("#") and "0.17.1" in first and "core_v0.17.1" in first
+@pytest.mark.parametrize("base,tag", [("0.17.1", "core_v0.17.1"), ("0.19", "core_v0.19.0")])
+def test_series_header_names_the_base(base, tag):
+    first = (SERIES_DIR.parent / base / "series").read_text().splitlines()[0]
+    assert first.startswith("#") and base in first and tag in first
 
 
 # ------------------------------------------------------------ numbers in the patch messages
