@@ -7,9 +7,10 @@ Usage::
     scripts/gpu_check.sh --dry-run --assume-gpus 8 --assume-gpu-name "NVIDIA H100 80GB HBM3" OUT
     scripts/gpu_check.sh --update-golden OUT      # record golden values in OUT/<run>/golden even where some exist
 
-Exit codes: 0 every run passed; 1 a run failed or timed out (OUT/report.txt says which and
-why); 2 bad usage or a machine that cannot run the check (no CUDA GPU, trees not generated,
-OUT not empty); nothing was run then.
+Exit codes: 0 every run passed (a run skipped for a missing package, e.g. Transformer Engine,
+neither passes nor fails); 1 a run failed or timed out (OUT/report.txt says which and why); 2 bad
+usage or a machine that cannot run the check (no CUDA GPU, trees not generated, OUT not
+empty); nothing was run then.
 """
 
 from __future__ import annotations
@@ -72,7 +73,8 @@ def _check_args(args) -> None:
         raise UsageError(f"OUT {args.out} exists and is not a folder")
     if not args.dry_run and args.out.is_dir() and any(args.out.iterdir()):
         raise UsageError(f"OUT {args.out} is not empty: give a new folder, so that results of two runs never mix")
-    for tree in (REPO_ROOT / "build" / "upstream" / "megatron", REPO_ROOT / "megatron"):
+    for tree in (REPO_ROOT / "build" / "upstream" / "megatron", REPO_ROOT / "megatron",
+                 REPO_ROOT / "build" / "upstream-0.19" / "megatron", REPO_ROOT / "build" / "patched-0.19" / "megatron"):
         if not (tree / "core" / "__init__.py").is_file():
             raise UsageError(f"{tree} is missing: run scripts/setup.sh first (the Docker image has it)")
 
@@ -116,32 +118,69 @@ def _run_process(argv: Sequence[str], env: Optional[dict], log: Path, timeout_s:
     return ("ok" if rc == 0 else "failed"), rc, time.monotonic() - t0
 
 
-def execute(plan) -> List[dict]:
-    """Run every run of ``plan`` in order; each one's status goes to OUT/runs.json at once."""
+def run_one(run, plan) -> dict:
+    """Run one run of ``plan`` (its launches in order, or its functional driver); its status
+    dict: name, status ("ok", "failed", "timeout", "skipped"), returncode, seconds, lane."""
     from harness.gpu_check.plan import functional_command
 
-    statuses: List[dict] = []
+    run_dir = plan.out / run.name
+    if run.skip_reason:
+        print(f"gpu_check: {run.name}: {run.skip_reason}", flush=True)
+        return {"name": run.name, "status": "skipped", "returncode": None, "seconds": 0.0,
+                "reason": run.skip_reason, "lane": run.lane}
+    print(f"gpu_check: {run.name} ({run.backend}, {run.nproc} ranks on {','.join(run.devices)}, "
+          f"timeout {run.timeout_s} s, lane {'exclusive' if run.exclusive else run.lane}) ...", flush=True)
+    if run.kind == "functional":
+        env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), PYTHONUNBUFFERED="1")
+        status, rc, secs = _run_process(functional_command(run, plan), env, run_dir / "driver.log", run.timeout_s)
+    else:
+        status, rc, secs = "ok", 0, 0.0
+        for x in run.launches:
+            left = run.timeout_s - secs
+            s, code, dt = _run_process(x.argv, x.env, run_dir / f"{x.tree}.log",
+                                       min(left, run.timeout_s / len(run.launches) + 15))
+            secs += dt
+            if s != "ok":
+                status, rc = s, code
+                break
+    print(f"gpu_check: {run.name}: {status} after {secs:.0f} s (logs in {run_dir})", flush=True)
+    return {"name": run.name, "status": status, "returncode": rc, "seconds": round(secs, 1), "lane": run.lane}
+
+
+def execute(plan) -> List[dict]:
+    """Run the plan: its exclusive runs one after another, then its lanes side by side (each
+    lane's runs in order, ``plan.assign_lanes``). Each run's status goes to OUT/runs.json as
+    soon as it ends; the file keeps the plan's order."""
+    import threading
+
+    statuses = {}
+    lock = threading.Lock()
+    order = [r.name for r in plan.runs]
+
+    def record(status: dict) -> None:
+        with lock:
+            statuses[status["name"]] = status
+            done = [statuses[n] for n in order if n in statuses]
+            (plan.out / "runs.json").write_text(json.dumps(done, indent=1) + "\n")
+
     for run in plan.runs:
-        run_dir = plan.out / run.name
-        print(f"gpu_check: {run.name} ({run.backend}, {run.nproc} ranks on {','.join(run.devices)}, "
-              f"timeout {run.timeout_s} s) ...", flush=True)
-        if run.kind == "functional":
-            env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), PYTHONUNBUFFERED="1")
-            status, rc, secs = _run_process(functional_command(run, plan), env, run_dir / "driver.log", run.timeout_s)
-        else:
-            status, rc, secs = "ok", 0, 0.0
-            for x in run.launches:
-                left = run.timeout_s - secs
-                s, code, dt = _run_process(x.argv, x.env, run_dir / f"{x.tree}.log",
-                                           min(left, run.timeout_s / len(run.launches) + 15))
-                secs += dt
-                if s != "ok":
-                    status, rc = s, code
-                    break
-        statuses.append({"name": run.name, "status": status, "returncode": rc, "seconds": round(secs, 1)})
-        (plan.out / "runs.json").write_text(json.dumps(statuses, indent=1) + "\n")
-        print(f"gpu_check: {run.name}: {status} after {secs:.0f} s (logs in {run_dir})", flush=True)
-    return statuses
+        if run.exclusive:
+            record(run_one(run, plan))
+    lanes = {}
+    for run in plan.runs:
+        if not run.exclusive:
+            lanes.setdefault(run.lane, []).append(run)
+
+    def lane_worker(runs) -> None:
+        for run in runs:
+            record(run_one(run, plan))
+
+    threads = [threading.Thread(target=lane_worker, args=(runs,), daemon=True) for runs in lanes.values()]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return [statuses[n] for n in order if n in statuses]
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -162,7 +201,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from harness.gpu_check import plan as plan_mod
 
         try:
-            plan = plan_mod.make_plan(plan_gpus, plan_name, args.out, args.update_golden)
+            plan = plan_mod.make_plan(plan_gpus, plan_name, args.out, args.update_golden,
+                                      with_te=plan_mod.te_available())
         except ValueError as exc:
             raise UsageError(str(exc)) from None
     except UsageError as exc:

@@ -6,9 +6,10 @@
 ``tests/functional_tests/python_test_utils/run_case.run_case`` trains upstream and patched,
 compares them bit for bit and with the golden file, and writes
 ``OUT/<case>/comparison.json``, the metrics and ``loss_curves.png``. What differs from
-``scripts/run_functional_test.sh --device cuda``: the backend may be gloo with both ranks on
-``cuda:0`` (``--shared-gpu``: ``MEGATRON_SHARED_GPU=1``), and the golden file is per GPU type
-and backend (``plan.golden_file``).
+``scripts/run_functional_test.sh --device cuda``: the backend may be gloo, ranks may share
+GPUs (``--shared-gpu``: ``MEGATRON_SHARED_GPU=1``, and for NCCL ``NCCL_SOCKET_IFNAME=lo``
+with a ``NCCL_HOSTID`` per rank), and the golden file is per GPU type and backend
+(``plan.golden_file``).
 
 Golden values are never written into the checkout (in ``docker run --rm`` it is gone when the
 container exits). When the case folder has no golden file for this GPU type and backend, or
@@ -86,7 +87,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     """CLI (see the module docstring); exit 0 when ``passed``, else 1; 2 on bad arguments."""
     ap = argparse.ArgumentParser(prog="python -m harness.gpu_check.functional", description=__doc__.splitlines()[0])
     ap.add_argument("--backend", choices=("gloo", "nccl"), required=True)
-    ap.add_argument("--shared-gpu", action="store_true", help="all ranks on cuda:0 (gloo only)")
+    ap.add_argument("--shared-gpu", action="store_true",
+                    help="ranks share the GPUs (MEGATRON_SHARED_GPU=1; with nccl each rank gets its own "
+                         "NCCL_HOSTID and NCCL_SOCKET_IFNAME=lo: NCCL's socket transport)")
     ap.add_argument("--golden-file", required=True, help="file name in the case folder")
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--timeout", type=float, default=100, help="seconds per training run")
@@ -97,8 +100,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                     help="no harness runtime flags: Transformer Engine, fused wgrad into main_grad, fused kernels")
     ap.add_argument("--case", default=plan.CASE, help="functional test case (default: %(default)s)")
     args = ap.parse_args(argv)
-    if args.shared_gpu and args.backend != "gloo":
-        ap.error("--shared-gpu needs --backend gloo (NCCL refuses two ranks on one device)")
     if Path(args.golden_file).name != args.golden_file:
         ap.error(f"--golden-file is a file name in the case folder, got {args.golden_file!r}")
     try:
@@ -119,7 +120,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         args.case, device="cuda", timeout_s=args.timeout, out_root=args.out,
         golden_path=golden_out if args.update_golden else repo_golden,
         model_args={**plan.functional_overrides(args.backend), **extra_args},
-        extra_env=plan.SHARED_GPU_ENV if args.shared_gpu else None,
+        extra_env=plan.shared_gpu_env(args.backend) if args.shared_gpu else None,
         runtime_flags=not args.megatron_defaults,
     )
     case = run_case.load_case(folder)

@@ -68,6 +68,7 @@ if not shared_gpu.install_if_requested():
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+from harness.gpu_check import real_shapes  # noqa: E402
 from harness.trees import check_expected_tree  # noqa: E402
 
 #: Model configurations. ``param_dominated``: 8 layers, hidden 2048 (about 0.54 B params,
@@ -75,6 +76,9 @@ from harness.trees import check_expected_tree  # noqa: E402
 #: activations. ``equal_shares``: no linear biases, rotary positions, untied embeddings and one
 #: bucket, so that the layer-wise optimizer's size-sorted ping-pong assignment gives both of
 #: 2 DP ranks the same share (checked and reported, not assumed). ``tiny``: for CPU tests.
+#: ``llama3_8b_layers``: Llama-3-8B's shapes with as many layers as fit 2 ranks on an 80 GB GPU
+#: (``harness.gpu_check.real_shapes``), built as the real-shape audit builds it (decoder block
+#: spec, SwiGLU, RMSNorm, GQA), so that its buckets and shares are the audit's.
 CONFIGS = {
     "param_dominated": dict(num_layers=8, hidden_size=2048, num_attention_heads=16, ffn_hidden_size=8192,
                             vocab=32768, seq=256, micro_batch=1, bucket_size=None, add_bias_linear=True,
@@ -85,6 +89,7 @@ CONFIGS = {
     "tiny": dict(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=256,
                  vocab=512, seq=32, micro_batch=2, bucket_size=None, add_bias_linear=True,
                  position_embedding_type="learned_absolute"),
+    "llama3_8b_layers": real_shapes.worker_config(),
 }
 PARAM_DTYPE = torch.bfloat16
 
@@ -143,7 +148,7 @@ class Setup:
 
     def __init__(self, cfg: dict, seed: int = 1234):
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
         from megatron.core.models.gpt.gpt_model import GPTModel
         from megatron.core.optimizer import OptimizerConfig
         from megatron.core.optimizer.muon import get_megatron_muon_optimizer
@@ -158,13 +163,20 @@ class Setup:
         # initialize.py:_set_random_seed.)
         torch.manual_seed(seed)
         model_parallel_cuda_manual_seed(seed)
+        # Llama-like configs as harness/bench/real_shapes_worker.py:build_module builds them.
+        llama = dict(num_query_groups=cfg["num_query_groups"], kv_channels=cfg["kv_channels"],
+                     normalization=cfg["normalization"], gated_linear_unit=True,
+                     activation_func=torch.nn.functional.silu, bias_activation_fusion=False,
+                     ) if cfg.get("swiglu") else {}
         config = TransformerConfig(
             num_layers=cfg["num_layers"], hidden_size=cfg["hidden_size"],
             num_attention_heads=cfg["num_attention_heads"], ffn_hidden_size=cfg["ffn_hidden_size"],
             add_bias_linear=cfg["add_bias_linear"], params_dtype=PARAM_DTYPE, bf16=True,
-            use_cpu_initialization=not _on_gpu(), hidden_dropout=0.0, attention_dropout=0.0,
+            use_cpu_initialization=not _on_gpu(), hidden_dropout=0.0, attention_dropout=0.0, **llama,
         )
-        module = GPTModel(config, get_gpt_layer_local_spec(), vocab_size=cfg["vocab"],
+        spec = (get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization=cfg["normalization"])
+                if llama else get_gpt_layer_local_spec())
+        module = GPTModel(config, spec, vocab_size=cfg["vocab"],
                           max_sequence_length=cfg["seq"], share_embeddings_and_output_weights=False,
                           position_embedding_type=cfg["position_embedding_type"])
         module = module.to(dtype=PARAM_DTYPE).cuda()

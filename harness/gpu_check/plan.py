@@ -1,41 +1,61 @@
 """What the GPU check runs: one ``Run`` per measurement, each with its commands and timeout.
 
-``make_plan(gpus, gpu_name, out)`` is a pure function of the GPU count and name, so that a
-dry run on a machine without GPUs shows exactly what a machine with that many would run:
+``make_plan(gpus, gpu_name, out)`` is a pure function of the GPU count and name (and of
+whether Transformer Engine is importable), so that a dry run on a machine without GPUs shows
+exactly what a machine with that many would run. Runs, by base (0.17.1: ``build/upstream``
+and ``megatron/``; 0.19: ``build/upstream-0.19`` and ``build/patched-0.19``):
 
-============================  =========  =======  ===========================================
-run                           backend    ranks    what
-============================  =========  =======  ===========================================
-functional_gloo_shared_gpu    gloo       2        default functional case, both ranks on cuda:0
-memory_gloo_shared_gpu        gloo       2        CUDA memory, ``param_dominated`` GPT, cuda:0
-functional_nccl               nccl       2        default case, cuda:0 and cuda:1 (>= 2 GPUs)
-functional_nccl_te            nccl       2        default case with megatron's defaults:
-                                                  Transformer Engine, fused wgrad into main_grad
-functional_nccl_sync          nccl       2        overlap off: the optimizer's gather (0007)
-functional_nccl_eval          nccl       2        eval every 10 steps: forced param syncs
-memory_nccl                   nccl       <= 8     CUDA memory, one rank per GPU (>= 2 GPUs)
-memory_nccl_equal_shares      nccl       2        equal bucket shares (>= 2 GPUs); requires a
-                                                  bucket with equal shares and the patched
-                                                  all_gather_into_tensor
-============================  =========  =======  ===========================================
+=================================  =====  =====  ==============================================
+run                                base   ranks  what
+=================================  =====  =====  ==============================================
+functional_gloo_shared_gpu         0.17.1 2      default case, gloo, both ranks on cuda:0
+memory_gloo_shared_gpu             0.17.1 2      CUDA memory, ``param_dominated`` GPT, gloo
+functional_nccl                    0.17.1 2      default case on NCCL
+functional_nccl_te                 0.17.1 2      default case with megatron's defaults:
+                                                 Transformer Engine, fused wgrad into main_grad
+                                                 (skipped where transformer_engine is missing)
+functional_nccl_sync               0.17.1 2      overlap off: the optimizer's gather (0007)
+functional_nccl_eval               0.17.1 2      eval every 10 steps: forced param syncs
+memory_nccl                        0.17.1 2..8   CUDA memory, ``param_dominated`` GPT
+memory_nccl_equal_shares           0.17.1 2      equal bucket shares; requires a bucket with
+                                                 equal shares and all_gather_into_tensor
+memory_nccl_llama3_8b_layers       0.17.1 2      Llama-3-8B's shapes, as many layers as fit 2
+                                                 ranks on an 80 GB GPU; measured peaks beside
+                                                 the real-shape audit's prediction
+functional_nccl_019_legacy         0.19   2      0.19's default case (legacy layer-wise path)
+functional_nccl_019_sync           0.19   2      0.19, overlap off
+functional_nccl_019_moe            0.19   4      0.19, MoE EP 2, alltoall token dispatcher
+functional_nccl_019_vpp            0.19   4      0.19, PP 2 with VPP 2
+functional_nccl_019_layout         0.19   2      0.19's layout path (model-provider API)
+=================================  =====  =====  ==============================================
 
-Timeouts are seconds of wall time per run (a functional run trains both trees, each with half
-the run's timeout less 10 s; a memory run starts one torchrun per tree). They are budgets, not
-measurements: no GPU run has been recorded yet, so they leave room for cold starts (CUDA
-context, NCCL init, Transformer Engine's first kernels). The plan adds up to at most
-``BUDGET_S`` for 1 and for 2 or more GPUs.
+NCCL runs put one rank per GPU where there are enough GPUs; otherwise ranks share GPUs (rank
+``i`` on ``cuda:i % gpus``): ``MEGATRON_SHARED_GPU=1`` gives every rank its own
+``NCCL_HOSTID`` (``harness.gpu_check.shared_gpu``) and ``NCCL_SOCKET_IFNAME=lo``, so NCCL
+connects them through its socket transport. On one GPU every NCCL run is of this kind.
+
+Time: every run has a timeout of its time on one H200 times ``HEADROOM`` (``RUN_TIMES``:
+measured where a run was timed there, an estimate otherwise, and the plan says which). Runs
+that are independent share the GPU at once: they are spread over ``LANES`` lanes that run
+side by side (each lane runs its runs one after another, longest first); runs that need the
+GPU's memory alone (``exclusive``) run before the lanes, one at a time. The plan's
+``schedule_s`` (exclusive runs plus the longest lane) must fit ``BUDGET_S``: 8 minutes on one
+GPU. A functional run trains both trees, each with half the run's timeout less 10 s.
 """
 
 from __future__ import annotations
 
+import importlib.util
+import math
 import re
 import shlex
 import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 from harness import launch
+from harness.gpu_check import real_shapes
 
 #: The functional case every run trains (run_case's default: dist_muon, both overlaps, DP=2).
 CASE = "gpt_dp2_bf16_fp32grad_overlap_layerwise"
@@ -43,15 +63,55 @@ CASE = "gpt_dp2_bf16_fp32grad_overlap_layerwise"
 SYNC_CASE = "gpt_dp2_bf16_fp32grad_sync_layerwise"
 #: Eval every 10 iterations: forced param syncs with the pre-hooks disabled (patch 0003).
 EVAL_CASE = "gpt_dp2_bf16_fp32grad_overlap_layerwise_eval"
+#: The 0.19 base's cases (tests/functional_tests/test_cases/gpt_mcore_0.19/), by run suffix.
+CASES_019 = {
+    "legacy": "gpt019_dp2_bf16_fp32grad_overlap_legacy",
+    "sync": "gpt019_dp2_bf16_fp32grad_sync_legacy",
+    "moe": "gpt019_moe_ep2_dp4_bf16_fp32grad_overlap_legacy",
+    "vpp": "gpt019_pp2_vpp2_dp2_bf16_fp32grad_overlap_legacy",
+    "layout": "gpt019_dp2_bf16_fp32grad_overlap_layout",
+}
 TREES = ("upstream", "patched")
 MEMORY_WORKER = Path(__file__).resolve().parent / "memory_worker.py"
 MEMORY_STEPS = 4
-#: Seconds the whole plan may take: 1 GPU, and 2 or more GPUs (the NCCL runs come on top).
+#: Seconds the schedule may take: 1 GPU, and 2 or more GPUs.
 BUDGET_S = {1: 480, 2: 1800}
-#: Environment for gloo ranks that share cuda:0 (harness.gpu_check.shared_gpu).
+#: Runs side by side on the GPU(s) (see the module docstring).
+LANES = 6
+#: Timeout = time x HEADROOM (runs share the GPU and the CPU cores with the other lanes).
+HEADROOM = 1.5
+#: Environment for ranks that share a GPU (harness.gpu_check.shared_gpu), by backend.
 SHARED_GPU_ENV = {"MEGATRON_SHARED_GPU": "1"}
+SHARED_GPU_NCCL_ENV = {**SHARED_GPU_ENV, "NCCL_SOCKET_IFNAME": "lo"}
 #: At most this many NCCL ranks in memory_nccl (one node).
 MAX_NCCL_RANKS = 8
+#: What a Transformer Engine run reports where transformer_engine does not import.
+TE_MISSING = "skipped: Transformer Engine not installed"
+#: Seconds each run took on one H200 (2 NCCL ranks on one GPU, alone), or an estimate:
+#: (seconds, "measured" or "estimate", basis). Measured: 80 to 87 s per functional run of the
+#: 0.17.1 default, sync and eval cases (both trees, 50 iterations each).
+RUN_TIMES: Dict[str, Tuple[int, str, str]] = {
+    "functional_nccl": (87, "measured", "H200, 2 NCCL ranks on cuda:0, both trees"),
+    "functional_nccl_sync": (87, "measured", "H200, 2 NCCL ranks on cuda:0, both trees"),
+    "functional_nccl_eval": (87, "measured", "H200, 2 NCCL ranks on cuda:0, both trees"),
+    "functional_gloo_shared_gpu": (90, "estimate", "as functional_nccl; gloo stages through host memory"),
+    "functional_nccl_te": (100, "estimate", "as functional_nccl plus Transformer Engine's first kernels"),
+    "functional_nccl_019_legacy": (87, "estimate", "as 0.17.1's default case (same shapes, 50 iterations)"),
+    "functional_nccl_019_sync": (87, "estimate", "as 0.17.1's sync case"),
+    "functional_nccl_019_layout": (70, "estimate", "as functional_nccl, 20 iterations"),
+    "functional_nccl_019_moe": (110, "estimate", "4 ranks start up on the GPU; 16 iterations"),
+    "functional_nccl_019_vpp": (110, "estimate", "4 ranks start up on the GPU; 20 iterations"),
+    "memory_gloo_shared_gpu": (60, "estimate", "0.54 B params, 4 steps and 2 syncs per tree"),
+    "memory_nccl": (60, "estimate", "as memory_gloo_shared_gpu"),
+    "memory_nccl_equal_shares": (45, "estimate", "0.14 B params"),
+    "memory_nccl_llama3_8b_layers": (90, "estimate", f"{real_shapes.LAYERS} Llama-3-8B layers, "
+                                     "2.8 B params initialized on the GPU, per tree"),
+}
+
+
+def te_available() -> bool:
+    """Whether ``transformer_engine`` is installed (its spec is found; not imported)."""
+    return importlib.util.find_spec("transformer_engine") is not None
 
 
 @dataclass
@@ -64,7 +124,7 @@ class Launch:
 
     def shell(self) -> str:
         """``env VAR=... argv`` for the variables that select tree, runtime and GPU sharing."""
-        keys = [*launch.SHOWN_ENV, *SHARED_GPU_ENV]
+        keys = [*launch.SHOWN_ENV, *SHARED_GPU_NCCL_ENV, "MEGATRON_LM_CHECKOUT"]
         assigns = [f"{k}={shlex.quote(self.env[k])}" for k in keys if k in self.env]
         return " ".join(["env", *assigns, shlex.join(self.argv)])
 
@@ -86,6 +146,13 @@ class Run:
         case: functional runs: the functional test case.
         runtime_flags: functional runs: the harness's local-layer flags (False: megatron's
             defaults, Transformer Engine and fused wgrad).
+        base: the megatron-core base ("0.17.1" or "0.19").
+        time_s, time_kind, time_basis: the run's time behind its timeout (``RUN_TIMES``).
+        lane: the lane it runs in (``LANES``); -1 for exclusive runs.
+        exclusive: runs alone on the GPU(s), before the lanes.
+        skip_reason: why the run is not run (it then neither passes nor fails).
+        shared_gpu: ranks share GPUs (``MEGATRON_SHARED_GPU=1``).
+        prediction: the real-shape audit's prediction (``real_shapes.PREDICTION_FILE``).
     """
 
     name: str
@@ -99,6 +166,15 @@ class Run:
     config: Optional[str] = None
     case: Optional[str] = None
     runtime_flags: bool = True
+    base: str = "0.17.1"
+    time_s: Optional[int] = None
+    time_kind: Optional[str] = None
+    time_basis: Optional[str] = None
+    lane: int = 0
+    exclusive: bool = False
+    skip_reason: Optional[str] = None
+    shared_gpu: bool = False
+    prediction: Optional[dict] = None
 
     def as_dict(self) -> dict:
         d = asdict(self)
@@ -116,7 +192,17 @@ class Plan:
 
     @property
     def total_timeout_s(self) -> int:
+        """All timeouts added up (the time the runs would take one after another)."""
         return sum(r.timeout_s for r in self.runs)
+
+    @property
+    def schedule_s(self) -> int:
+        """Longest time the schedule may take: exclusive runs, then the longest lane."""
+        lanes: Dict[int, int] = {}
+        for r in self.runs:
+            if not r.exclusive:
+                lanes[r.lane] = lanes.get(r.lane, 0) + r.timeout_s
+        return sum(r.timeout_s for r in self.runs if r.exclusive) + max(lanes.values(), default=0)
 
     @property
     def budget_s(self) -> int:
@@ -125,8 +211,8 @@ class Plan:
     def as_dict(self) -> dict:
         return {"gpus": self.gpus, "gpu_name": self.gpu_name, "gpu_slug": gpu_slug(self.gpu_name),
                 "out": str(self.out), "update_golden": self.update_golden,
-                "total_timeout_s": self.total_timeout_s, "budget_s": self.budget_s,
-                "runs": [r.as_dict() for r in self.runs]}
+                "total_timeout_s": self.total_timeout_s, "schedule_s": self.schedule_s, "lanes": LANES,
+                "budget_s": self.budget_s, "runs": [r.as_dict() for r in self.runs]}
 
 
 def gpu_slug(name: str) -> str:
@@ -144,31 +230,40 @@ def gpu_slug(name: str) -> str:
 
 def golden_file(gpu_name: str, backend: str, variant: str = "") -> str:
     """Golden values of a case for a GPU type and backend, e.g. ``golden_values_h200_gloo.json``
-    (2 ranks on one GPU), ``golden_values_h200_nccl.json``, or with ``variant="te"``
-    ``golden_values_h200_nccl_te.json`` (Transformer Engine)."""
+    (2 ranks on one GPU), ``golden_values_h200_nccl.json`` (a rank per GPU),
+    ``golden_values_h200_nccl_1gpu.json`` (NCCL ranks sharing one GPU through sockets), or with
+    ``variant="te"`` ``golden_values_h200_nccl_te.json`` (Transformer Engine)."""
     return f"golden_values_{gpu_slug(gpu_name)}_{backend}{'_' + variant if variant else ''}.json"
+
+
+def shared_gpu_env(backend: str) -> Dict[str, str]:
+    """Environment of ranks that share GPUs: ``SHARED_GPU_ENV``, for NCCL ``SHARED_GPU_NCCL_ENV``."""
+    return dict(SHARED_GPU_NCCL_ENV if backend == "nccl" else SHARED_GPU_ENV)
 
 
 def functional_launches(run_dir: Path, backend: str, nproc: int, extra_env: Dict[str, str],
                         case_name: str = CASE, runtime_flags: bool = True) -> List[Launch]:
     """The torchrun lines ``run_case.run_case`` starts for ``case_name`` with these overrides
-    (``harness.gpu_check.functional`` passes the same ones)."""
+    (``harness.gpu_check.functional`` passes the same ones), on the trees of the case's base."""
     from harness import data
     from tests.functional_tests.python_test_utils import run_case
 
     case = run_case.load_case(run_case.find_case(case_name))
+    base = run_case.BASES[case.base]
     model_args = {**case.model_args, **functional_overrides(backend)}
     out = []
-    for tree in TREES:
+    for variant in TREES:
+        tree = base.trees[variant]
         variables = {
             "DATA_PATH": str(Path(data.DEFAULT_OUT).resolve() / data.DATASET_PREFIX),
-            "TENSORBOARD_PATH": str(run_dir / case.name / tree / "tensorboard"),
-            "CHECKPOINT_SAVE_PATH": str(run_dir / case.name / tree / "checkpoints"),
-            "CHECKPOINT_LOAD_PATH": str(run_dir / case.name / tree / "checkpoints"),
+            "TENSORBOARD_PATH": str(run_dir / case.name / variant / "tensorboard"),
+            "CHECKPOINT_SAVE_PATH": str(run_dir / case.name / variant / "checkpoints"),
+            "CHECKPOINT_LOAD_PATH": str(run_dir / case.name / variant / "checkpoints"),
         }
         argv, env = launch.pretrain_command(tree, run_case.expand_args(model_args, variables), nproc,
                                             cpu=False, runtime_flags=runtime_flags,
-                                            extra_env={**case.env_vars, **extra_env})
+                                            extra_env={**case.env_vars, "MEGATRON_LM_CHECKOUT": str(base.checkout),
+                                                       **extra_env})
         out.append(Launch(tree, argv, env))
     return out
 
@@ -190,7 +285,30 @@ def memory_launches(run_dir: Path, backend: str, nproc: int, config: str, extra_
     return out
 
 
-def make_plan(gpus: int, gpu_name: str, out: Path, update_golden: bool = False) -> Plan:
+def timeout_for(name: str) -> int:
+    """``RUN_TIMES[name]`` seconds x ``HEADROOM``, rounded up to 5 s."""
+    return int(math.ceil(RUN_TIMES[name][0] * HEADROOM / 5) * 5)
+
+
+def assign_lanes(runs: List[Run], lanes: int = LANES) -> None:
+    """Spread the runs that are not exclusive over ``lanes`` lanes, longest first, each to the
+    lane that ends earliest (longest-processing-time first); exclusive runs get lane -1."""
+    ends = [0] * lanes
+    for r in sorted((r for r in runs if not r.exclusive), key=lambda r: -r.timeout_s):
+        i = min(range(lanes), key=lambda k: (ends[k], k))
+        r.lane = i
+        ends[i] += r.timeout_s
+    for r in runs:
+        if r.exclusive:
+            r.lane = -1
+
+
+def _devices(nproc: int, gpus: int) -> List[str]:
+    return [f"cuda:{i % gpus}" for i in range(nproc)]
+
+
+def make_plan(gpus: int, gpu_name: str, out: Path, update_golden: bool = False,
+              with_te: Optional[bool] = None) -> Plan:
     """The runs for a machine with ``gpus`` CUDA GPUs named ``gpu_name``.
 
     Args:
@@ -199,48 +317,61 @@ def make_plan(gpus: int, gpu_name: str, out: Path, update_golden: bool = False) 
         out: results folder; each run writes under ``out/<run name>``.
         update_golden: functional runs rewrite their golden file (refused unless patched
             equals upstream exactly).
+        with_te: whether transformer_engine is installed (None: ``te_available()``); without
+            it the TE run is planned with ``skip_reason`` ``TE_MISSING``.
 
     Raises:
         ValueError: ``gpus`` < 1 or an unusable ``gpu_name``.
+        AssertionError: the schedule does not fit ``BUDGET_S`` (a change of the plan's runs).
     """
     if gpus < 1:
         raise ValueError(f"a plan needs at least 1 GPU, got {gpus}")
     gpu_slug(gpu_name)
+    with_te = te_available() if with_te is None else with_te
     out = Path(out).resolve()
+
+    def nccl_run(name: str, kind: str, nproc: int, **kw) -> Run:
+        """An NCCL run of ``nproc`` ranks: one per GPU, or sharing GPUs where there are fewer."""
+        shared = nproc > gpus
+        env = shared_gpu_env("nccl") if shared else {}
+        if kind == "functional":
+            case = kw.pop("case")
+            variant = "1gpu" if gpus == 1 else ""
+            variant = "_".join(v for v in (variant, kw.pop("golden_variant", "")) if v)
+            launches = functional_launches(out / name, "nccl", nproc, env, case, kw.get("runtime_flags", True))
+            kw.update(case=case, golden_file=golden_file(gpu_name, "nccl", variant))
+        else:
+            launches = memory_launches(out / name, "nccl", nproc, kw["config"], env)
+        return Run(name, kind, "nccl", nproc, _devices(nproc, gpus), timeout_for(name), launches,
+                   shared_gpu=shared, **kw)
+
     runs = [
-        Run("functional_gloo_shared_gpu", "functional", "gloo", 2, ["cuda:0", "cuda:0"], 210,
-            functional_launches(out / "functional_gloo_shared_gpu", "gloo", 2, SHARED_GPU_ENV),
-            golden_file=golden_file(gpu_name, "gloo"), case=CASE),
-        Run("memory_gloo_shared_gpu", "memory", "gloo", 2, ["cuda:0", "cuda:0"], 180,
-            memory_launches(out / "memory_gloo_shared_gpu", "gloo", 2, "param_dominated", SHARED_GPU_ENV),
-            config="param_dominated"),
+        Run("functional_gloo_shared_gpu", "functional", "gloo", 2, ["cuda:0", "cuda:0"],
+            timeout_for("functional_gloo_shared_gpu"),
+            functional_launches(out / "functional_gloo_shared_gpu", "gloo", 2, shared_gpu_env("gloo")),
+            golden_file=golden_file(gpu_name, "gloo"), case=CASE, shared_gpu=True),
+        Run("memory_gloo_shared_gpu", "memory", "gloo", 2, ["cuda:0", "cuda:0"], timeout_for("memory_gloo_shared_gpu"),
+            memory_launches(out / "memory_gloo_shared_gpu", "gloo", 2, "param_dominated", shared_gpu_env("gloo")),
+            config="param_dominated", shared_gpu=True),
+        nccl_run("functional_nccl", "functional", 2, case=CASE),
+        nccl_run("functional_nccl_te", "functional", 2, case=CASE, runtime_flags=False, golden_variant="te",
+                 skip_reason=None if with_te else TE_MISSING),
+        nccl_run("functional_nccl_sync", "functional", 2, case=SYNC_CASE),
+        nccl_run("functional_nccl_eval", "functional", 2, case=EVAL_CASE),
+        nccl_run("memory_nccl", "memory", min(max(gpus, 2), MAX_NCCL_RANKS), config="param_dominated"),
+        nccl_run("memory_nccl_equal_shares", "memory", 2, config="equal_shares"),
+        nccl_run("memory_nccl_llama3_8b_layers", "memory", 2, config="llama3_8b_layers", exclusive=True,
+                 prediction=real_shapes.load_prediction()),
     ]
-    if gpus >= 2:
-        n = min(gpus, MAX_NCCL_RANKS)
-        two = ["cuda:0", "cuda:1"]
-        runs += [
-            Run("functional_nccl", "functional", "nccl", 2, two, 240,
-                functional_launches(out / "functional_nccl", "nccl", 2, {}),
-                golden_file=golden_file(gpu_name, "nccl"), case=CASE),
-            Run("functional_nccl_te", "functional", "nccl", 2, two, 300,
-                functional_launches(out / "functional_nccl_te", "nccl", 2, {}, runtime_flags=False),
-                golden_file=golden_file(gpu_name, "nccl", "te"), case=CASE, runtime_flags=False),
-            Run("functional_nccl_sync", "functional", "nccl", 2, two, 240,
-                functional_launches(out / "functional_nccl_sync", "nccl", 2, {}, SYNC_CASE),
-                golden_file=golden_file(gpu_name, "nccl"), case=SYNC_CASE),
-            Run("functional_nccl_eval", "functional", "nccl", 2, two, 240,
-                functional_launches(out / "functional_nccl_eval", "nccl", 2, {}, EVAL_CASE),
-                golden_file=golden_file(gpu_name, "nccl"), case=EVAL_CASE),
-            Run("memory_nccl", "memory", "nccl", n, [f"cuda:{i}" for i in range(n)], 150,
-                memory_launches(out / "memory_nccl", "nccl", n, "param_dominated", {}),
-                config="param_dominated"),
-            Run("memory_nccl_equal_shares", "memory", "nccl", 2, ["cuda:0", "cuda:1"], 120,
-                memory_launches(out / "memory_nccl_equal_shares", "nccl", 2, "equal_shares", {}),
-                config="equal_shares"),
-        ]
+    for suffix, case in CASES_019.items():
+        nproc = 4 if suffix in ("moe", "vpp") else 2
+        runs.append(nccl_run(f"functional_nccl_019_{suffix}", "functional", nproc, case=case, base="0.19"))
+    for r in runs:
+        r.time_s, r.time_kind, r.time_basis = RUN_TIMES[r.name]
+    assign_lanes(runs)
     plan = Plan(gpus, gpu_name, out, runs, update_golden)
-    if plan.total_timeout_s > plan.budget_s:
-        raise AssertionError(f"plan timeouts add up to {plan.total_timeout_s} s > {plan.budget_s} s")
+    if plan.schedule_s > plan.budget_s:
+        raise AssertionError(f"plan schedule takes up to {plan.schedule_s} s > {plan.budget_s} s")
     return plan
 
 
@@ -251,28 +382,56 @@ def functional_command(run: Run, plan: Plan) -> List[str]:
             "--timeout", str(run.timeout_s // 2 - 10)]
     if not run.runtime_flags:
         argv += ["--megatron-defaults"]
-    if run.backend == "gloo":
+    if run.shared_gpu:
         argv += ["--shared-gpu"]
     if plan.update_golden:
         argv += ["--update-golden"]
     return argv
 
 
+def prediction_lines(prediction: Optional[dict]) -> List[str]:
+    """The real-shape audit's predicted bytes, one line per tree and window (DP ranks side by
+    side), for the dry run and the report."""
+    if not prediction:
+        return [f"  predicted: none ({real_shapes.PREDICTION_FILE.name} missing: "
+                "python -m harness.gpu_check.real_shapes --write)"]
+    lines = [f"  predicted by the real-shape audit ({prediction['layers']} layers, DP {prediction['dp']}, "
+             f"{prediction['trees']['upstream']['ranks'][0]['param_numel']} params): peak bytes per DP rank "
+             f"(+- allocator rounding)"]
+    for tree, rec in prediction["trees"].items():
+        for window, label in (("sync", "param sync"), ("sync_optimizer", "optimizer gather")):
+            cells = [f"rank {r['dp_rank']}: {r['predicted'][window]['bytes']} B "
+                     f"(+-{r['predicted'][window]['tolerance_bytes']})" for r in rec["ranks"]]
+            lines.append(f"    {tree} {label}: " + ", ".join(cells))
+    return lines
+
+
 def format_plan(plan: Plan) -> str:
     """The dry-run text: a header, then per run one ``run NAME key=value ...`` line and one
     ``  launch TREE: env ... python -m torch.distributed.run ...`` line per torchrun."""
     lines = [f"gpu_check plan: {plan.gpus} GPU(s) ({plan.gpu_name}), {len(plan.runs)} runs, "
-             f"timeouts {plan.total_timeout_s} s of a {plan.budget_s} s budget, results in {plan.out}"]
+             f"schedule {plan.schedule_s} s of a {plan.budget_s} s budget ({LANES} lanes at once, exclusive runs "
+             f"first; timeouts add up to {plan.total_timeout_s} s), results in {plan.out}",
+             f"timeouts: each run's time on one H200 x {HEADROOM:g} (time=N/measured: timed there; "
+             "time=N/estimate: not timed yet)"]
+    if any(r.shared_gpu and r.backend == "nccl" for r in plan.runs):
+        lines.append("NCCL ranks sharing a GPU: NCCL_HOSTID=<host>-rank<LOCAL_RANK> per rank "
+                     "(harness.gpu_check.shared_gpu), NCCL_SOCKET_IFNAME=lo: NCCL's socket transport")
     for r in plan.runs:
-        fields = [f"kind={r.kind}", f"backend={r.backend}", f"ranks={r.nproc}",
-                  f"devices={','.join(r.devices)}", f"timeout_s={r.timeout_s}"]
+        fields = [f"kind={r.kind}", f"base={r.base}", f"backend={r.backend}", f"ranks={r.nproc}",
+                  f"devices={','.join(r.devices)}", f"timeout_s={r.timeout_s}", f"time={r.time_s}/{r.time_kind}",
+                  f"lane={'exclusive' if r.exclusive else r.lane}"]
         if r.golden_file:
             fields.append(f"golden={r.golden_file}")
         if r.config:
             fields.append(f"config={r.config}")
         lines.append(f"run {r.name} " + " ".join(fields))
+        if r.skip_reason:
+            lines.append(f"  {r.skip_reason}")
         if r.kind == "functional":
             lines.append(f"  driver: {shlex.join(functional_command(r, plan))}")
+        if r.config == "llama3_8b_layers":
+            lines.extend(prediction_lines(r.prediction))
         for x in r.launches:
             lines.append(f"  launch {x.tree}: {x.shell()}")
     return "\n".join(lines)

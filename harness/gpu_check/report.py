@@ -14,7 +14,17 @@ bytes; the report prints them in MiB/GiB. A memory run passes when both trees fi
 their lm loss is bit for bit equal at every step and the params agree after training, and,
 on NCCL, the patched param sync allocated 0 bytes on every rank. On gloo the patched sync's
 CUDA bytes (which include the NCCL temporaries the collective model allocates) are reported,
-not required.
+not required. The real-shape memory run (config ``llama3_8b_layers``) also fails where a
+measured peak of the param sync or the optimizer gather (per tree, per DP rank) differs from
+the real-shape audit's prediction by more than the allocator rounding
+(``harness.gpu_check.real_shapes.compare``), or where its buckets and shares are not the
+audit's. A run with status "skipped" (e.g. Transformer Engine not installed) neither passes
+nor fails.
+
+NCCL runs whose ranks share one GPU (``shared_gpu``) use NCCL's socket transport: a PASS there
+proves the series on NCCL's own code paths (the collectives megatron issues, as NCCL runs and
+allocates them, on real CUDA memory and the real caching allocator), not its time or its
+intra-node transports (sockets over loopback, not NVLink).
 """
 
 from __future__ import annotations
@@ -78,6 +88,7 @@ def memory_tree(doc: Optional[dict]) -> Optional[dict]:
         "losses_hex": [s["loss_hex"] for s in r0["steps"]],
         "params_checksums": sorted({r["params_checksum"] for r in ranks}),
         "init_params_checksums": sorted({r.get("init_params_checksum") for r in ranks} - {None}),
+        "bucket_layout": [[b["numel"], b["shares"]] for b in r0["buckets"]],
         "devices": [r["device"] for r in ranks],
     }
 
@@ -125,7 +136,44 @@ def summarize_memory(run: dict, run_dir: Path) -> dict:
                                        "make them at this DP size)")
             if not pa["sync_gather_calls"]["into_tensor"]:
                 out["problems"].append("equal_shares: the patched param sync made no all_gather_into_tensor")
+        if run.get("config") == "llama3_8b_layers":
+            out["prediction"] = compare_prediction(run.get("prediction"), trees)
+            out["problems"] += out["prediction"]["problems"]
     out["ok"] = not out["problems"]
+    return out
+
+
+def compare_prediction(prediction: Optional[dict], trees: dict) -> dict:
+    """The real-shape run's measured peaks beside the audit's prediction: ``rows`` (tree,
+    window, DP rank, predicted, tolerance, measured, problem) and ``problems``: a peak beyond
+    the allocator rounding (``real_shapes.compare``), buckets or shares that are not the
+    audit's, or no prediction at all."""
+    from harness.gpu_check import real_shapes
+
+    out: Dict[str, Any] = {"rows": [], "problems": []}
+    if not prediction:
+        out["problems"].append("no real-shape prediction in the plan (python -m harness.gpu_check.real_shapes --write)")
+        return out
+    keys = {"sync": "sync_peak_extra_bytes_per_rank", "sync_optimizer": "optimizer_sync_peak_extra_bytes_per_rank"}
+    for tree in TREES:
+        got, want = trees.get(tree), prediction["trees"].get(tree)
+        if got is None or want is None:
+            continue
+        layout = [[b["numel"], b["shares"]] for b in want["ranks"][0]["buckets"]]
+        if got["bucket_layout"] != layout:
+            out["problems"].append(f"{tree}: buckets and shares differ from the audit's model "
+                                   f"({len(got['bucket_layout'])} vs {len(layout)} buckets): the comparison is void")
+            continue
+        for window, key in keys.items():
+            for r in want["ranks"]:
+                rank = r["dp_rank"]
+                measured = got[key][rank] if rank < len(got[key]) else None
+                predicted = r["predicted"][window]
+                problem = real_shapes.compare(measured, predicted)
+                out["rows"].append({"tree": tree, "window": window, "dp_rank": rank, "predicted": predicted["bytes"],
+                                    "tolerance": predicted["tolerance_bytes"], "measured": measured, "problem": problem})
+                if problem:
+                    out["problems"].append(f"{tree} {window} DP rank {rank}: {problem}")
     return out
 
 
@@ -173,6 +221,12 @@ def summarize(out: Path) -> dict:
         entry = {"name": run["name"], "kind": run["kind"], "backend": run["backend"], "nproc": run["nproc"],
                  "devices": run["devices"], "status": status["status"], "returncode": status.get("returncode"),
                  "seconds": status.get("seconds"), "timeout_s": run["timeout_s"]}
+        entry.update(base=run.get("base", "0.17.1"), shared_gpu=run.get("shared_gpu", False))
+        if status["status"] == "skipped":
+            entry.update(ok=None, skipped=True, verdict_line=status.get("reason") or run.get("skip_reason"),
+                         problems=[])
+            runs.append(entry)
+            continue
         if run["kind"] == "memory":
             entry["config"] = run["config"]
             entry.update(summarize_memory(run, out / run["name"]))
@@ -190,7 +244,8 @@ def summarize(out: Path) -> dict:
         "total_seconds": sum(r["seconds"] or 0 for r in runs),
         "budget_s": plan["budget_s"],
         "runs": runs,
-        "ok": bool(runs) and all(r["ok"] for r in runs),
+        "skipped": [r["name"] for r in runs if r.get("skipped")],
+        "ok": any(not r.get("skipped") for r in runs) and all(r["ok"] for r in runs if not r.get("skipped")),
     }
 
 
@@ -227,6 +282,14 @@ def _memory_lines(r: dict) -> List[str]:
     if "losses_bitwise_equal" in r:
         n = len(up["losses_hex"])
         lines.append(f"  lm loss over {n} steps: {'bitwise equal' if r['losses_bitwise_equal'] else 'DIFFERS'}")
+    if r.get("prediction"):
+        lines.append("  measured CUDA peak beside the real-shape audit's prediction (per DP rank; +- allocator "
+                     "rounding, 512 B per allocation):")
+        for row in r["prediction"]["rows"]:
+            what = "param sync" if row["window"] == "sync" else "optimizer gather"
+            lines.append(f"    {row['tree']} {what} rank {row['dp_rank']}: predicted {row['predicted']} B "
+                         f"(+-{row['tolerance']}), measured {row['measured']} B: "
+                         f"{'agrees' if not row['problem'] else 'DISAGREES'}")
     return lines
 
 
@@ -234,23 +297,31 @@ def render(summary: dict) -> str:
     """The text report: header, one block per run, and the problems that failed a run."""
     env = summary.get("environment", {})
     verdict = "PASS" if summary["ok"] else "FAIL"
-    n_ok = sum(r["ok"] for r in summary["runs"])
+    n_ok = sum(bool(r["ok"]) for r in summary["runs"])
+    skipped = summary.get("skipped") or []
     recorded = [r for r in summary["runs"] if r.get("golden_recorded")]
     note = (f"; golden values recorded in OUT for {len(recorded)} run(s), commit them (commands below)"
             if recorded else "")
     lines = [
         f"GPU check: {summary['gpus']} x {summary['gpu_name']}; torch {env.get('torch', '?')}, "
         f"megatron-core {env.get('megatron_core', '?')}, driver {env.get('driver', '?')}; {env.get('date_utc', '')}",
-        f"{verdict}: {n_ok}/{len(summary['runs'])} runs ok in {summary['total_seconds']:.0f} s "
-        f"(budget {summary['budget_s']} s){note}",
+        f"{verdict}: {n_ok}/{len(summary['runs']) - len(skipped)} runs ok"
+        f"{f', {len(skipped)} skipped' if skipped else ''} in {summary['total_seconds']:.0f} s of run time "
+        f"(budget {summary['budget_s']} s for the schedule){note}",
     ]
+    if any(r.get("shared_gpu") and r["backend"] == "nccl" for r in summary["runs"]):
+        lines.append("NCCL runs on one GPU (ranks share it through NCCL's socket transport): they prove NCCL's code "
+                     "paths and its real CUDA memory, not time (sockets, not NVLink).")
     for r in summary["runs"]:
         devices = ",".join(r["devices"])
         seconds = "-" if r["seconds"] is None else f"{r['seconds']:.0f} s"
         lines.append("")
-        lines.append(f"{r['name']}: {'ok' if r['ok'] else 'FAILED'} ({r['backend']}, {r['nproc']} ranks on "
-                     f"{devices}; {r['status']}, {seconds})")
-        if r["kind"] == "functional":
+        state = "skipped" if r.get("skipped") else "ok" if r["ok"] else "FAILED"
+        lines.append(f"{r['name']}: {state} (megatron-core {r.get('base', '0.17.1')}, {r['backend']}, {r['nproc']} "
+                     f"ranks on {devices}; {r['status']}, {seconds})")
+        if r.get("skipped"):
+            lines.append(f"  {r.get('verdict_line')}")
+        elif r["kind"] == "functional":
             lines.append(f"  verdict: {r.get('verdict_line') or r.get('verdict')}")
             if r.get("golden_recorded"):
                 lines.append(f"  golden values recorded in OUT: {r['golden_recorded']}")

@@ -1,6 +1,12 @@
 """Rank-side set-up for gloo ranks on CUDA: two ranks sharing one GPU.
 
-Two gloo ranks on one GPU need three things megatron does not do by itself:
+Several ranks on one GPU need what megatron does not do by itself: for gloo and NCCL alike,
+``LOCAL_RANK`` modulo the device count (below); for NCCL, a distinct ``NCCL_HOSTID`` per rank
+(``install`` sets ``<host>-rank<LOCAL_RANK>``): NCCL refuses two ranks of one host on one
+device ("Duplicate GPU detected"), and with distinct host ids it connects them through its
+socket transport (``NET/Socket``; the launch sets ``NCCL_SOCKET_IFNAME=lo``), as ranks of
+different hosts. That runs NCCL's own collectives and allocations on real CUDA memory, not
+its intra-node transports (no NVLink, no P2P, no shared memory). For gloo ranks, three things:
 
 * ``LOCAL_RANK`` modulo the device count. ``training/initialize.py:_initialize_distributed``
   calls ``torch.cuda.set_device(args.local_rank)``, and ``args.local_rank`` defaults to
@@ -36,6 +42,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import socket
 import sys
 from typing import Any, List
 
@@ -120,8 +127,16 @@ def shared_local_rank(local_rank: int, device_count: int) -> int:
     return local_rank % device_count
 
 
+def nccl_host_id(local_rank: int, base: str) -> str:
+    """The ``NCCL_HOSTID`` of ``local_rank`` when ranks share GPUs: ``<base>-rank<N>``, one per
+    rank (``base``: the inherited ``NCCL_HOSTID``, else the host name)."""
+    return f"{base}-rank{local_rank}"
+
+
 def install() -> None:
-    """Rewrite ``LOCAL_RANK`` for a shared GPU, then ``install_collectives()``.
+    """Rewrite ``LOCAL_RANK`` for a shared GPU and give this rank its own ``NCCL_HOSTID``
+    (``nccl_host_id``; NCCL reads it when the rank's first communicator is created), then
+    ``install_collectives()``.
 
     Idempotent. Call before megatron is imported and parses its arguments.
 
@@ -131,6 +146,7 @@ def install() -> None:
     if not _state["installed"]:
         local = int(os.environ.get("LOCAL_RANK", "0"))
         os.environ["LOCAL_RANK"] = str(shared_local_rank(local, torch.cuda.device_count()))
+        os.environ["NCCL_HOSTID"] = nccl_host_id(local, os.environ.get("NCCL_HOSTID") or socket.gethostname())
     install_collectives()
 
 

@@ -98,28 +98,91 @@ def test_without_a_gpu_the_dry_run_plans_for_one(tmp_path, one_gpu):
     assert not out.exists()
 
 
-def test_one_gpu_runs_dp2_on_cuda0_with_gloo_on_both_trees(one_gpu):
+ONE_GPU_NCCL = {"functional_nccl", "functional_nccl_te", "functional_nccl_sync", "functional_nccl_eval",
+                "memory_nccl", "memory_nccl_equal_shares", "memory_nccl_llama3_8b_layers",
+                "functional_nccl_019_legacy", "functional_nccl_019_sync", "functional_nccl_019_moe",
+                "functional_nccl_019_vpp", "functional_nccl_019_layout"}
+
+
+def test_one_gpu_runs_every_rank_on_cuda0_on_both_bases_within_8_minutes(one_gpu):
+    """On one GPU: the gloo runs and the NCCL plan, every rank on cuda:0, on both bases; the
+    schedule (exclusive runs, then the longest lane) fits 8 minutes, while the timeouts added
+    up would not (runs share the GPU at once)."""
     plan, _ = one_gpu
-    assert plan["gpus"] == 1 and plan["total_timeout_s"] <= plan["budget_s"] == 480
-    assert [r["name"] for r in plan["runs"]] == ["functional_gloo_shared_gpu", "memory_gloo_shared_gpu"]
-    for run in plan["runs"]:
-        assert (run["backend"], run["nproc"], run["devices"]) == ("gloo", 2, ["cuda:0", "cuda:0"])
-        assert [x["tree"] for x in run["launches"]] == ["upstream", "patched"]
+    assert plan["gpus"] == 1 and plan["schedule_s"] <= plan["budget_s"] == 480 < plan["total_timeout_s"]
+    runs = {r["name"]: r for r in plan["runs"]}
+    assert set(runs) == {"functional_gloo_shared_gpu", "memory_gloo_shared_gpu"} | ONE_GPU_NCCL
+    cases_019 = {"functional_nccl_019_" + k: v for k, v in plan_mod.CASES_019.items()}
+    for run in runs.values():
+        assert run["devices"] == ["cuda:0"] * run["nproc"] and run["shared_gpu"]
+        base = "0.19" if run["name"] in cases_019 else "0.17.1"
+        assert run["base"] == base
+        assert run["nproc"] == (4 if run["name"].endswith(("_moe", "_vpp")) else 2)
+        if run["name"] in cases_019:
+            assert run["case"] == cases_019[run["name"]]
+        assert run["timeout_s"] >= run["time_s"] * plan_mod.HEADROOM and run["time_kind"] in ("measured", "estimate")
+        trees = ["upstream-0.19", "patched-0.19"] if base == "0.19" else ["upstream", "patched"]
+        assert [x["tree"] for x in run["launches"]] == trees
         for x in run["launches"]:
             env, argv = parse_launch(x["command"])
             nproc, script, args = torchrun_parts(argv)
-            assert nproc == 2
+            assert nproc == run["nproc"]
             assert env["MEGATRON_SHARED_GPU"] == "1", "ranks share cuda:0"
+            assert env.get("NCCL_SOCKET_IFNAME") == ("lo" if run["backend"] == "nccl" else None)
             assert "MEGATRON_CPU_RUNTIME" not in env, "CUDA runs, not the CPU runtime layer"
-            tree_dir = ROOT / "build" / "upstream" if x["tree"] == "upstream" else ROOT
-            assert env["PYTHONPATH"].split(os.pathsep)[0] == str(tree_dir)
-            assert Path(env["MEGATRON_EXPECT_TREE"]) == tree_dir / "megatron"
+            from harness.trees import tree_parent
+
+            assert env["PYTHONPATH"].split(os.pathsep)[0] == str(tree_parent(x["tree"]))
+            assert Path(env["MEGATRON_EXPECT_TREE"]) == tree_parent(x["tree"]) / "megatron"
             if run["kind"] == "memory":
                 assert script.name == "memory_worker.py"
-                assert args[args.index("--backend") + 1] == "gloo"
+                assert args[args.index("--backend") + 1] == run["backend"]
                 assert Path(args[args.index("--out") + 1]).name == f"{x['tree']}.json"
             else:
                 assert script.name == "upstream_pretrain_gpt.py"
+                assert args[-2:] == ["--distributed-backend", run["backend"]]
+                assert ("--use-cpu-initialization" in args) == (base == "0.17.1" and run["runtime_flags"])
+    assert sum(r["exclusive"] for r in runs.values()) == 1 and runs["memory_nccl_llama3_8b_layers"]["exclusive"]
+    assert runs["functional_nccl"]["golden_file"] == "golden_values_h200_nccl_1gpu.json"
+
+
+def test_one_gpu_nccl_launches_pass_megatrons_parser_on_their_base(one_gpu):
+    """The flags of the 1-GPU NCCL launches of both bases, through each base's own parser."""
+    from harness.trees import tree_parent
+
+    plan, _ = one_gpu
+    for name, tree in (("functional_nccl", "patched"), ("functional_nccl_019_legacy", "patched-0.19"),
+                       ("functional_nccl_019_moe", "patched-0.19")):
+        run = next(r for r in plan["runs"] if r["name"] == name)
+        _, argv = parse_launch(run["launches"][1]["command"])
+        nproc, _, args = torchrun_parts(argv)
+        got = validate_megatron_args([{"argv": args, "world_size": nproc, "attrs": ["distributed_backend"]}],
+                                     tree_parent(tree))[0]
+        assert got["ok"] and got["attrs"]["distributed_backend"] == "nccl", (name, got)
+
+
+@pytest.mark.parametrize("with_te", [True, False])
+def test_the_te_run_is_planned_and_skipped_where_te_is_missing(tmp_path, with_te):
+    plan = plan_mod.make_plan(1, "NVIDIA H200", tmp_path, with_te=with_te)
+    te = next(r for r in plan.runs if r.name == "functional_nccl_te")
+    assert not te.runtime_flags and te.golden_file == "golden_values_h200_nccl_1gpu_te.json"
+    assert te.skip_reason == (None if with_te else "skipped: Transformer Engine not installed")
+    assert plan.schedule_s <= 480, "with TE the plan still fits"
+    text = plan_mod.format_plan(plan)
+    assert ("  skipped: Transformer Engine not installed" in text.splitlines()) is not with_te
+
+
+def test_the_dry_run_reports_te_as_this_machine_has_it(one_gpu):
+    plan, lines = one_gpu
+    te = next(r for r in plan["runs"] if r["name"] == "functional_nccl_te")
+    assert (te["skip_reason"] is None) == plan_mod.te_available()
+
+
+def test_one_gpu_nccl_ranks_get_distinct_host_ids():
+    """NCCL refuses two ranks of one host on one GPU; each rank's own NCCL_HOSTID lets it
+    connect them through sockets."""
+    ids = {shared_gpu.nccl_host_id(r, "box") for r in range(4)}
+    assert len(ids) == 4 and all(i.startswith("box-") for i in ids)
 
 
 def test_functional_launch_is_the_default_case_on_gloo_for_megatron(one_gpu, two_gpus):
@@ -139,23 +202,23 @@ def test_functional_launch_is_the_default_case_on_gloo_for_megatron(one_gpu, two
                and r["attrs"]["data_parallel_size"] == 2 for r in results)
 
 
-def test_nccl_runs_only_with_two_or_more_gpus(one_gpu, two_gpus, tmp_path):
-    assert not any(r["backend"] == "nccl" for r in one_gpu[0]["runs"])
+def test_with_two_or_more_gpus_nccl_ranks_get_a_gpu_each(two_gpus, tmp_path):
     plan, _ = two_gpus
     nccl = {r["name"]: r for r in plan["runs"] if r["backend"] == "nccl"}
-    assert set(nccl) == {"functional_nccl", "functional_nccl_te", "functional_nccl_sync", "functional_nccl_eval",
-                         "memory_nccl", "memory_nccl_equal_shares"}
+    assert set(nccl) == ONE_GPU_NCCL
     for run in nccl.values():
-        assert run["devices"] == [f"cuda:{i}" for i in range(run["nproc"])], "one rank per GPU"
+        shared = run["nproc"] > 2
+        assert run["devices"] == [f"cuda:{i % 2}" for i in range(run["nproc"])] and run["shared_gpu"] is shared
         for x in run["launches"]:
             env, argv = parse_launch(x["command"])
-            assert "MEGATRON_SHARED_GPU" not in env and "MEGATRON_CPU_RUNTIME" not in env
+            assert ("MEGATRON_SHARED_GPU" in env) is shared and "MEGATRON_CPU_RUNTIME" not in env
             assert torchrun_parts(argv)[0] == run["nproc"]
     assert nccl["memory_nccl_equal_shares"]["config"] == "equal_shares"
-    assert plan["total_timeout_s"] <= plan["budget_s"]
+    assert plan["schedule_s"] <= plan["budget_s"]
     big, _ = dry_plan(tmp_path, "--assume-gpus", "16", "--assume-gpu-name", "NVIDIA A100-SXM4-80GB")
     mem = next(r for r in big["runs"] if r["name"] == "memory_nccl")
     assert mem["nproc"] == 8 and big["gpu_slug"] == "a100"
+    assert all(not r["shared_gpu"] for r in big["runs"] if r["backend"] == "nccl")
 
 
 def test_text_dry_run_lists_the_same_runs_and_commands(two_gpus):
@@ -286,8 +349,8 @@ def test_report_of_a_recorded_run(results):
     assert json.loads((results / "summary.json").read_text()) == summary
     text = (results / "report.txt").read_text()
     lines = text.splitlines()
-    assert lines[1] == "PASS: 4/4 runs ok in 396 s (budget 900 s)"
-    assert "memory_gloo_shared_gpu: ok (gloo, 2 ranks on cuda:0,cuda:0; ok, 120 s)" in lines
+    assert lines[1] == "PASS: 4/4 runs ok in 396 s of run time (budget 900 s for the schedule)"
+    assert "memory_gloo_shared_gpu: ok (megatron-core 0.17.1, gloo, 2 ranks on cuda:0,cuda:0; ok, 120 s)" in lines
     row = next(l for l in lines if l.strip().startswith("forward peak over allocated")).split()
     assert row[-6:] == ["811.00", "MiB", "111.00", "MiB", "700.00", "MiB"]
     upstream_calls = next(l for l in lines if l.strip().startswith("upstream param all-gather"))
@@ -527,7 +590,8 @@ def test_nccl_plan_trains_with_te_fused_wgrad_the_optimizer_path_and_eval(two_gp
     harness's local flags (Transformer Engine, fused wgrad into main_grad); the sync run has
     no --overlap-param-gather (the optimizer's gather); the eval run evaluates every 10 steps."""
     plan, _ = two_gpus
-    runs = {r["name"]: r for r in plan["runs"] if r["kind"] == "functional" and r["backend"] == "nccl"}
+    runs = {r["name"]: r for r in plan["runs"]
+            if r["kind"] == "functional" and r["backend"] == "nccl" and r["base"] == "0.17.1"}
     attrs = ["transformer_impl", "gradient_accumulation_fusion", "overlap_param_gather", "eval_interval",
              "distributed_backend", "optimizer", "accumulate_allreduce_grads_in_fp32"]
     cases, names = [], []
@@ -549,7 +613,7 @@ def test_nccl_plan_trains_with_te_fused_wgrad_the_optimizer_path_and_eval(two_gp
     assert runs["functional_nccl_te"]["golden_file"] == "golden_values_h200_nccl_te.json"
     assert plain["overlap_param_gather"] and not by_name["functional_nccl_sync"]["overlap_param_gather"]
     assert by_name["functional_nccl_eval"]["eval_interval"] == 10 and plain["eval_interval"] > 50
-    assert plan["total_timeout_s"] <= plan["budget_s"]
+    assert plan["schedule_s"] <= plan["budget_s"]
 
 
 @pytest.mark.parametrize("damage, problem", [
@@ -597,3 +661,123 @@ def test_memory_workers_start_from_the_same_weights_whatever_their_cpu_generator
         assert len({r["init_params_checksum"] for r in ranks}) == 1, "DP ranks start from the same weights"
         checksums.append(ranks[0]["init_params_checksum"])
     assert checksums[0] == checksums[1], checksums
+
+
+# ------------------------------------------------------------- real shapes on the real allocator
+def test_the_real_shape_config_is_llama3_8b_with_the_layers_that_fit_two_ranks_on_80gb():
+    from harness.gpu_check import memory_worker, real_shapes
+
+    cfg = memory_worker.CONFIGS["llama3_8b_layers"]
+    assert (cfg["hidden_size"], cfg["ffn_hidden_size"], cfg["num_attention_heads"], cfg["num_query_groups"],
+            cfg["vocab"]) == (4096, 14336, 32, 8, 128256)
+    layers = cfg["num_layers"]
+    assert layers == real_shapes.LAYERS == real_shapes.layers_that_fit() == 8
+    usable = (1 - real_shapes.MARGIN) * real_shapes.GPU_BYTES
+    assert 2 * sum(real_shapes.rank_bytes(layers).values()) <= usable < 2 * sum(real_shapes.rank_bytes(layers + 1).values())
+    assert real_shapes.model_numel(32) == 8_030_261_248, "Llama-3-8B's parameter count"
+
+
+def test_the_real_shape_run_carries_the_audits_prediction(one_gpu):
+    """The audit (harness/bench/real_shapes_worker.run_cell), run now on the real-shape
+    configuration at DP 2, predicts the bytes that the plan carries and the dry run prints:
+    upstream's temporaries per DP rank and path, and 0 for the series."""
+    from harness.gpu_check import real_shapes
+
+    plan, lines = one_gpu
+    run = next(r for r in plan["runs"] if r["name"] == "memory_nccl_llama3_8b_layers")
+    assert (run["config"], run["nproc"], run["exclusive"]) == ("llama3_8b_layers", 2, True)
+    fresh = real_shapes.prediction_doc()
+    assert fresh["trees"]["upstream"]["ranks"][0]["param_numel"] == real_shapes.model_numel(real_shapes.LAYERS)
+    text = "\n".join(lines)
+    for tree, rec in fresh["trees"].items():
+        for rank in rec["ranks"]:
+            carried = run["prediction"]["trees"][tree]["ranks"][rank["dp_rank"]]
+            assert carried["buckets"] == rank["buckets"]
+            for window, label in (("sync", "param sync"), ("sync_optimizer", "optimizer gather")):
+                want = rank["predicted"][window]
+                assert carried["predicted"][window] == want, (tree, window, rank["dp_rank"])
+                line = next(l for l in lines if l.startswith(f"    {tree} {label}: "))
+                assert f"rank {rank['dp_rank']}: {want['bytes']} B (+-{want['tolerance_bytes']})" in line
+                assert (want["bytes"] > 0) is (tree == "upstream"), (tree, window, want)
+    assert "predicted by the real-shape audit (8 layers, DP 2" in text
+
+
+def llama_results(results: Path, offset=0):
+    """The fixture's memory_nccl run as the real-shape run, with a prediction that matches its
+    buckets and whose bytes are the measured ones plus ``offset``."""
+    rundir = results / "memory_nccl"
+    measured = {t: json.loads((rundir / f"{t}.json").read_text()) for t in ("upstream", "patched")}
+    pred = {"layers": 8, "dp": 2, "trees": {}}
+    for tree, doc in measured.items():
+        ranks = []
+        for r in doc["ranks"][:2]:
+            ranks.append({"dp_rank": r["rank"], "param_numel": r["param_count"],
+                          "buckets": [{"numel": b["numel"], "shares": b["shares"]} for b in doc["ranks"][0]["buckets"]],
+                          "predicted": {w: {"bytes": r[w]["peak_extra_bytes"] + (offset if tree == "upstream" else 0),
+                                            "tolerance_bytes": 512 * 4} for w in ("sync", "sync_optimizer")}})
+        pred["trees"][tree] = {"ranks": ranks}
+    edit_json(results / "plan.json", lambda d: next(r for r in d["runs"] if r["name"] == "memory_nccl")
+              .update(config="llama3_8b_layers", prediction=pred))
+    return pred
+
+
+@pytest.mark.parametrize("offset, ok", [(0, True), (2048, True), (2049, False), (-4096, False)])
+def test_the_real_shape_run_fails_where_measured_and_predicted_disagree_beyond_rounding(results, offset, ok):
+    llama_results(results, offset)
+    summary = report.summarize(results)
+    run = next(r for r in summary["runs"] if r["name"] == "memory_nccl")
+    rows = run["prediction"]["rows"]
+    assert len(rows) == 2 * 2 * 2, "2 trees x 2 windows x 2 DP ranks"
+    assert run["ok"] is ok, run["problems"]
+    if not ok:
+        assert any("beyond the allocator rounding of 2048 B" in p for p in run["problems"]), run["problems"]
+    text = report.render(summary)
+    assert "measured CUDA peak beside the real-shape audit's prediction" in text
+    assert ("DISAGREES" in text) is not ok
+
+
+def test_the_real_shape_comparison_is_void_when_the_buckets_are_not_the_audits(results):
+    pred = llama_results(results)
+    pred["trees"]["upstream"]["ranks"][0]["buckets"][0]["shares"] = [1, 2]
+    edit_json(results / "plan.json", lambda d: next(r for r in d["runs"] if r["name"] == "memory_nccl")
+              .update(prediction=pred))
+    run = next(r for r in report.summarize(results)["runs"] if r["name"] == "memory_nccl")
+    assert not run["ok"] and any("buckets and shares differ from the audit's model" in p for p in run["problems"])
+
+
+def test_a_skipped_run_neither_passes_nor_fails(results):
+    edit_json(results / "plan.json", lambda d: d["runs"].append(
+        {**next(r for r in d["runs"] if r["name"] == "functional_nccl"), "name": "functional_nccl_te",
+         "skip_reason": plan_mod.TE_MISSING}))
+    edit_json(results / "runs.json", lambda d: d.append(
+        {"name": "functional_nccl_te", "status": "skipped", "returncode": None, "seconds": 0.0,
+         "reason": plan_mod.TE_MISSING}))
+    summary = report.summarize(results)
+    te = next(r for r in summary["runs"] if r["name"] == "functional_nccl_te")
+    assert te["ok"] is None and te["skipped"] and summary["ok"] and summary["skipped"] == ["functional_nccl_te"]
+    lines = report.render(summary).splitlines()
+    assert lines[1].startswith("PASS: 4/4 runs ok, 1 skipped")
+    i = next(i for i, l in enumerate(lines) if l.startswith("functional_nccl_te: skipped"))
+    assert lines[i + 1] == "  skipped: Transformer Engine not installed"
+
+
+def test_lanes_run_side_by_side_and_exclusive_runs_alone(tmp_path):
+    """execute(): an exclusive run first, alone; then the lanes at once (two runs of 1.5 s in
+    two lanes end in well under 3 s); runs.json keeps the plan's order."""
+    import time
+
+    from harness.gpu_check.__main__ import execute
+
+    def run(name, lane, exclusive=False):
+        code = f"import time; time.sleep(1.5); open({str(tmp_path / (name + '.end'))!r}, 'w').write(str(time.time()))"
+        return plan_mod.Run(name, "memory", "nccl", 2, ["cuda:0", "cuda:0"], 30,
+                            [plan_mod.Launch("upstream", [sys.executable, "-c", code], dict(os.environ))],
+                            config="tiny", lane=lane, exclusive=exclusive)
+
+    plan = plan_mod.Plan(1, "NVIDIA H200", tmp_path, [run("a", 0), run("b", 1), run("x", -1, exclusive=True)])
+    t0 = time.monotonic()
+    statuses = execute(plan)
+    assert [s["name"] for s in statuses] == ["a", "b", "x"] and all(s["status"] == "ok" for s in statuses)
+    ends = {n: float((tmp_path / f"{n}.end").read_text()) for n in "abx"}
+    assert ends["x"] < min(ends["a"], ends["b"]) - 1.0, "the exclusive run ends before the lanes start"
+    assert abs(ends["a"] - ends["b"]) < 1.0 and time.monotonic() - t0 < 5.5
