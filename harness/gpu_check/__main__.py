@@ -73,8 +73,7 @@ def _check_args(args) -> None:
         raise UsageError(f"OUT {args.out} exists and is not a folder")
     if not args.dry_run and args.out.is_dir() and any(args.out.iterdir()):
         raise UsageError(f"OUT {args.out} is not empty: give a new folder, so that results of two runs never mix")
-    for tree in (REPO_ROOT / "build" / "upstream" / "megatron", REPO_ROOT / "megatron",
-                 REPO_ROOT / "build" / "upstream-0.19" / "megatron", REPO_ROOT / "build" / "patched-0.19" / "megatron"):
+    for tree in (REPO_ROOT / "build" / "upstream" / "megatron", REPO_ROOT / "megatron"):
         if not (tree / "core" / "__init__.py").is_file():
             raise UsageError(f"{tree} is missing: run scripts/setup.sh first (the Docker image has it)")
 

@@ -109,6 +109,22 @@ RUN_TIMES: Dict[str, Tuple[int, str, str]] = {
 }
 
 
+def base_missing(case_name: str) -> Optional[str]:
+    """Why ``case_name``'s base cannot run here (its trees or its Megatron-LM checkout are not
+    built, e.g. in an image built for one base), as a skip reason; None when it can."""
+    from harness.trees import tree_parent
+    from tests.functional_tests.python_test_utils import run_case
+
+    case = run_case.load_case(run_case.find_case(case_name))
+    try:
+        for tree in run_case.BASES[case.base].trees.values():
+            tree_parent(tree)
+    except FileNotFoundError as exc:
+        return f"skipped: megatron-core {case.base} is not set up here ({exc})"
+    absent = run_case.missing_checkouts([case_name])
+    return f"skipped: {absent[0]}" if absent else None
+
+
 def te_available() -> bool:
     """Whether ``transformer_engine`` is installed (its spec is found; not imported)."""
     return importlib.util.find_spec("transformer_engine") is not None
@@ -338,8 +354,11 @@ def make_plan(gpus: int, gpu_name: str, out: Path, update_golden: bool = False,
             case = kw.pop("case")
             variant = "1gpu" if gpus == 1 else ""
             variant = "_".join(v for v in (variant, kw.pop("golden_variant", "")) if v)
-            launches = functional_launches(out / name, "nccl", nproc, env, case, kw.get("runtime_flags", True))
+            missing = base_missing(case)
+            launches = [] if missing else functional_launches(out / name, "nccl", nproc, env, case,
+                                                              kw.get("runtime_flags", True))
             kw.update(case=case, golden_file=golden_file(gpu_name, "nccl", variant))
+            kw["skip_reason"] = missing or kw.get("skip_reason")
         else:
             launches = memory_launches(out / name, "nccl", nproc, kw["config"], env)
         return Run(name, kind, "nccl", nproc, _devices(nproc, gpus), timeout_for(name), launches,

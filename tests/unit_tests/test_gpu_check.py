@@ -781,3 +781,17 @@ def test_lanes_run_side_by_side_and_exclusive_runs_alone(tmp_path):
     ends = {n: float((tmp_path / f"{n}.end").read_text()) for n in "abx"}
     assert ends["x"] < min(ends["a"], ends["b"]) - 1.0, "the exclusive run ends before the lanes start"
     assert abs(ends["a"] - ends["b"]) < 1.0 and time.monotonic() - t0 < 5.5
+
+
+def test_a_base_that_is_not_set_up_is_planned_as_skipped(tmp_path, monkeypatch):
+    """An image built for one base has no 0.19 trees or checkout: its 0.19 runs are planned
+    with the reason and no launches (the report: skipped), and the rest of the plan stands."""
+    from tests.functional_tests.python_test_utils import run_case
+
+    monkeypatch.setattr(run_case, "missing_checkouts",
+                        lambda names: [f"no checkout for {names[0]}"] if "gpt019" in names[0] else [])
+    plan = plan_mod.make_plan(1, "NVIDIA H200", tmp_path, with_te=True)
+    for r in plan.runs:
+        assert (r.skip_reason is not None) is (r.base == "0.19"), r.name
+        assert bool(r.launches) is (r.base != "0.19")
+    assert "skipped: no checkout for gpt019_dp2_bf16_fp32grad_overlap_legacy" in plan_mod.format_plan(plan)
