@@ -23,9 +23,9 @@ Outputs, per scenario and config:
         params and grad_data equal the snapshot taken right before the call that
         raised, "pending_state_kept": the same for the params and for the grad_data of
         the bucket groups whose gather was pending then (None when nothing raised or no
-        snapshot was taken), "temporaries": how many pre-hook or forced gathers received
-        into a temporary instead of grad_data (see count_receive_temporaries; None on a
-        tree without layerwise_recv_buffer)}.
+        snapshot was taken), "temporaries": how many gather calls received into a
+        temporary, "grad_data_gathers": {phase: gather calls that touched grad_data} (see
+        GatherReceives)}.
     DIR/results.json (rank 0)   {"<config>/<scenario>": the scalar fields above, and
         "reentry_errors", "reentry_state_kept"} plus "_meta".
 A scenario that raises stops at that point; the error is recorded, not re-raised, so
@@ -94,6 +94,15 @@ def _forward_bypass_last(self, x):
     return _experts(self, torch.tanh(F.linear(x, last.weight, last.bias)))
 
 
+def _forward_last_unused(self, x):
+    """Every dense layer runs (its forward pre-hook fires), but the last one's output is
+    dropped, as an auxiliary head outside the loss: its bucket group gets no grads."""
+    for layer in self.layers[:-1]:
+        x = torch.tanh(layer(x))
+    self.layers[-1](x)
+    return _experts(self, x)
+
+
 def _forward_skip_last(self, x):
     """The last dense layer is not used at all in this pass (no params, no grads)."""
     for layer in self.layers[:-1]:
@@ -101,30 +110,53 @@ def _forward_skip_last(self, x):
     return _experts(self, x)
 
 
-# ------------------------------------------------------------------ receive temporaries
-TEMPORARIES = [0]
-COUNTING = [False]  # set by main() where count_receive_temporaries() could wrap
+# ------------------------------------------------------------- where the gathers receive
+class GatherReceives:
+    """Classifies every param all-gather call (torch.distributed.broadcast,
+    all_gather_into_tensor, all_gather) of a scenario run by where its tensors lie, whatever
+    the tree's helpers are called: "grad_data" (a tensor inside some bucket's grad_data
+    storage: it receives into, or sends from, grad_data), "in_place" (every tensor a param's
+    own storage: a single param broadcast in place), else "temporary" (a receive buffer of
+    its own: 0.17.1's list all_gather, or the series' fallback while grad_data is busy or
+    offloaded). `counts[kind]` maps the phase name (Phase) of each call to how many."""
 
+    NAMES = ("broadcast", "all_gather_into_tensor", "all_gather")
 
-def count_receive_temporaries():
-    """Patched tree: count every receive buffer of a pre-hook or forced gather that is not
-    its bucket's grad_data (layerwise_recv_buffer() returned a temporary) in
-    TEMPORARIES[0]. Returns False on a tree without layerwise_recv_buffer (pristine, whose
-    receive buffers are all temporaries)."""
-    from megatron.core.distributed import param_and_grad_buffer as pgb
+    def __init__(self, s, phase):
+        self.s, self.phase = s, phase
+        self.counts = {"grad_data": {}, "in_place": {}, "temporary": {}}
+        self._orig = {}
 
-    original = getattr(pgb, "layerwise_recv_buffer", None)
-    if original is None:
-        return False
+    def _kind(self, tensors):
+        tensors = [t for t in tensors if t.numel()]
+        if not tensors:
+            return None
+        grads = {g.untyped_storage().data_ptr() for g in self.s.grad_datas()}
+        params = {p.untyped_storage().data_ptr() for p in self.s.params}
+        ptrs = [t.untyped_storage().data_ptr() for t in tensors]
+        if any(ptr in grads for ptr in ptrs):
+            return "grad_data"
+        return "in_place" if all(ptr in params for ptr in ptrs) else "temporary"
 
-    def counted(grad_data, *args, **kwargs):
-        recv = original(grad_data, *args, **kwargs)
-        if recv.untyped_storage().data_ptr() != grad_data.untyped_storage().data_ptr():
-            TEMPORARIES[0] += 1
-        return recv
+    def __enter__(self):
+        for name in self.NAMES:
+            orig = self._orig[name] = getattr(dist, name)
 
-    pgb.layerwise_recv_buffer = counted
-    return True
+            def spy(*args, _orig=orig, **kwargs):
+                tensors = [a for a in args[:2] if isinstance(a, torch.Tensor)]
+                tensors += [t for a in args[:1] if isinstance(a, (list, tuple)) for t in a]
+                kind = self._kind(tensors)
+                if kind is not None:
+                    per_phase = self.counts[kind]
+                    per_phase[self.phase.name] = per_phase.get(self.phase.name, 0) + 1
+                return _orig(*args, **kwargs)
+
+            setattr(dist, name, spy)
+        return self
+
+    def __exit__(self, *exc):
+        for name, fn in self._orig.items():
+            setattr(dist, name, fn)
 
 
 def set_forward(s, fn):
@@ -197,6 +229,16 @@ class Scenario:
     # Whether TinyNet gets an expert layer (its own expert-parallel buffer and bucket
     # group, gathered over the expert-DP group).
     expert = False
+    # DDPConfig.overlap_param_gather (False: the optimizer's gather in step()).
+    overlap_param_gather = True
+    # The last microbatch's backward inside no_sync() too, and the grad reduce started by
+    # the caller's ddp.start_grad_sync() after it, as megatron's pipeline schedules do
+    # through config.grad_sync_func.
+    grad_sync_by_caller = False
+
+    def backward(self, s, loss):
+        """One microbatch's backward: autograd with DDP's backward hooks."""
+        loss.backward()
 
     def after_step(self, s, k, phase):
         """After optimizer.step() of step k (the next step's zero_grad_buffer follows)."""
@@ -374,6 +416,74 @@ class ForcedWithBypass(Scenario):
         _forced_sync(s, phase)
 
 
+class GatherThenForcedBeforeStep(Scenario):
+    """After finish_grad_sync(): start_param_sync() (grad_data holds the reduced grads the
+    step will read, so a gather must not receive there), then start_param_sync(
+    force_sync=True), what disable_forward_pre_hook() does, with those gathers pending;
+    then the step."""
+
+    def before_step(self, s, k, phase):
+        phase("start_param_sync")
+        s.ddp.start_param_sync()
+        _forced_sync(s, phase)
+
+
+def _hookless_backward(s, loss):
+    """Backward without DDP's backward hooks, as megatron's local CUDA graphs run it
+    (transformer/cuda_graphs.py skips the hook during capture and replay): the grads come
+    from torch.autograd.grad, which runs no AccumulateGrad hook, and are added into
+    main_grad (a view into grad_data) by hand, as the hook would."""
+    grads = torch.autograd.grad(loss, s.params, allow_unused=True)
+    with torch.no_grad():
+        for p, g in zip(s.params, grads):
+            if g is not None:
+                p.main_grad.add_(g)
+
+
+class HooklessNoOverlapGradReduce(Scenario):
+    """Every backward hook-less (_hookless_backward); without --overlap-grad-reduce, so
+    finish_grad_sync() reduces the grads (start_grad_sync() of every bucket group)."""
+
+    overlap_grad_reduce = False
+
+    def backward(self, s, loss):
+        _hookless_backward(s, loss)
+
+
+class HooklessForcedBeforeStep(HooklessNoOverlapGradReduce):
+    """A hook-less backward, finish_grad_sync(), then a forced param sync before the step:
+    no backward hook has marked grad_data as holding grads."""
+
+    def before_step(self, s, k, phase):
+        _forced_sync(s, phase)
+
+
+class GradSyncFunc(Scenario):
+    """The grad reduce started by the caller (grad_sync_by_caller) on a model whose last
+    dense layer gets no grads (_forward_last_unused): its bucket group's grad_data is
+    reduced, but no backward hook marked it."""
+
+    forward = staticmethod(_forward_last_unused)
+    grad_sync_by_caller = True
+
+
+class ForcedDuringReduceNoGrads(GradSyncFunc):
+    """GradSyncFunc with a forced param sync while every bucket group's grad reduce is in
+    flight, before finish_grad_sync(): the last layer's group got no grads this step, so
+    only the reduce in flight says its grad_data is busy."""
+
+    def after_backward(self, s, k, phase):
+        _forced_sync(s, phase)
+
+
+class SkipLastOptimizerGather(Scenario):
+    """SkipLastReference without --overlap-param-gather: the optimizer gathers in step(),
+    no gather is ever pending. The reference of the scenarios that skip the last layer."""
+
+    forward = staticmethod(_forward_skip_last)
+    overlap_param_gather = False
+
+
 SCENARIOS = {
     "baseline": Baseline,
     "zero_grad": ZeroGradWhilePending,
@@ -391,6 +501,12 @@ SCENARIOS = {
     "forced_after_no_sync": ForcedAfterNoSync,
     "gather_after_no_sync": GatherAfterNoSync,
     "forced_bypass": ForcedWithBypass,
+    "gather_then_forced_before_step": GatherThenForcedBeforeStep,
+    "hookless_no_ogr": HooklessNoOverlapGradReduce,
+    "hookless_forced_before_step_no_ogr": HooklessForcedBeforeStep,
+    "grad_sync_func": GradSyncFunc,
+    "forced_during_reduce_no_grads": ForcedDuringReduceNoGrads,
+    "skip_last_optimizer_gather": SkipLastOptimizerGather,
 }
 # The same on a model with an expert layer (its own expert-parallel bucket group, gathered
 # over the expert-DP group: 2 at EP 1 on 2 ranks).
@@ -401,7 +517,10 @@ for _name in ("baseline", "zero_grad", "forward_only", "bypass_prehook", "forced
 def run(scenario: Scenario, cfg):
     """Train STEPS steps with `scenario`'s injections; return the record (see module)."""
     s = Setup(
-        cfg, overlap=True, expert=scenario.expert, overlap_grad_reduce=scenario.overlap_grad_reduce
+        cfg,
+        overlap=scenario.overlap_param_gather,
+        expert=scenario.expert,
+        overlap_grad_reduce=scenario.overlap_grad_reduce,
     )
     s.reentry_errors, s.reentry_state_kept = [], []
     set_forward(s, scenario.forward)
@@ -409,8 +528,8 @@ def run(scenario: Scenario, cfg):
     rec = {"main_grads": [], "params": [], "grad_norms": [], "error": None}
     rec.update(error_step=None, error_phase=None, error_is_runtime_error=None)
     rec.update(state_kept=None, pending_state_kept=None)
-    TEMPORARIES[0] = 0
     k = 0
+    spy = GatherReceives(s, phase).__enter__()
     try:
         for k in range(STEPS):
             phase("zero_grad_buffer")
@@ -418,16 +537,20 @@ def run(scenario: Scenario, cfg):
             s.opt.zero_grad()
             for mb in range(MICROBATCHES):
                 last = mb == MICROBATCHES - 1
-                ctx = contextlib.nullcontext() if last else s.ddp.no_sync()
+                synced = last and not scenario.grad_sync_by_caller
+                ctx = contextlib.nullcontext() if synced else s.ddp.no_sync()
                 with ctx:
                     phase("forward")
                     out = s.ddp(s.batch(k, mb))
                     if mb == 0:  # the params this step computes with
                         rec["params"].append([p.detach().clone() for p in s.params])
                     phase("backward")
-                    out.float().pow(2).mean().backward()
+                    scenario.backward(s, out.float().pow(2).mean())
                 if not last:
                     scenario.after_no_sync_backward(s, k, phase)
+            if scenario.grad_sync_by_caller:
+                phase("start_grad_sync")
+                s.ddp.start_grad_sync()
             scenario.after_backward(s, k, phase)
             phase("finish_grad_sync")
             s.ddp.finish_grad_sync()
@@ -450,7 +573,10 @@ def run(scenario: Scenario, cfg):
         if phase.snap is not None:
             rec["state_kept"] = all_ranks(state_equals(s, phase.snap))
             rec["pending_state_kept"] = all_ranks(state_equals(s, phase.snap, pending_only=True))
-    rec["temporaries"] = TEMPORARIES[0] if COUNTING[0] else None
+    finally:
+        spy.__exit__(None, None, None)
+    rec["grad_data_gathers"] = spy.counts["grad_data"]
+    rec["temporaries"] = sum(spy.counts["temporary"].values())
     rec["reentry_errors"] = s.reentry_errors
     rec["reentry_state_kept"] = s.reentry_state_kept
     return rec
@@ -462,7 +588,6 @@ def main(argv=None):
     dist.init_process_group(backend="gloo")
     tree = check_expected_tree()
     parallel_state.initialize_model_parallel()
-    COUNTING[0] = count_receive_temporaries()
     rank = dist.get_rank()
     summary = {"_meta": {"tree": tree, "world_size": dist.get_world_size()}}
     for cfg in map(parse_config, args.configs.split(",")):
@@ -478,6 +603,7 @@ def main(argv=None):
                 "state_kept",
                 "pending_state_kept",
                 "temporaries",
+                "grad_data_gathers",
                 "reentry_errors",
                 "reentry_state_kept",
             )

@@ -13,17 +13,21 @@ in most of them), and pins:
 - patched, where the right result is well defined (zero_grad_buffer(), offload/restore
   and a forward-only pass with a gather pending; start_param_sync() re-entry; a param
   sync, forced or not, between backward and the step: after backward, during the grad
-  all-reduce, after no_sync() microbatches, with and without --overlap-grad-reduce): the
-  params after every step and the main_grad of every step, bitwise equal to pristine's
-  where pristine is right, and to the run without the call where it is not (a forced
-  sync before the step: pristine computes the next step with stale params). A gather
-  that meets this step's grads receives into a temporary, as 0.17.1 does; on the normal
-  path no gather does (receive temporaries counted on the patched tree);
-- patched, where it is not: LayerwiseGradDataConflictError (a RuntimeError) from the call
-  that found the conflict, naming it and what went wrong: a gather still pending in
-  grad_data when backward has accumulated there (its bucket group's start_grad_sync(), or
-  a forced param sync). Under Transformer Engine's fused wgrad the GEMM has already added
-  into main_grad then, so nothing is claimed about the state there.
+  all-reduce, after no_sync() microbatches, with and without --overlap-grad-reduce, after
+  a backward without DDP's hooks (local CUDA graphs), a forced sync with gathers of
+  start_param_sync() pending; a gather pending where no grads were accumulated, at the
+  grad reduce): the params after every step and the main_grad of every step, bitwise
+  equal to pristine's where pristine is right, and to the run without the call where it
+  is not (a forced sync before the step: pristine computes the next step with stale
+  params). A gather that meets this step's grads receives into a temporary, as 0.17.1
+  does; on the normal path no gather does (the worker classifies every gather collective
+  by where its tensors lie, per phase, on every tree);
+- patched, where it is not: LayerwiseGradDataConflictError (a RuntimeError) only where
+  completing the gather would write into grads: a gather received into grad_data and still
+  pending when backward accumulated grads there (its bucket group's start_grad_sync(), or
+  a forced param sync); the message names the call and what happened. Under Transformer
+  Engine's fused wgrad the GEMM has already added into main_grad then, so nothing is
+  claimed about the state there.
 
 Some scenarios run on a model with an expert layer too (suffix _moe: expert-parallel
 bucket groups, gathered over the expert-DP group). test_guard_mutants_are_caught runs every
@@ -55,24 +59,27 @@ SCENARIOS = (
     "start_grad_sync,skip_last_reference,baseline_no_ogr,forced_before_step,"
     "forced_before_step_no_ogr,forced_during_reduce,forced_after_no_sync,"
     "gather_after_no_sync,forced_bypass,baseline_moe,zero_grad_moe,forward_only_moe,"
-    "bypass_prehook_moe,forced_before_step_moe"
+    "bypass_prehook_moe,forced_before_step_moe,gather_then_forced_before_step,hookless_no_ogr,"
+    "hookless_forced_before_step_no_ogr,grad_sync_func,forced_during_reduce_no_grads,"
+    "skip_last_optimizer_gather"
 )
 RANKS = (0, 1)
 TIMEOUT_S = 600
 GUARD_ERROR = "LayerwiseGradDataConflictError"
-# What each guard says: the call, what it found, and (start_param_sync) what to do.
-GRAD_SYNC_MESSAGE = re.compile(
-    r"start_grad_sync\(\): a layer-wise param all-gather was still pending when this "
-    r"bucket group's grads were to be reduced .*param sync started after backward.*"
-    r"forward pre-hook.*did not run in forward",
-    re.S,
-)
-FORCED_PENDING_MESSAGE = re.compile(
-    r"start_param_sync\(force_sync=True\): a layer-wise param all-gather was still pending "
-    r"when backward accumulated grads into grad_data .*forward pre-hook.*did not run in "
-    r"forward",
-    re.S,
-)
+
+
+def conflict_message(call):
+    """What a guard says (issue 38, D1): the call, the bucket group (its buckets' ids), and
+    what happened: its gather went into grad_data before backward wrote grads there."""
+    return re.compile(
+        re.escape(call) + r": .*all-gather of buckets \[[0-9, ]+\].*into grad_data before "
+        r"backward wrote grads there.*would overwrite",
+        re.S,
+    )
+
+
+GRAD_SYNC_MESSAGE = conflict_message("start_grad_sync()")
+FORCED_PENDING_MESSAGE = conflict_message("start_param_sync(force_sync=True)")
 
 pytestmark = [pytest.mark.gloo]
 
@@ -168,10 +175,17 @@ def trains_like(runs, tree, scenario, ref_tree="upstream", ref_scenario=None):
 
 
 def temporaries(runs, tree, scenario):
-    """Receive temporaries of the pre-hook and forced gathers of a patched-tree scenario."""
+    """Gather calls of `scenario` on `tree` that received into a temporary (neither
+    grad_data nor a param broadcast in place; counted by the worker on every tree)."""
     summary, _ = record(runs, tree, scenario)
-    assert summary["temporaries"] is not None, f"{tree} has no layerwise_recv_buffer"
     return summary["temporaries"]
+
+
+def grad_data_gathers(runs, tree, scenario, phase):
+    """Gather collectives of `scenario` on `tree` whose tensors lay in grad_data, during
+    the calls named `phase` (every tree: counted by the worker around torch.distributed)."""
+    summary, _ = record(runs, tree, scenario)
+    return summary["grad_data_gathers"].get(phase, 0)
 
 
 def assert_guard_error(summary, step, phases, message):
@@ -222,28 +236,24 @@ def expect_bypass_raises(scenario):
     return expect
 
 
-def expect_gather_after_backward_raises(runs, tree):
+def expect_gather_after_backward_completes(runs, tree):
     """start_param_sync() between backward and finish_grad_sync() receives into
-    temporaries (this step's grads are in grad_data) and is left pending: the first
-    finish_grad_sync() raises, before anything is changed (params and grad_data, those of
-    the pending bucket groups included, equal the snapshot taken right before it)."""
-    summary, _ = record(runs, tree, "gather_after_backward")
-    assert_guard_error(summary, 0, {"finish_grad_sync"}, GRAD_SYNC_MESSAGE)
-    assert summary["state_kept"] is True, f"the refused call changed state: {summary}"
-    assert summary["pending_state_kept"] is True, summary
-    assert summary["temporaries"] > 0, summary
+    temporaries (this step's grads are in grad_data) and is left pending: completing it
+    writes no grad, so finish_grad_sync() completes it (no error), and the 3 steps equal
+    the run without the call bitwise; no gather touched grad_data in that call."""
+    trains_like(runs, tree, "gather_after_backward", ref_tree=tree, ref_scenario="baseline")
+    assert temporaries(runs, tree, "gather_after_backward") > 0
+    assert grad_data_gathers(runs, tree, "gather_after_backward", "start_param_sync") == 0
 
 
-def expect_start_grad_sync_raises(runs, tree):
-    """The last layer unused in forward leaves its chained gather pending, receiving into
-    the grad_data its bucket group is about to reduce: the caller's start_grad_sync()
-    raises in step 0; without the call, finish_grad_sync() does (first step)."""
-    for scenario, phase in (
-        ("start_grad_sync", "start_grad_sync"),
-        ("skip_last_reference", "finish_grad_sync"),
-    ):
-        summary, _ = record(runs, tree, scenario)
-        assert_guard_error(summary, 0, {phase}, GRAD_SYNC_MESSAGE)
+def expect_skip_last_completes(runs, tree):
+    """The last layer unused in forward leaves its chained gather pending in its idle
+    grad_data, where backward accumulates nothing: its grad reduce (the caller's
+    start_grad_sync() in step 0, or finish_grad_sync()) completes the gather first, and
+    the 3 steps equal the same model trained with the optimizer's gather in step(), where
+    no gather is ever pending, bitwise."""
+    for scenario in ("start_grad_sync", "skip_last_reference"):
+        trains_like(runs, tree, scenario, ref_tree=tree, ref_scenario="skip_last_optimizer_gather")
 
 
 def expect_through_temporaries(scenario, ref_scenario=None):
@@ -257,6 +267,20 @@ def expect_through_temporaries(scenario, ref_scenario=None):
         else:
             trains_like(runs, tree, scenario, ref_tree=tree, ref_scenario=ref_scenario)
         assert temporaries(runs, tree, scenario) > 0
+
+    return expect
+
+
+def expect_equal_to_the_run_without_the_calls(scenario, ref_scenario, phases):
+    """`scenario` trains 3 steps bitwise equal to `ref_scenario` on the same tree (the run
+    without the injected calls), and no gather collective of the injected calls (`phases`)
+    touched grad_data: they went through temporaries."""
+
+    def expect(runs, tree):
+        trains_like(runs, tree, scenario, ref_tree=tree, ref_scenario=ref_scenario)
+        for phase in phases:
+            n = grad_data_gathers(runs, tree, scenario, phase)
+            assert n == 0, f"{scenario} on {tree}: {n} gathers in grad_data during {phase}"
 
     return expect
 
@@ -276,8 +300,8 @@ EXPECT = {
     "forward_only": expect_like_pristine_in_grad_data("forward_only"),
     "reentry": expect_reentry,
     "bypass_prehook": expect_bypass_raises("bypass_prehook"),
-    "gather_after_backward": expect_gather_after_backward_raises,
-    "start_grad_sync": expect_start_grad_sync_raises,
+    "gather_after_backward": expect_gather_after_backward_completes,
+    "start_grad_sync": expect_skip_last_completes,
     "baseline_no_ogr": expect_like_pristine_in_grad_data("baseline_no_ogr"),
     "forced_before_step": expect_through_temporaries("forced_before_step", "baseline"),
     "forced_before_step_no_ogr": expect_through_temporaries(
@@ -294,6 +318,22 @@ EXPECT = {
     "forced_before_step_moe": expect_through_temporaries(
         "forced_before_step_moe", "baseline_moe"
     ),
+    # Issue 38, item 1: start_param_sync() after finish_grad_sync() (temporaries), then a
+    # forced sync with those gathers pending, then the step.
+    "gather_then_forced_before_step": expect_equal_to_the_run_without_the_calls(
+        "gather_then_forced_before_step", "baseline", ("start_param_sync", "forced_param_sync")
+    ),
+    # Item 2: a backward without DDP's hooks (local CUDA graphs), then a forced sync.
+    "hookless_no_ogr": expect_like_pristine_in_grad_data("hookless_no_ogr"),
+    "hookless_forced_before_step_no_ogr": expect_equal_to_the_run_without_the_calls(
+        "hookless_forced_before_step_no_ogr", "hookless_no_ogr", ("forced_param_sync",)
+    ),
+    # Item 8: a forced sync while a grad reduce is in flight for a group without grads.
+    "grad_sync_func": expect_like_pristine_in_grad_data("grad_sync_func"),
+    "forced_during_reduce_no_grads": expect_equal_to_the_run_without_the_calls(
+        "forced_during_reduce_no_grads", "grad_sync_func", ("forced_param_sync",)
+    ),
+    "skip_last_optimizer_gather": expect_like_pristine_in_grad_data("skip_last_optimizer_gather"),
 }
 
 
@@ -358,7 +398,7 @@ def test_gather_after_backward_pristine(runs):
     assert_pristine_assertion(summary, step=1, phase="forward")
 
 
-def test_gather_after_backward_raises(runs):
+def test_gather_after_backward_completes(runs):
     EXPECT["gather_after_backward"](runs, "patched")
 
 
@@ -385,7 +425,7 @@ def test_start_grad_sync_with_gather_pending_pristine(runs):
         assert_pristine_assertion(summary, step=1, phase="forward")
 
 
-def test_start_grad_sync_with_gather_pending(runs):
+def test_start_grad_sync_completes_a_gather_where_no_grads_were_accumulated(runs):
     EXPECT["start_grad_sync"](runs, "patched")
 
 
@@ -435,6 +475,91 @@ def test_forced_sync_with_a_gather_pending_in_grad_data_raises(runs):
     EXPECT["forced_bypass"](runs, "patched")
 
 
+# ------------------------------------------- issue 38: forced syncs the guard must let through
+def _series(base):
+    """The patched tree of `base`; skips where build/patched-0.19 is missing."""
+    if base != "0.17.1":
+        _skip_without_019()
+    return BASES[base][1]
+
+
+@pytest.mark.parametrize("base", BASES)
+def test_forced_sync_completes_gathers_that_went_to_temporaries(runs, base):
+    """Item 1. Per step: backward, finish_grad_sync(), start_param_sync() (grad_data holds
+    the reduced grads: temporaries), start_param_sync(force_sync=True) with those gathers
+    pending (what disable_forward_pre_hook() does), the step. Completing them writes no
+    grad: the forced sync completes them, and the 3 steps equal the run without the two
+    calls bitwise (params, main_grad, grad norms), with no gather in grad_data."""
+    EXPECT["gather_then_forced_before_step"](runs, _series(base))
+
+
+def test_forced_sync_after_gathers_to_temporaries_pristine(runs):
+    """Item 1 on the pristine trees, for reference. 0.17.1 computes step 0 right (its
+    forced sync drops the pending gathers, which hold the params the ranks already have),
+    then the next steps with stale params: the sync marked the bucket groups dispatched
+    after finish_grad_sync() cleared them (as forced_before_step). 0.19.2 receives the
+    gathers into grad_data over the reduced grads and the forced sync drops them without
+    zeroing: every step reads param bytes as grads (grad norm 4.155 against 0.267 at step
+    0), silently."""
+    summary, got = record(runs, "upstream", "gather_then_forced_before_step")
+    base, want = record(runs, "upstream", "baseline")
+    assert summary["error"] is None, summary
+    assert summary["grad_norms"][0] == base["grad_norms"][0]
+    assert summary["grad_norms"][1] != base["grad_norms"][1], summary
+    assert not all(torch.equal(x, y) for x, y in zip(got[0]["params"][1], want[0]["params"][1]))
+    _skip_without_019()
+    summary, _ = record(runs, "upstream-0.19", "gather_then_forced_before_step")
+    base, _ = record(runs, "upstream-0.19", "baseline")
+    assert summary["error"] is None, summary
+    assert round(summary["grad_norms"][0], 3) == 4.155 and round(base["grad_norms"][0], 3) == 0.267
+    assert summary["grad_data_gathers"].get("start_param_sync", 0) > 0, summary
+
+
+@pytest.mark.parametrize("base", BASES)
+def test_forced_sync_after_a_backward_without_ddp_hooks(runs, base):
+    """Item 2. Backward without DDP's backward hooks (as local CUDA graphs run it: grads
+    from autograd.grad added into main_grad by hand), finish_grad_sync() (no
+    --overlap-grad-reduce: it reduces every bucket group), a forced param sync, the step:
+    no hook marked grad_data as holding grads, yet the forced sync must not receive there.
+    The 3 steps equal the run without the forced sync bitwise, no gather in grad_data; the
+    hook-less run itself equals the run with the hooks."""
+    tree = _series(base)
+    EXPECT["hookless_no_ogr"](runs, tree)
+    trains_like(runs, tree, "hookless_no_ogr", ref_tree=tree, ref_scenario="baseline_no_ogr")
+    EXPECT["hookless_forced_before_step_no_ogr"](runs, tree)
+
+
+def test_forced_sync_after_a_backward_without_ddp_hooks_pristine(runs):
+    """Item 2 on the pristine trees, for reference: 0.17.1 receives into temporaries (step
+    0 right) but then computes with stale params (the dispatched mark, as
+    forced_before_step); 0.19.2 receives into grad_data and zeroes every grad: grad norm
+    0.0 at every step."""
+    summary, _ = record(runs, "upstream", "hookless_forced_before_step_no_ogr")
+    ref, _ = record(runs, "upstream", "hookless_no_ogr")
+    assert summary["error"] is None and summary["grad_norms"][0] == ref["grad_norms"][0]
+    assert summary["grad_norms"][1] != ref["grad_norms"][1], summary
+    _skip_without_019()
+    summary, _ = record(runs, "upstream-0.19", "hookless_forced_before_step_no_ogr")
+    assert summary["error"] is None and summary["grad_norms"] == [0.0] * 3, summary
+
+
+@pytest.mark.parametrize("base", BASES)
+def test_forced_sync_during_the_grad_reduce_of_a_group_without_grads(runs, base):
+    """Item 8, first kind. The caller starts every bucket group's grad reduce
+    (start_grad_sync(), as a pipeline schedule's grad_sync_func does after the last
+    microbatch), then forces a param sync before finish_grad_sync(); the last layer's
+    output is dropped, so its bucket group got no grads and no backward hook marked it:
+    only the reduce in flight says its grad_data is busy. The forced gathers go through
+    temporaries (no gather in grad_data) and the 3 steps equal the run without the forced
+    sync bitwise. Pristine 0.17.1 equals it too (private receive buffers); 0.19.2 zeroes
+    every grad."""
+    EXPECT["forced_during_reduce_no_grads"](runs, _series(base))
+    trains_like(runs, "upstream", "forced_during_reduce_no_grads", ref_scenario="grad_sync_func")
+    if base == "0.19":
+        summary, _ = record(runs, "upstream-0.19", "forced_during_reduce_no_grads")
+        assert summary["grad_norms"] == [0.0] * 3, summary
+
+
 # ----------------------------------------------------------------------------- mutants
 #: Scenarios (EXPECT keys) each guard mutant must fail, and no others. The scenarios let a
 #: pending gather's data land before the call under test (wait_for_pending_gathers in the
@@ -452,31 +577,38 @@ GUARD_MUTANT_MUST_FAIL = {
     },
     # A forced sync ignores that grad_data holds this step's grads (or a grad reduce is
     # writing it) and receives there: wrong grads wherever one runs between backward and
-    # the step.
+    # the step (after a hook-less backward too), and a gather into grad_data while a
+    # group's reduce is in flight.
     "forced_sync_receives_over_grads": {
         "forced_before_step",
         "forced_before_step_no_ogr",
         "forced_during_reduce",
         "forced_after_no_sync",
         "forced_before_step_moe",
+        "hookless_forced_before_step_no_ogr",
+        "forced_during_reduce_no_grads",
     },
-    # step() marks only the dense bucket groups' grads consumed and their gathers due: the
-    # expert groups' gathers between the step and the next zero_grad_buffer() go through
-    # temporaries (the final forward, a gather started after the step, a forward-only
-    # pass), and after a forced sync before the step their next gather is skipped (stale
-    # expert params, as pristine).
-    "step_marks_only_dense_groups": {
-        "baseline_moe",
-        "zero_grad_moe",
-        "forward_only_moe",
-        "forced_before_step_moe",
-    },
+    # step() marks only the dense bucket groups' grads consumed and their gathers due:
+    # after a forced sync before the step the expert groups' next gather is skipped (stale
+    # expert params, as pristine). Their gathers after the step also get a temporary
+    # allocated, but the expert layer's owners hold one param each and broadcast it in
+    # place, so no collective uses it (the worker classifies the collectives' tensors).
+    "step_marks_only_dense_groups": {"forced_before_step_moe"},
+    # Issue 38, item 1 (v5/): the guard raises for any pending gather once grads are in
+    # grad_data, also one that received into temporaries: a forced sync, and
+    # finish_grad_sync() after a gather started between backward and it, raise where
+    # completing is right.
+    "guard_raises_over_temporaries": {"gather_then_forced_before_step", "gather_after_backward"},
+    # Item 2 (v5/): start_grad_sync() leaves grad_data unmarked, so after a hook-less
+    # backward a forced sync before the step receives over the reduced grads.
+    "start_grad_sync_leaves_grads_unmarked": {"hookless_forced_before_step_no_ogr"},
 }
 
 
 #: Base -> mutant -> the scenarios it must fail. 0.19: the same, measured mutant by mutant
 #: (its series has the same code at each mutated line; step_marks_only_dense_groups mutates
-#: step_with_ready_grads(), 0.19's step); no mutant is skipped. The references stay
+#: step_with_ready_grads(), 0.19's step; the v5/ mutants are the same bugs); no mutant is
+#: skipped. The references stay
 #: pristine 0.17.1 (EXPECT), which 0.19 + its series equals bitwise in every scenario
 #: (test_019_series_equals_the_0171_series_in_every_scenario); pristine 0.19.2 is wrong in
 #: some (it zeroes the grads of a forced sync before the step).
@@ -486,16 +618,27 @@ GUARD_MUTANT_MUST_FAIL_BY_BASE = {
 }
 
 
+#: Mutants of issue 38's items (v5/ of a base's mutants folder) that other files run:
+#: item 3's, in test_layerwise_param_sync.py.
+V5_MUTANTS_ELSEWHERE = {"collective_follows_private_state"}
+
+
 def mutant_patch(name, base="0.17.1"):
-    """The base's guard mutant `name`: in guards/ of its mutants folder, else shared there."""
-    guard = MUTANT_DIRS[base] / "guards" / f"{name}.patch"
-    return guard if guard.exists() else MUTANT_DIRS[base] / f"{name}.patch"
+    """The base's guard mutant `name`: in guards/ or v5/ of its mutants folder, else shared
+    there."""
+    for folder in ("guards", "v5"):
+        patch = MUTANT_DIRS[base] / folder / f"{name}.patch"
+        if patch.exists():
+            return patch
+    return MUTANT_DIRS[base] / f"{name}.patch"
 
 
 @pytest.mark.parametrize("base", BASES)
 def test_guard_mutants_exist(base):
     must_fail = GUARD_MUTANT_MUST_FAIL_BY_BASE[base]
     assert {p.stem for p in (MUTANT_DIRS[base] / "guards").glob("*.patch")} <= set(must_fail)
+    v5 = {p.stem for p in (MUTANT_DIRS[base] / "v5").glob("*.patch")}
+    assert v5 - V5_MUTANTS_ELSEWHERE <= set(must_fail) and V5_MUTANTS_ELSEWHERE <= v5, v5
     assert all(mutant_patch(m, base).is_file() for m in must_fail)
 
 
