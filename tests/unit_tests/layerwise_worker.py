@@ -167,11 +167,12 @@ class Setup:
     """One DDP-wrapped TinyNet of config `cfg` and its LayerWiseDistributedOptimizer."""
 
     def __init__(self, cfg: Config, overlap, expert=False, seed=1234, overlap_grad_reduce=True,
-                 fp32_last_layer=False):
+                 fp32_last_layer=False, cuda_graph_impl=None):
         """fp32_last_layer: keep the last Linear in fp32 (two grad buffers, bf16 and fp32
         params) and build DDP with disable_bucketing=True, as megatron.training does for
         every model chunk after the first with VPP: partition_buckets() then puts both
-        buffers' buckets into one bucket group."""
+        buffers' buckets into one bucket group. cuda_graph_impl: TransformerConfig's (None:
+        its default)."""
         torch.manual_seed(seed)
         dtype = cfg.dtype
         bf16 = dtype == torch.bfloat16
@@ -182,6 +183,7 @@ class Setup:
             params_dtype=dtype,
             bf16=bf16,
             use_cpu_initialization=True,
+            **({} if cuda_graph_impl is None else {"cuda_graph_impl": cuda_graph_impl}),
         )
         module = TinyNet(self.config, expert=expert, widths=cfg.widths)
         if bf16:
@@ -512,8 +514,16 @@ def params_sha256(params):
     return h.hexdigest()
 
 
+def pending_gather(bk):
+    """A bucket's pending layer-wise gather (None: none): the series'
+    layerwise_pending_copies, pristine's layerwise_gather_list (its receive tensors)."""
+    if hasattr(bk, "layerwise_pending_copies"):
+        return bk.layerwise_pending_copies
+    return bk.layerwise_gather_list
+
+
 def gather_lists_cleared(s):
-    return all_ranks(all(bk.layerwise_gather_list is None for bk in s.buckets))
+    return all_ranks(all(pending_gather(bk) is None for bk in s.buckets))
 
 
 def sc_forced_sync(cfg):
@@ -552,7 +562,7 @@ def sc_forced_sync(cfg):
         g.start_param_sync()
     res["pending_gather_list_set_while_in_flight"] = all_ranks(
         all(
-            (bk.layerwise_gather_list is not None)
+            (pending_gather(bk) is not None)
             == (bucket_pattern(bk.layerwise_params_list)["kind"] != "none")
             for bk in s.buckets
         )
@@ -1038,6 +1048,255 @@ def sc_small_dp_sync(cfg, expert=False):
     return {"params_sha256_sync": params_sha256(s.params)}
 
 
+# ------------------------------------------------- issue 38: what every rank must agree on
+def _exchange(key, value):
+    """Every rank's `value` (JSON), in rank order, through the c10d store: not a
+    collective, so it cannot pair with a collective another rank is still in."""
+    store = dist.distributed_c10d._get_default_store()
+    store.set(f"exchange/{key}/{dist.get_rank()}", json.dumps(value))
+    return [json.loads(store.get(f"exchange/{key}/{r}")) for r in range(dist.get_world_size())]
+
+
+def _collective_signature(records):
+    """What a rank's gather calls must share with every other rank's: form, group size,
+    dtype, slot sizes and broadcast root of each call (harness.cpu_runtime's records)."""
+    return [[r.form, r.world, r.dtype, list(r.slot_numels), r.src] for r in records]
+
+
+def _private_state(s, state, step):
+    """Put this rank's grad buffers into `state` (rank 0 only; the others stay idle):
+    "offloaded" (offload_grad_buffers()), "unconsumed_grads" (a forward and backward
+    inside no_sync(): grads in grad_data that no step consumed, no collective issued)."""
+    if dist.get_rank() != 0:
+        return
+    if state == "offloaded":
+        s.ddp.offload_grad_buffers(synchronize=False, empty_cache=False)
+    else:
+        with s.ddp.no_sync():
+            s.ddp(s.batch(step, 0)).float().pow(2).mean().backward()
+
+
+def sc_private_state_gather(cfg):
+    """The optimizer's gather (LayerWiseDistributedOptimizer.allgather_params(), no
+    --overlap-param-gather) called directly while rank 0 holds private state the other
+    ranks do not (offloaded grad buffers; grads no step consumed) and the others are idle.
+    Per state: each rank's gather calls (their signature, exchanged through the store) are
+    the same on every rank, the params equal the owners' values on every rank, and rank
+    0's state is untouched (its freed storage stays freed, its grads keep their bytes)."""
+    res = {}
+    for state in ("offloaded", "unconsumed_grads"):
+        s = Setup(cfg, overlap=False)
+        s.ddp.zero_grad_buffer()
+        s.simulate_step(step=13)
+        _private_state(s, state, 13)
+        before = None if state == "offloaded" else grad_bytes(s)
+        with cpu_runtime.record_collectives() as calls:
+            s.opt.allgather_params()
+        every = _exchange(f"{cfg.name}/{state}", _collective_signature(calls))
+        if dist.get_rank() != 0:
+            kept = True
+        elif state == "offloaded":
+            kept = all(g.untyped_storage().nbytes() == 0 for g in s.grad_datas())
+        else:
+            kept = all(torch.equal(a, b) for a, b in zip(grad_bytes(s), before))
+        res[f"{state}_same_collective_on_every_rank"] = all(sig == every[0] for sig in every)
+        res[f"{state}_params_equal_owner_values"] = all_ranks(s.params_equal_targets(13))
+        res[f"{state}_private_state_kept"] = all_ranks(kept)
+        res[f"{state}_forms_by_rank"] = [sorted({c[0] for c in sig}) for sig in every]
+        if state == "offloaded":
+            s.ddp.restore_grad_buffers(synchronize=False)
+    return res
+
+
+def _plain_ddp_with_adam(cfg):
+    """TinyNet in megatron's DDP without the distributed optimizer and megatron's Adam
+    (get_megatron_optimizer; torch's AdamW on CPU): no layer-wise bucket, no param gather."""
+    from megatron.core.optimizer import get_megatron_optimizer
+
+    torch.manual_seed(1234)
+    bf16 = cfg.dtype == torch.bfloat16
+    tc = TransformerConfig(num_layers=1, hidden_size=IN_DIM, num_attention_heads=1,
+                           params_dtype=cfg.dtype, bf16=bf16, use_cpu_initialization=True)
+    module = TinyNet(tc, widths=cfg.widths).to(cfg.dtype)
+    ddp = DDP(tc, DDPConfig(grad_reduce_in_fp32=cfg.fp32_grad, overlap_grad_reduce=True,
+                            use_distributed_optimizer=False, bucket_size=cfg.bucket_size), module)
+    opt = get_megatron_optimizer(
+        OptimizerConfig(optimizer="adam", lr=0.01, bf16=bf16, params_dtype=cfg.dtype,
+                        use_distributed_optimizer=False),
+        [ddp],
+    )
+    return ddp, opt
+
+
+class _BucketGroupCalls:
+    """Records the calls of every _ParamAndGradBucketGroup method (by name) while active."""
+
+    def __enter__(self):
+        from megatron.core.distributed.param_and_grad_buffer import _ParamAndGradBucketGroup as G
+
+        self.cls, self.orig, self.calls = G, {}, []
+        for name, fn in vars(G).items():
+            if callable(fn) and not name.startswith("__"):
+                self.orig[name] = fn
+
+                def spy(*args, _name=name, _fn=fn, **kwargs):
+                    self.calls.append(_name)
+                    return _fn(*args, **kwargs)
+
+                setattr(G, name, spy)
+        return self
+
+    def __exit__(self, *exc):
+        for name, fn in self.orig.items():
+            setattr(self.cls, name, fn)
+
+
+#: Bucket-group entry points of the layer-wise param sync (and its completion).
+PARAM_SYNC_CALLS = ("free_overlap_buffers", "start_param_sync", "finish_param_sync")
+
+
+def sc_plain_ddp_zero_grad(cfg):
+    """Plain DDP with Adam (_plain_ddp_with_adam), 2 training steps: zero_grad_buffer()
+    before each, offload_grad_buffers() and restore_grad_buffers() after them. No
+    layer-wise gather can be pending there, so these calls issue no param-sync work: the
+    bucket-group methods they call (listed for the test to compare with the pristine
+    tree's), none of them a param-sync entry point or named for the layer-wise gather,
+    and no gather collective."""
+    ddp, opt = _plain_ddp_with_adam(cfg)
+    called, gathers = set(), 0
+    x = torch.randn(4, IN_DIM, generator=torch.Generator().manual_seed(3 + dist.get_rank()))
+    for step in range(2):
+        with _BucketGroupCalls() as spy, cpu_runtime.record_collectives() as calls:
+            ddp.zero_grad_buffer()
+        called |= set(spy.calls)
+        gathers += len(calls)
+        opt.zero_grad()
+        ddp(x.to(cfg.dtype)).float().pow(2).mean().backward()
+        ddp.finish_grad_sync()
+        opt.step()
+    with _BucketGroupCalls() as spy, cpu_runtime.record_collectives() as calls:
+        ddp.offload_grad_buffers(synchronize=False, empty_cache=False)
+        ddp.restore_grad_buffers(synchronize=False)
+    called |= set(spy.calls)
+    gathers += len(calls)
+    sync_named = sorted(
+        c for c in called
+        if c in PARAM_SYNC_CALLS or any(w in c for w in ("layerwise", "param_gather", "param_sync"))
+    )
+    return {
+        "bucket_group_methods_called": sorted(called),
+        "param_sync_methods_called": sync_named,
+        "no_param_sync_work": all_ranks(not sync_named and gathers == 0),
+        "gather_collectives": gathers,
+    }
+
+
+def sc_optimizer_two_dtypes(cfg):
+    """The optimizer's gather (no --overlap-param-gather) over a model with bf16 and fp32
+    params (Setup(fp32_last_layer=True)): after a simulated step every rank holds the
+    owners' values; 3 real steps equal, params and grad norms bitwise, the same model
+    trained with the overlapped (pre-hook) gather. A rank whose gather raises re-raises
+    with the number of gather collectives it issued first, so that an error on every rank
+    before any collective is data (harness.ranks.Outcomes), and one on some ranks only
+    ends the job."""
+    s = Setup(cfg, overlap=False, fp32_last_layer=True)
+    s.ddp.zero_grad_buffer()
+    s.simulate_step(step=14)
+    with cpu_runtime.record_collectives() as calls:
+        try:
+            s.opt.allgather_params()
+        except Exception as exc:
+            raise RuntimeError(f"{type(exc).__name__} after {len(calls)} gather collectives: {exc}") from exc
+    res = {
+        "param_dtypes": sorted({str(p.dtype) for p in s.params}),
+        "params_equal_owner_values": all_ranks(s.params_equal_targets(14)),
+        "gather_dtypes": sorted({c.dtype for c in calls}),
+    }
+    a, na, _, _ = train(cfg, 3, True, fp32_last_layer=True)
+    b, nb, zero_or_grad, _ = train(cfg, 3, False, fp32_last_layer=True)
+    diff = max_abs_diff([p.detach() for p in a.params], [p.detach() for p in b.params])
+    same = True
+    for p in b.params:
+        ref = p.detach().clone()
+        dist.broadcast(ref, src=0)
+        same &= torch.equal(ref, p.detach())
+    res.update(
+        training_equals_overlapped=all_ranks(diff == 0.0 and na == nb),
+        params_equal_across_ranks=all_ranks(same),
+        main_grad_zero_or_grad_after_step=all_ranks(zero_or_grad),
+    )
+    return res
+
+
+def sc_post_param_sync_order(cfg):
+    """0.19: _ParamAndGradBucketGroup._post_param_sync() (post-processing of gathered
+    params, e.g. MXFP8's) must find every param of its bucket group already holding the
+    gathered value, on each path that calls it: the pre-hook pair, a forced sync idle and
+    with a gather pending, free_overlap_buffers() and zero_grad_buffer() with a gather
+    pending. Per path: calls, and calls that found a param not yet copied back (each
+    checked when called, against the step's owner values). 0.17.1 has no _post_param_sync:
+    {"skipped": ...}."""
+    from megatron.core.distributed.param_and_grad_buffer import _ParamAndGradBucketGroup as G
+
+    if not hasattr(G, "_post_param_sync"):
+        return {"skipped": "no _post_param_sync in this tree"}
+    s = Setup(cfg, overlap=True)
+    seen = {"calls": 0, "early": 0, "step": None}
+    orig = G._post_param_sync
+
+    def checked(group):
+        seen["calls"] += 1
+        params = [p for b in group.buckets for p in b.params_list if p in s.index]
+        if not all(torch.equal(p.detach(), s.target(p, seen["step"])) for p in params):
+            seen["early"] += 1
+        return orig(group)
+
+    def async_pair():
+        for g in s.bucket_groups:
+            g.start_param_sync()
+            g.finish_param_sync(skip_next_bucket_dispatch=True)
+
+    def start_all():
+        for g in s.bucket_groups:
+            g.start_param_sync()
+
+    def then(*fns):
+        return lambda: [fn() for fn in fns]
+
+    paths = {
+        "async": async_pair,
+        "forced_idle": lambda: s.ddp.start_param_sync(force_sync=True),
+        "forced_pending": then(start_all, lambda: s.ddp.start_param_sync(force_sync=True)),
+        "free_overlap_buffers": then(start_all, s.ddp.free_overlap_buffers),
+        "zero_grad_buffer": then(start_all, lambda: wait_for_pending_gathers(s), s.ddp.zero_grad_buffer),
+    }
+    res = {}
+    G._post_param_sync = checked
+    try:
+        for i, (name, path) in enumerate(paths.items()):
+            s.ddp.zero_grad_buffer()
+            for g in s.bucket_groups:
+                g.param_gather_dispatched = False
+            seen.update(calls=0, early=0, step=20 + i)
+            s.simulate_step(step=20 + i)
+            path()
+            res[f"{name}_calls"] = seen["calls"]
+            res[f"{name}_copied_back_before_post_param_sync"] = all_ranks(seen["early"] == 0)
+            res[f"{name}_params_synced"] = all_ranks(s.params_equal_targets(20 + i))
+    finally:
+        G._post_param_sync = orig
+    return res
+
+
+def sc_local_cuda_graphs(cfg):
+    """DDP and the layer-wise optimizer with --overlap-param-gather on a model whose
+    TransformerConfig has cuda_graph_impl="local": megatron's local CUDA graphs skip DDP's
+    backward hook (transformer/cuda_graphs.py), which tells the pre-hook gathers that
+    grad_data holds grads. {"built": True}, or an error on every rank (recorded)."""
+    Setup(cfg, overlap=True, cuda_graph_impl="local")
+    return {"built": True}
+
+
 SCENARIOS = {
     "gather": sc_gather,
     "microbatches": sc_microbatches,
@@ -1059,6 +1318,11 @@ SCENARIOS = {
     "dp1_expert_dp2": lambda cfg: sc_small_dp(cfg, expert=True),
     "small_dp_sync": sc_small_dp_sync,
     "expert_dp1_sync": lambda cfg: sc_small_dp_sync(cfg, expert=True),
+    "private_state_gather": sc_private_state_gather,
+    "plain_ddp_zero_grad": sc_plain_ddp_zero_grad,
+    "optimizer_two_dtypes": sc_optimizer_two_dtypes,
+    "post_param_sync_order": sc_post_param_sync_order,
+    "local_cuda_graphs": sc_local_cuda_graphs,
 }
 #: Scenarios that build their own models: run once per job, keyed "models/<scenario>".
 MODEL_INDEPENDENT = {"collectives"}

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import re
 import time
 from pathlib import Path
 
@@ -470,6 +471,11 @@ def test_params_that_are_not_plain_tensors(runs):
             assert r[key] == u[key], (key, r, u)
 
 
+#: The series' runs of the bucket group of two: with the optimizer path over the same two
+#: param dtypes (test_optimizer_gather_of_two_param_dtypes), in one launch.
+TWO_DTYPES_SERIES = "bucket_group_of_two,optimizer_two_dtypes"
+
+
 def _bucket_group_of_two(tree):
     r = result(tree, CONFIGS[0], "bucket_group_of_two")
     assert r["buckets_per_group"] == r["buckets_gathered_per_group"] == [2], r
@@ -485,7 +491,7 @@ def test_every_gather_of_a_bucket_group_is_waited_on(runs):
     Pristine (waits on the last work only): the first bucket's params are copied from
     receive buffers nothing was written into, and training parts. So does the mutant
     that reverts 0001 on the series (test_the_mutant_waiting_on_the_last_work_only_is_caught)."""
-    r = _bucket_group_of_two(runs("patched", 2, "bucket_group_of_two", CONFIGS[:1]))
+    r = _bucket_group_of_two(runs("patched", 2, TWO_DTYPES_SERIES, CONFIGS[:1]))
     u = _bucket_group_of_two(runs("upstream", 2, "bucket_group_of_two", CONFIGS[:1]))
     assert r["params_overlap_equal_forced"] and r["grad_norms_equal"], r
     assert r["params_sha256_overlap"] == r["params_sha256_forced"] == u["params_sha256_forced"], (r, u)
@@ -498,7 +504,7 @@ def test_the_mutant_waiting_on_the_last_work_only_is_caught(runs, tmp_path, base
     the bucket group of two under deferred completion parts from its forced-sync run,
     which still equals the series'."""
     tree = base_mutant_tree(base, "handles/wait_on_last_handle_only.patch", tmp_path / "tree")
-    r = _bucket_group_of_two(runs(BASES[base][1], 2, "bucket_group_of_two", CONFIGS[:1]))
+    r = _bucket_group_of_two(runs(BASES[base][1], 2, TWO_DTYPES_SERIES, CONFIGS[:1]))
     m = _bucket_group_of_two(runs(tree, 2, "bucket_group_of_two", CONFIGS[:1]))
     assert not m["params_overlap_equal_forced"] and m["params_sha256_forced"] == r["params_sha256_forced"], m
 
@@ -757,7 +763,7 @@ def test_019_every_gather_of_a_bucket_group_is_waited_on(runs):
     test_every_gather_of_a_bucket_group_is_waited_on) equals its forced-sync run on the
     series; pristine 0.19.2 (waits on the last work only) parts."""
     _skip_without_019()
-    r = _bucket_group_of_two(runs("patched-0.19", 2, "bucket_group_of_two", CONFIGS[:1]))
+    r = _bucket_group_of_two(runs("patched-0.19", 2, TWO_DTYPES_SERIES, CONFIGS[:1]))
     u = _bucket_group_of_two(runs("upstream-0.19", 2, "bucket_group_of_two", CONFIGS[:1]))
     assert r["params_overlap_equal_forced"] and r["grad_norms_equal"], r
     assert r["params_sha256_overlap"] == r["params_sha256_forced"] == u["params_sha256_forced"], (r, u)
@@ -798,3 +804,144 @@ def test_every_prefix_of_the_series_keeps_numerics(runs, tmp_path, base, k):
     pristine = result(pristine_main_run(runs, base), CONFIGS[0], "training")
     for path in ("overlap", "sync"):
         assert mine[f"params_sha256_{path}"] == pristine[f"params_sha256_{path}"], path
+
+
+# ------------------------------------------------------------------------------ issue 38
+# One launch per tree (bf16 configs: pristine 0.19.2's fp32 step raises, see CONFIGS_019):
+# the optimizer's gather with private per-rank state (item 3), a plain DDP's
+# zero_grad_buffer() (item 4), the order of copy-back and _post_param_sync() (0.19, item 8),
+# and local CUDA graphs (item 2).
+AGREEMENT_SCENARIOS = "private_state_gather,plain_ddp_zero_grad,post_param_sync_order,local_cuda_graphs"
+AGREEMENT_CONFIGS = CONFIGS_019
+PRIVATE_STATES = ("offloaded", "unconsumed_grads")
+
+
+def agreement_run(runs, tree):
+    if "0.19" in str(tree):
+        _skip_without_019()
+    return runs(tree, 2, AGREEMENT_SCENARIOS, AGREEMENT_CONFIGS)
+
+
+@pytest.mark.parametrize("base", BASES)
+def test_optimizer_gather_takes_the_same_collective_whatever_a_rank_holds(runs, base):
+    """Item 3. allgather_params() (the optimizer path, no --overlap-param-gather) called
+    directly while rank 0 holds private state and rank 1 is idle: offloaded grad buffers,
+    or grads no step consumed (a no_sync() backward). Both ranks issue the same collectives
+    (form, group size, dtype, slot sizes, roots: one all_gather_into_tensor for the equal
+    shares of bf16-fp32grad-mixed, owner broadcasts for the unequal ones of
+    bf16-samegrad-one), the params equal the owners' values on every rank, and rank 0's
+    state is untouched (its storage stays freed, its grads keep their bytes): the private
+    state chose only where rank 0 receives. v4 chose the collective from it (rank 0 a list
+    all_gather, rank 1 the grad-buffer gather: on NCCL, a hang or wrong params)."""
+    r = agreement_run(runs, BASES[base][1])
+    for config in AGREEMENT_CONFIGS:
+        res = result(r, config, "private_state_gather")
+        for state in PRIVATE_STATES:
+            forms = res[f"{state}_forms_by_rank"]
+            assert res[f"{state}_same_collective_on_every_rank"], (config, state, forms)
+            assert res[f"{state}_params_equal_owner_values"], (config, state)
+            assert res[f"{state}_private_state_kept"], (config, state)
+    forms = {
+        c: result(r, c, "private_state_gather")["offloaded_forms_by_rank"][0] for c in AGREEMENT_CONFIGS
+    }
+    assert forms == {"bf16-fp32grad-mixed": ["all_gather_into_tensor"], "bf16-samegrad-one": ["broadcast"]}
+
+
+@pytest.mark.parametrize("base", BASES)
+def test_zero_grad_buffer_of_plain_ddp_runs_no_param_sync_work(runs, base):
+    """Item 4. DDP without the distributed optimizer and with Adam (no layer-wise bucket,
+    no param gather): zero_grad_buffer() in 2 training steps, offload_grad_buffers() and
+    restore_grad_buffers() call exactly the bucket-group methods pristine calls there
+    (reset()), no param-sync entry point (free_overlap_buffers(), start/finish_param_sync())
+    or layer-wise helper, and issue no gather collective. v4 called free_overlap_buffers()
+    on every bucket group of every such DDP."""
+    if base != "0.17.1":
+        _skip_without_019()
+    r = agreement_run(runs, BASES[base][1])
+    u = agreement_run(runs, BASES[base][0])
+    for config in AGREEMENT_CONFIGS:
+        mine, pristine = result(r, config, "plain_ddp_zero_grad"), result(u, config, "plain_ddp_zero_grad")
+        assert mine["no_param_sync_work"], mine
+        assert pristine["bucket_group_methods_called"] == ["reset"], pristine
+        assert mine["bucket_group_methods_called"] == pristine["bucket_group_methods_called"], mine
+
+
+@pytest.mark.parametrize("base", BASES)
+def test_local_cuda_graphs_with_overlapped_layerwise_gather_refused_on_every_rank(runs, base):
+    """Item 2. Local CUDA graphs skip DDP's backward hook during capture and replay; a
+    forced param sync during such a backward, before any grad reduce started, would find
+    nothing saying grad_data holds grads. The series refuses the combination when DDP is
+    built with overlap_param_gather without use_distributed_optimizer (the layer-wise
+    param sync) on a model whose cuda_graph_impl is "local": an error on every rank (the
+    worker records an error only when every rank raised) that names local CUDA graphs,
+    the hook they skip and overlap_param_gather. Pristine builds it."""
+    if base != "0.17.1":
+        _skip_without_019()
+    for config in AGREEMENT_CONFIGS:
+        err = agreement_run(runs, BASES[base][1])[f"{config}/local_cuda_graphs"].get("error", "")
+        assert re.search(r"cuda_graph_impl='local'.*backward hook.*overlap_param_gather", err), err
+        assert result(agreement_run(runs, BASES[base][0]), config, "local_cuda_graphs")["built"]
+
+
+def test_019_every_copy_back_happens_before_post_param_sync(runs):
+    """Item 8, fourth kind (0.19 only: 0.17.1 has no _post_param_sync()). On each path that
+    calls it (the pre-hook pair; a forced sync idle and with a gather pending;
+    free_overlap_buffers() and zero_grad_buffer() with a gather pending), every
+    _post_param_sync() call finds every param of its bucket group already holding the
+    gathered value (MXFP8's post-processing reads them; on CPU no param is quantized, so
+    the order shows only here), and the params end synced. Pristine 0.19.2, for reference:
+    its forced sync with a gather pending drops the gather and calls _post_param_sync()
+    over stale params."""
+    _skip_without_019()
+    paths = ("async", "forced_idle", "forced_pending", "free_overlap_buffers", "zero_grad_buffer")
+    for config in AGREEMENT_CONFIGS:
+        r = result(agreement_run(runs, "patched-0.19"), config, "post_param_sync_order")
+        for path in paths:
+            assert r[f"{path}_calls"] > 0, (config, path, r)
+            assert r[f"{path}_copied_back_before_post_param_sync"], (config, path, r)
+            assert r[f"{path}_params_synced"], (config, path, r)
+        u = result(agreement_run(runs, "upstream-0.19"), config, "post_param_sync_order")
+        assert not u["forced_pending_copied_back_before_post_param_sync"], u
+        assert not u["forced_pending_params_synced"], u
+
+
+@pytest.mark.parametrize("base", BASES)
+def test_optimizer_gather_of_two_param_dtypes(runs, base):
+    """Item 8, second kind. The optimizer path (no --overlap-param-gather) on a model with
+    bf16 and fp32 params (both buffers' buckets in one bucket group): after a simulated
+    step every rank holds the owners' values of both dtypes (the gathers ran in both), and
+    3 real steps equal the overlapped run bitwise, params equal on every rank, main_grad
+    zero or the grad when step() returns. v4 fell back to 0.17.1's helper, which raised on
+    rank 0 only (a dtype mismatch) while rank 1 waited in the collective."""
+    if base != "0.17.1":
+        _skip_without_019()
+    r = result(runs(BASES[base][1], 2, TWO_DTYPES_SERIES, CONFIGS[:1]), CONFIGS[0], "optimizer_two_dtypes")
+    assert r["param_dtypes"] == ["torch.bfloat16", "torch.float32"], r
+    assert r["gather_dtypes"] == ["torch.bfloat16", "torch.float32"], r
+    assert r["params_equal_owner_values"] and r["training_equals_overlapped"], r
+    assert r["params_equal_across_ranks"] and r["main_grad_zero_or_grad_after_step"], r
+
+
+#: Issue 38 item 3's mutant (tests/mutants/v5/, tests/mutants/0.19/v5/: a rank whose
+#: grad_data is busy takes the flatten-and-gather fallback): the checks of
+#: test_optimizer_gather_takes_the_same_collective_whatever_a_rank_holds it must fail, by
+#: base. On 0.17.1 an offloaded grad_data is left to layerwise_recv_buffer(), outside the
+#: mutated `busy`, so only the unconsumed-grads state parts; 0.19's `busy` covers both.
+PRIVATE_STATE_MUTANT_MUST_FAIL = {
+    "0.17.1": {f"{c}/private_state_gather.unconsumed_grads_same_collective_on_every_rank"
+               for c in AGREEMENT_CONFIGS},
+    "0.19": {f"{c}/private_state_gather.{s}_same_collective_on_every_rank"
+             for c in AGREEMENT_CONFIGS for s in PRIVATE_STATES},
+}
+
+
+@pytest.mark.parametrize("base", BASES)
+def test_the_mutant_choosing_the_collective_from_private_state_is_caught(runs, tmp_path, base):
+    """v5/collective_follows_private_state.patch on the base's series fails exactly the
+    same-collective checks named for it among the private_state_gather checks (the params
+    still come out right: on gloo both collectives move the same bytes)."""
+    tree = base_mutant_tree(base, "v5/collective_follows_private_state.patch", tmp_path / "tree")
+    got = {
+        f for f in _failed_checks(agreement_run(runs, tree)) if "/private_state_gather." in f
+    }
+    assert got == PRIVATE_STATE_MUTANT_MUST_FAIL[base], sorted(got)
