@@ -17,17 +17,31 @@ these functions):
 The collectives are replaced by ``StandIn``: it records every call and delivers what the
 other DP ranks would send (their owners' values), so one process plays one rank of a group
 of any size. What real gloo ranks do is tested in test_layerwise_param_sync.py.
+
+The module imports the megatron tree first on PYTHONPATH (the 0.17.1 series under the
+suite); test_the_bucket_tests_pass_on_the_019_series runs it once more in a process that
+imports build/patched-0.19, whose slot code also sends an MXFP8 param's fp32 master
+(``_layerwise_src``: the MXFP8 tests run there only).
 """
 
 from __future__ import annotations
 
 import contextlib
 import itertools
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+from pathlib import Path
 
 import pytest
 import torch
 
+from harness.trees import REPO_ROOT, check_expected_tree, env_for_tree
+from megatron.core import package_info
 from megatron.core.distributed import param_and_grad_buffer as pgb
+
+# Under env_for_tree (the 0.19 run below): raise unless megatron comes from that tree.
+check_expected_tree()
 
 GARBAGE = -777.0  # what a rank holds for a param another rank owns, before the gather
 GLOBAL_OFFSET = 100  # the stand-in's global rank of group rank r is 100 + r
@@ -140,8 +154,8 @@ def gather(monkeypatch, shapes_by_rank, rank, param_dtype, grad_dtype, grad_nume
     before = grad_data.clone()
     stand_in = StandIn(rank, params_by_rank, truth)
     stand_in.install(monkeypatch)
-    numel = sum(t.numel() for t in truth)
-    recv = pgb.layerwise_recv_buffer(grad_data, param_dtype, numel)
+    # What the series receives into while grad_data is idle (layerwise_recv_buffer).
+    recv = grad_data.view(param_dtype)
     work, pending = pgb.start_layerwise_param_gather([recv], params_by_rank, None, async_op)
     written = list(pending[0])
     pgb.finish_layerwise_param_gather(*pending)
@@ -343,6 +357,14 @@ def test_a_param_that_is_not_plain_goes_through_a_slot(monkeypatch, kind):
 
 
 # ------------------------------------------------------------------ receive buffer
+#: The 0.17.1 series chooses the receive buffer in layerwise_recv_buffer(); the 0.19 series
+#: inline in start_param_sync() (tested on real ranks in test_grad_data_guards.py).
+requires_recv_buffer = pytest.mark.skipif(
+    not hasattr(pgb, "layerwise_recv_buffer"), reason="no layerwise_recv_buffer in this tree"
+)
+
+
+@requires_recv_buffer
 def test_receive_buffer_is_grad_data_viewed_as_the_param_dtype():
     grad = torch.zeros(10, dtype=torch.float32)
     recv = pgb.layerwise_recv_buffer(grad, torch.bfloat16, 20)
@@ -350,6 +372,7 @@ def test_receive_buffer_is_grad_data_viewed_as_the_param_dtype():
     assert recv.data_ptr() == grad.data_ptr()
 
 
+@requires_recv_buffer
 @pytest.mark.parametrize("offloaded", [False, True])
 def test_busy_or_offloaded_grad_data_gets_a_temporary(offloaded):
     """busy: grad_data holds grads no step has consumed (or a grad reduce writes it), so a
@@ -362,6 +385,7 @@ def test_busy_or_offloaded_grad_data_gets_a_temporary(offloaded):
     assert recv.untyped_storage().data_ptr() != grad.untyped_storage().data_ptr()
 
 
+@requires_recv_buffer
 def test_receive_buffer_too_small_asserts_with_sizes():
     grad = torch.zeros(5, dtype=torch.float32)
     with pytest.raises(AssertionError) as err:
@@ -370,6 +394,7 @@ def test_receive_buffer_too_small_asserts_with_sizes():
     assert "5 x torch.float32" in msg and "11 x torch.bfloat16" in msg
 
 
+@requires_recv_buffer
 @pytest.mark.parametrize("rank", [0, 1])
 def test_offloaded_grad_data_gets_a_temporary_and_is_never_written(monkeypatch, rank):
     """offload_grad_buffers() freed grad_data's storage: the gather receives into a fresh
@@ -409,3 +434,99 @@ def test_every_share_pattern_of_three_ranks_gathers_the_owners_values(monkeypatc
             else:
                 assert torch.equal(grad, before)
     assert forms == {"all_gather_into_tensor", "broadcast"}
+
+
+# ------------------------------------------------------------------ MXFP8 params (0.19)
+class _MXFP8(torch.Tensor):
+    """Stands for TE's MXFP8Tensor: its storage is not its values (zeros here); the value
+    to send is the fp32 master in param.main_param."""
+
+
+def _mxfp8_param(value, monkeypatch):
+    """A param of class _MXFP8 holding zeros, its fp32 master `value`; pgb.is_mxfp8tensor
+    made to recognise it (on CPU no TE tensor exists)."""
+    monkeypatch.setattr(pgb, "is_mxfp8tensor", lambda t: isinstance(t, _MXFP8))
+    param = torch.nn.Parameter(torch.zeros_like(value).as_subclass(_MXFP8))
+    param.main_param = value.float()
+    return param
+
+
+def _needs_mxfp8_sync():
+    if (package_info.MAJOR, package_info.MINOR) < (0, 19):
+        pytest.skip("megatron-core 0.17.1 sends no MXFP8 master in the layer-wise gather")
+
+
+@pytest.mark.parametrize("rank", [0, 2])
+def test_mxfp8_param_sends_its_master_through_a_slot(monkeypatch, rank):
+    """0.19: rank 2's single param is MXFP8. Its owner sends param.main_param in the param
+    dtype, through a slot of grad_data (not in place: its storage is not its values), and
+    the receivers' copy_() gets that value; the slot is zeroed again."""
+    _needs_mxfp8_sync()
+    params_by_rank, truth, values, grad = make_case(UNEQUAL, rank, torch.bfloat16, torch.float32, 40)
+    old = params_by_rank[2][0]
+    value = values.pop(old)
+    new = _mxfp8_param(value, monkeypatch)
+    if rank != 2:
+        with torch.no_grad():
+            new.fill_(GARBAGE)
+    values[new] = value
+    params_by_rank[2] = [new]
+    assert not pgb._is_plain(new)
+    before = grad.clone()
+    stand_in = StandIn(rank, params_by_rank, truth)
+    stand_in.install(monkeypatch)
+    work, pending = pgb.start_layerwise_param_gather([grad.view(torch.bfloat16)], params_by_rank, None, True)
+    sent = [c[1] for c in stand_in.calls if c[2] == 2]
+    assert len(sent) == 1 and in_storage(sent[0], grad) and sent[0].numel() == value.numel()
+    pgb.finish_layerwise_param_gather(*pending)
+    if rank != 2:
+        assert torch.equal(new.detach().as_subclass(torch.Tensor), value)
+    assert_zeroed_exactly(grad, before, pending[0])
+
+
+def test_mxfp8_param_without_master_is_refused_naming_it(monkeypatch):
+    """0.19: an MXFP8 param whose main_param is None cannot be sent (its storage is not its
+    values): an AssertionError that names main_param, before any collective."""
+    _needs_mxfp8_sync()
+    params_by_rank, truth, values, grad = make_case(UNEQUAL, 2, torch.bfloat16, torch.float32, 40)
+    new = _mxfp8_param(values[params_by_rank[2][0]], monkeypatch)
+    new.main_param = None
+    params_by_rank[2] = [new]
+    stand_in = StandIn(2, params_by_rank, truth)
+    stand_in.install(monkeypatch)
+    with pytest.raises(AssertionError, match="main_param"):
+        pgb.start_layerwise_param_gather([grad.view(torch.bfloat16)], params_by_rank, None, True)
+    assert stand_in.calls == []
+
+
+# ------------------------------------------------------------------- the 0.19 series
+def test_the_bucket_tests_pass_on_the_019_series(request, tmp_path):
+    """This module's tests in a process that imports build/patched-0.19 (harness.trees
+    env_for_tree: its megatron first on PYTHONPATH): as many as here, every one passes
+    there (the MXFP8 tests included), none skipped but the receive-buffer helper's where
+    the tree has none."""
+    parent = REPO_ROOT / "build" / "patched-0.19"
+    if not (parent / "megatron" / "core").is_dir():
+        pytest.skip("build/patched-0.19 is missing; run scripts/setup.sh")
+    here = [i for i in request.session.items if i.path == Path(__file__) and "019_series" not in i.name]
+    report = tmp_path / "junit.xml"
+    # The repo root holds the 0.17.1 tree's megatron/: run from tmp_path (`python -m` puts
+    # the working directory first on sys.path) without the root conftest.py (pytest would
+    # put its folder, the repo root, first too).
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "no:xdist", "-q",
+         "-c", str(REPO_ROOT / "pytest.ini"), "--rootdir", str(REPO_ROOT), "--noconftest",
+         "-k", "not 019_series", f"--junitxml={report}", str(Path(__file__))],
+        env=env_for_tree("patched-0.19"), cwd=tmp_path, capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    outcomes = {
+        case.get("name"): [(c.tag, c.get("message", "")) for c in case]
+        for case in ET.parse(report).getroot().iter("testcase")
+    }
+    bad = {
+        name: o for name, o in outcomes.items()
+        if o and o != [("skipped", "no layerwise_recv_buffer in this tree")]
+    }
+    assert not bad, bad  # no failure or error, no other skip
+    assert len(outcomes) == len(here) and any("mxfp8" in name for name in outcomes), outcomes
