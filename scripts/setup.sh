@@ -178,6 +178,9 @@ build_series() {
     say "building $sg: pristine commit + git am $series/series"
     rm -rf "$sg.tmp" && mkdir -p "$sg.tmp"
     cp -a "$pristine/megatron" "$sg.tmp/megatron"
+    # The pristine commit holds the wheel's files only: not the make files place_helpers adds
+    # to the pristine tree (neither wheel ships a Makefile there); megatron/ gets them again below.
+    rm -f "$sg.tmp/megatron/core/datasets/GNUmakefile" "$sg.tmp/megatron/core/datasets/Makefile"
     (
         export GIT_AUTHOR_NAME="megatron-core wheel" GIT_AUTHOR_EMAIL="pristine@invalid" \
             GIT_COMMITTER_NAME="series-git" GIT_COMMITTER_EMAIL="series-git@invalid" \
@@ -361,8 +364,10 @@ fi
 #     pinned to the extension suffix of .venv's Python, the one that imports helpers_cpp:
 #     upstream's Makefile asks the python3-config on PATH, which may be another Python's
 #     (here: 3.11's), and then names a target that does not exist and tries to compile it;
-#   - the prebuilt .so no older than helpers.cpp, so that make finds it up to date (mtimes of
-#     a wheel or tarball unpack, or a clone, say nothing about which was built from which).
+#     and that, while helpers.cpp is byte-identical to the wheel's, gives the prebuilt .so the
+#     time of helpers.cpp, so that make finds it up to date (the times of a wheel or tarball
+#     unpack, a clone or a later git checkout say nothing about which was built from which);
+#   - the same at setup time: the prebuilt .so no older than helpers.cpp.
 # A helpers.cpp that differs from the wheel's gets no .so: make builds it (g++ and pybind11).
 place_helpers() {
     local tree="$1" dest="$1/megatron/core/datasets" src="$2/megatron/core/datasets" makefile="$3" so
@@ -372,11 +377,18 @@ place_helpers() {
         for so in "$src"/helpers_cpp*.so; do [[ -f "$dest/${so##*/}" ]] || cp -p "$so" "$dest/"; done
     fi
     [[ -f "$dest/Makefile" ]] || cp -p "$makefile" "$dest/Makefile"
+    local wheel_cpp; wheel_cpp="$(cd "$src" && pwd -P)/helpers.cpp"
     printf '%s\n' \
         "# Written by scripts/setup.sh (place_helpers). make reads this before upstream's Makefile:" \
         "# the prebuilt helpers_cpp is named for the Python that imports it ($VPY), not" \
         "# for whichever python3-config is first on PATH." \
         "override LIBEXT := $EXT_SUFFIX" \
+        "# helpers_cpp\$(LIBEXT) is the wheel's build of $wheel_cpp: while helpers.cpp is" \
+        "# byte-identical to that source it is up to date, whatever the file times say (a git" \
+        "# checkout or a copy changes them); otherwise make rebuilds it (g++ and pybind11)." \
+        "ifeq (\$(shell cmp -s helpers.cpp $wheel_cpp && echo same),same)" \
+        "\$(shell touch -c -r helpers.cpp helpers_cpp\$(LIBEXT))" \
+        "endif" \
         "include Makefile" > "$dest/GNUmakefile"
     for so in "$dest"/helpers_cpp*.so; do
         if [[ -f "$so" && "$dest/helpers.cpp" -nt "$so" ]] && cmp -s "$src/helpers.cpp" "$dest/helpers.cpp"; then
