@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # scripts/gpu_check.sh: the patch series on CUDA, upstream vs patched, results in a folder.
 #
-#   scripts/gpu_check.sh OUT              # timeouts budget 8 min on one GPU, 30 min with >= 2 (not measured yet)
+#   scripts/gpu_check.sh OUT              # both bases; on one GPU scheduled within 8 min (runs share the GPU)
 #   scripts/gpu_check.sh --dry-run OUT    # print the runs and commands; works without a GPU
+#   scripts/gpu_check.sh --dry-run --assume-gpus 1 OUT   # the one-GPU plan: NCCL ranks share cuda:0
 #   scripts/gpu_check.sh --help
 #
 # In the image: docker run --gpus all --ipc=host --rm -v "$PWD/out:/out" IMAGE scripts/gpu_check.sh /out/gpu
