@@ -832,7 +832,10 @@ def test_optimizer_gather_takes_the_same_collective_whatever_a_rank_holds(runs, 
     bf16-samegrad-one), the params equal the owners' values on every rank, and rank 0's
     state is untouched (its storage stays freed, its grads keep their bytes): the private
     state chose only where rank 0 receives. v4 chose the collective from it (rank 0 a list
-    all_gather, rank 1 the grad-buffer gather: on NCCL, a hang or wrong params)."""
+    all_gather, rank 1 the grad-buffer gather: on NCCL, a hang or wrong params).
+    Pristine, for reference: every rank its list all_gather of flattened temporaries."""
+    if base != "0.17.1":
+        _skip_without_019()
     r = agreement_run(runs, BASES[base][1])
     for config in AGREEMENT_CONFIGS:
         res = result(r, config, "private_state_gather")
@@ -845,6 +848,11 @@ def test_optimizer_gather_takes_the_same_collective_whatever_a_rank_holds(runs, 
         c: result(r, c, "private_state_gather")["offloaded_forms_by_rank"][0] for c in AGREEMENT_CONFIGS
     }
     assert forms == {"bf16-fp32grad-mixed": ["all_gather_into_tensor"], "bf16-samegrad-one": ["broadcast"]}
+    for config in AGREEMENT_CONFIGS:
+        u = result(agreement_run(runs, BASES[base][0]), config, "private_state_gather")
+        for state in PRIVATE_STATES:
+            assert u[f"{state}_same_collective_on_every_rank"] and u[f"{state}_params_equal_owner_values"]
+            assert all(f[0].startswith("all_gather/") for f in u[f"{state}_forms_by_rank"]), u
 
 
 @pytest.mark.parametrize("base", BASES)
