@@ -78,7 +78,8 @@ from harness.trees import check_expected_tree  # noqa: E402
 #: 2 DP ranks the same share (checked and reported, not assumed). ``tiny``: for CPU tests.
 #: ``llama3_8b_layers``: Llama-3-8B's shapes with as many layers as fit 2 ranks on an 80 GB GPU
 #: (``harness.gpu_check.real_shapes``), built as the real-shape audit builds it (decoder block
-#: spec, SwiGLU, RMSNorm, GQA), so that its buckets and shares are the audit's.
+#: spec, SwiGLU, RMSNorm, GQA), so that its buckets and shares are the audit's; ``llama_tiny``:
+#: the same code at a size for CPU tests.
 CONFIGS = {
     "param_dominated": dict(num_layers=8, hidden_size=2048, num_attention_heads=16, ffn_hidden_size=8192,
                             vocab=32768, seq=256, micro_batch=1, bucket_size=None, add_bias_linear=True,
@@ -90,6 +91,9 @@ CONFIGS = {
                  vocab=512, seq=32, micro_batch=2, bucket_size=None, add_bias_linear=True,
                  position_embedding_type="learned_absolute"),
     "llama3_8b_layers": real_shapes.worker_config(),
+    "llama_tiny": dict(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=160, num_query_groups=2,
+                       kv_channels=16, vocab=512, seq=32, micro_batch=2, bucket_size=None, add_bias_linear=False,
+                       position_embedding_type="rope", swiglu=True, normalization="RMSNorm"),
 }
 PARAM_DTYPE = torch.bfloat16
 

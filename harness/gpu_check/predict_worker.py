@@ -44,13 +44,14 @@ def main(argv=None) -> int:
     ap.add_argument("--layers", type=int, required=True)
     ap.add_argument("--dp", type=int, default=2)
     ap.add_argument("--out", required=True, type=Path)
+    ap.add_argument("--worker-config", help="JSON of a memory-worker config to audit instead (tests)")
     args = ap.parse_args(argv)
     tree_dir = audit.check_expected_tree()
     audit.torch.set_num_threads(1)
     audit.sync_worker._fake_all_gather_object()
     audit._member_groups_only()
     mc = audit._mc()
-    spec = real_shapes.model_spec(args.layers)
+    spec = real_shapes.model_spec(args.layers, json.loads(args.worker_config) if args.worker_config else None)
     ranks = []
     for rank in range(args.dp):
         rec = audit.run_cell(mc, audit_shapes.TREES[args.tree], spec, args.dp, rank, PATHS)

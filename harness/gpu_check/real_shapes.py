@@ -127,19 +127,26 @@ def worker_config(layers: int = LAYERS) -> dict:
                 normalization="RMSNorm")
 
 
-def model_spec(layers: int = LAYERS):
-    """The audit's ``ModelSpec`` of the same model (TP 1, one pipeline stage)."""
+def model_spec(layers: int = LAYERS, cfg: Optional[dict] = None):
+    """The audit's ``ModelSpec`` of the memory worker's config ``cfg`` (default
+    ``worker_config(layers)``): the same shapes, TP 1, one pipeline stage, DDP's default
+    bucket size."""
     from harness.bench import real_shapes as audit_shapes
 
-    config = dict(num_layers=layers, hidden_size=HIDDEN, ffn_hidden_size=FFN, num_attention_heads=HEADS,
-                  num_query_groups=KV_GROUPS, kv_channels=KV_CHANNELS, normalization="RMSNorm",
-                  add_bias_linear=False)
-    return audit_shapes.ModelSpec(f"llama3_8b_{layers}_layers", f"Llama-3-8B shapes, {layers} layers", config,
-                                  VOCAB, SEQ, position_embedding_type="rope", swiglu=True)
+    cfg = worker_config(layers) if cfg is None else cfg
+    config = dict(num_layers=cfg["num_layers"], hidden_size=cfg["hidden_size"], ffn_hidden_size=cfg["ffn_hidden_size"],
+                  num_attention_heads=cfg["num_attention_heads"], num_query_groups=cfg["num_query_groups"],
+                  kv_channels=cfg["kv_channels"], normalization=cfg["normalization"],
+                  add_bias_linear=cfg["add_bias_linear"])
+    return audit_shapes.ModelSpec(f"gpu_check_{cfg['num_layers']}_layers", "the GPU check's real-shape model", config,
+                                  cfg["vocab"], cfg["seq"], position_embedding_type=cfg["position_embedding_type"],
+                                  swiglu=cfg["swiglu"], bucket_size=cfg["bucket_size"])
 
 
-def predict(tree: str, layers: int = LAYERS, dp: int = RANKS, timeout_s: float = 600) -> dict:
-    """Run ``predict_worker.py`` (the audit's cell) on ``tree``; its JSON record.
+def predict(tree: str, layers: int = LAYERS, dp: int = RANKS, timeout_s: float = 600,
+            cfg: Optional[dict] = None) -> dict:
+    """Run ``predict_worker.py`` (the audit's cell) on ``tree`` for ``model_spec(layers, cfg)``;
+    its JSON record.
 
     Raises:
         RuntimeError: the worker failed (its output tail).
@@ -151,8 +158,9 @@ def predict(tree: str, layers: int = LAYERS, dp: int = RANKS, timeout_s: float =
     env.update(MEGATRON_CPU_RUNTIME="force", OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "p.json"
+        extra = ["--worker-config", json.dumps(cfg)] if cfg is not None else []
         proc = subprocess.run([sys.executable, str(PREDICT_WORKER), "--tree", tree, "--layers", str(layers),
-                               "--dp", str(dp), "--out", str(out)], env=env, cwd=REPO_ROOT,
+                               "--dp", str(dp), "--out", str(out), *extra], env=env, cwd=REPO_ROOT,
                               capture_output=True, text=True, timeout=timeout_s)
         if proc.returncode != 0:
             raise RuntimeError(f"predict_worker on {tree} failed (exit {proc.returncode}):\n"

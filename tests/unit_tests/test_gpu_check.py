@@ -795,3 +795,23 @@ def test_a_base_that_is_not_set_up_is_planned_as_skipped(tmp_path, monkeypatch):
         assert (r.skip_reason is not None) is (r.base == "0.19"), r.name
         assert bool(r.launches) is (r.base != "0.19")
     assert "skipped: no checkout for gpt019_dp2_bf16_fp32grad_overlap_legacy" in plan_mod.format_plan(plan)
+
+
+@pytest.mark.gloo
+def test_the_memory_workers_llama_model_has_the_audits_buckets_and_shares(tmp_path):
+    """The memory worker builds its Llama-shaped configs as the audit does: on 2 CPU ranks, the
+    same code at ``llama_tiny``'s size gives the buckets and per-rank shares that the audit
+    (predict_worker, run_cell) computes for ``real_shapes.model_spec`` of that config; with the
+    real config the report compares the two at run time."""
+    from harness import launch
+    from harness.gpu_check import memory_worker, real_shapes
+
+    out = tmp_path / "patched.json"
+    argv, env = launch.torchrun_command(plan_mod.MEMORY_WORKER, ["--backend", "gloo", "--config", "llama_tiny",
+                                                                 "--steps", "1", "--out", str(out)], 2, tree="patched")
+    launch.run_command(argv, env, run_dir=tmp_path / "log", timeout_s=400, what="memory worker llama_tiny")
+    measured = json.loads(out.read_text())["ranks"][0]
+    predicted = real_shapes.predict("patched", cfg=memory_worker.CONFIGS["llama_tiny"])["ranks"][0]
+    assert measured["param_count"] == predicted["param_numel"]
+    assert [[b["numel"], b["shares"]] for b in measured["buckets"]] == \
+        [[b["numel"], b["shares"]] for b in predicted["buckets"]]
