@@ -367,7 +367,6 @@ fi
 #     and that, while helpers.cpp is byte-identical to the wheel's, gives the prebuilt .so the
 #     time of helpers.cpp, so that make finds it up to date (the times of a wheel or tarball
 #     unpack, a clone or a later git checkout say nothing about which was built from which);
-#   - the same at setup time: the prebuilt .so no older than helpers.cpp.
 # A helpers.cpp that differs from the wheel's gets no .so: make builds it (g++ and pybind11).
 place_helpers() {
     local tree="$1" dest="$1/megatron/core/datasets" src="$2/megatron/core/datasets" makefile="$3" so
@@ -390,11 +389,6 @@ place_helpers() {
         "\$(shell touch -c -r helpers.cpp helpers_cpp\$(LIBEXT))" \
         "endif" \
         "include Makefile" > "$dest/GNUmakefile"
-    for so in "$dest"/helpers_cpp*.so; do
-        if [[ -f "$so" && "$dest/helpers.cpp" -nt "$so" ]] && cmp -s "$src/helpers.cpp" "$dest/helpers.cpp"; then
-            touch -r "$dest/helpers.cpp" "$so"
-        fi
-    done
     # A Megatron-LM checkout stays clean for git (apply_patches.sh checks it).
     if [[ -d "$tree/.git" ]] && ! grep -qx '/megatron/core/datasets/GNUmakefile' "$tree/.git/info/exclude" 2>/dev/null; then
         mkdir -p "$tree/.git/info" && echo '/megatron/core/datasets/GNUmakefile' >> "$tree/.git/info/exclude"
@@ -440,6 +434,7 @@ MAKEFILE19="$MLM/$MLM_019_TAG/megatron/core/datasets/Makefile"
 place_helpers build/upstream build/upstream "$MAKEFILE17"
 place_helpers . build/upstream "$MAKEFILE17"
 place_helpers "$MLM/$MLM_TAG" build/upstream "$MAKEFILE17"
+place_helpers "$PC" build/upstream "$MAKEFILE17"
 place_helpers build/upstream-0.19 build/upstream-0.19 "$MAKEFILE19"
 place_helpers build/patched-0.19 build/upstream-0.19 "$MAKEFILE19"
 for t in "$MLM/$MLM_019_TAG" "$PC19" "$MLM/$MLM_NEXT_TAG"; do
