@@ -94,17 +94,14 @@ def megatron_core_version(tree: Union[str, Path]) -> Tuple[int, int]:
 
     Raises:
         ValueError / FileNotFoundError: as ``harness.trees.tree_parent``, or a package_info.py
-            without MAJOR and MINOR.
+            without MAJOR, MINOR and PATCH.
     """
-    import re
+    from harness.trees import tree_version
 
-    from harness.trees import tree_parent
-
-    info = (tree_parent(tree) / "megatron" / "core" / "package_info.py").read_text()
-    fields = dict(re.findall(r"^(MAJOR|MINOR)\s*=\s*(\d+)", info, re.M))
-    if set(fields) != {"MAJOR", "MINOR"}:
-        raise ValueError(f"{tree}: megatron/core/package_info.py names no MAJOR and MINOR")
-    return int(fields["MAJOR"]), int(fields["MINOR"])
+    version = tree_version(tree)
+    if version is None:
+        raise ValueError(f"{tree}: megatron/core/package_info.py names no MAJOR, MINOR and PATCH")
+    return version[:2]
 
 
 def cpu_init_stays_on_cpu(tree: Union[str, Path]) -> bool:

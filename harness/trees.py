@@ -21,7 +21,7 @@ import re
 import shutil
 import subprocess
 from pathlib import Path
-from typing import Dict, Union
+from typing import Dict, Optional, Tuple, Union
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 #: The series of the 0.17.1 base (patches/<base>/: series, *.patch, manifest.sha256).
@@ -71,6 +71,19 @@ def env_for_tree(tree: Union[str, Path], base: Dict[str, str] | None = None) -> 
     env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys([str(parent), str(REPO_ROOT)]))
     env["MEGATRON_EXPECT_TREE"] = str(parent / "megatron")
     return env
+
+
+def tree_version(tree: Union[str, Path]) -> Optional[Tuple[int, int, int]]:
+    """(MAJOR, MINOR, PATCH) of the megatron-core tree `tree` (a label of TREES or a Path, as
+    tree_parent()), read from its megatron/core/package_info.py without importing it; None
+    when the file lacks one of those fields.
+
+    Raises:
+        ValueError / FileNotFoundError: as tree_parent().
+    """
+    text = (tree_parent(tree) / "megatron" / "core" / "package_info.py").read_text()
+    parts = [re.search(rf"^{key}\s*=\s*(\d+)", text, re.M) for key in ("MAJOR", "MINOR", "PATCH")]
+    return tuple(int(m.group(1)) for m in parts) if all(parts) else None
 
 
 def check_expected_tree() -> str:

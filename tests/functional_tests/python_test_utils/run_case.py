@@ -576,11 +576,10 @@ def tree_version(tree) -> str:
     Raises:
         FileNotFoundError: the tree was not generated (``harness.trees.tree_parent``).
     """
-    from harness.trees import tree_parent
+    from harness import trees
 
-    text = (tree_parent(tree) / "megatron" / "core" / "package_info.py").read_text()
-    parts = [re.search(rf"^{key}\s*=\s*(\d+)", text, re.M) for key in ("MAJOR", "MINOR", "PATCH")]
-    return ".".join(m.group(1) for m in parts) if all(parts) else "?"
+    version = trees.tree_version(tree)
+    return ".".join(map(str, version)) if version else "?"
 
 
 def check_golden_data(artifacts) -> Optional[str]:
