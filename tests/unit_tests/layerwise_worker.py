@@ -74,16 +74,15 @@ MODELS = {
     "equal": (EQUAL_WIDTHS, None),  # one bucket, equal shares at DP 2 and 4
 }
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
-#: The models the "collectives" scenario checks, every path: each form and layout occurs
-#: (bf16-fp32grad-one at DP 4: aligned slots with gaps; bf16-samegrad-one at DP 4: no room
-#: for them, packed).
+#: The models the "collectives" scenario checks, every path: each form occurs (equal
+#: shares, unequal ones with empty, single-param and multi-param owners), in fp32 grad_data
+#: with room to spare and in bf16 grad_data of exactly the receive size.
 COLLECTIVE_MODELS = {
     "mixed": "bf16-fp32grad-mixed",
     "one": "bf16-fp32grad-one",
     "one_samegrad": "bf16-samegrad-one",
     "equal": "fp32-fp32grad-equal",
 }
-NCCL_ALIGN_BYTES = 16  # the slot alignment the series promises where there is room
 
 
 class Config(NamedTuple):
@@ -167,12 +166,12 @@ class Setup:
     """One DDP-wrapped TinyNet of config `cfg` and its LayerWiseDistributedOptimizer."""
 
     def __init__(self, cfg: Config, overlap, expert=False, seed=1234, overlap_grad_reduce=True,
-                 fp32_last_layer=False, cuda_graph_impl=None):
+                 fp32_last_layer=False, tc_kwargs=None):
         """fp32_last_layer: keep the last Linear in fp32 (two grad buffers, bf16 and fp32
         params) and build DDP with disable_bucketing=True, as megatron.training does for
         every model chunk after the first with VPP: partition_buckets() then puts both
-        buffers' buckets into one bucket group. cuda_graph_impl: TransformerConfig's (None:
-        its default)."""
+        buffers' buckets into one bucket group. tc_kwargs: more TransformerConfig kwargs
+        (e.g. CUDA graph settings)."""
         torch.manual_seed(seed)
         dtype = cfg.dtype
         bf16 = dtype == torch.bfloat16
@@ -183,7 +182,7 @@ class Setup:
             params_dtype=dtype,
             bf16=bf16,
             use_cpu_initialization=True,
-            **({} if cuda_graph_impl is None else {"cuda_graph_impl": cuda_graph_impl}),
+            **(tc_kwargs or {}),
         )
         module = TinyNet(self.config, expert=expert, widths=cfg.widths)
         if bf16:
@@ -312,17 +311,14 @@ def shares_of(params_by_rank):
 
 
 def written_numel(params_by_rank):
-    """Param-dtype elements of grad_data a series gather of this bucket writes (and must
-    zero), by the design: the DP x share region for equal shares; otherwise the slots of the
-    ranks owning more than one param (a single param is broadcast in place)."""
+    """Param-dtype elements of grad_data the series' pre-hook gather of this bucket writes
+    while grad_data is idle (and its copy-out must zero), by the design: every rank's slot,
+    the local one included, packed in rank order from element 0 of
+    grad_data.view(param dtype), whatever the share pattern; nothing where no rank owns a
+    param of the bucket (or it is not sharded)."""
     if not params_by_rank:
         return 0
-    shares = shares_of(params_by_rank)
-    if max(shares) == 0:
-        return 0
-    if min(shares) == max(shares):
-        return sum(shares)
-    return sum(s for s, ps in zip(shares, params_by_rank) if len(ps) > 1)
+    return sum(shares_of(params_by_rank))
 
 
 def bucket_pattern(params_by_rank):
@@ -352,17 +348,39 @@ def fill_grad_bytes(s, value=0x11):
 
 
 def zeroed_exactly_where_written(s, before):
-    """Per bucket: the bytes the sync changed are all zero, and there are exactly as many
-    as the series' gather writes (written_numel x param itemsize). grad_data held nonzero
-    bytes everywhere before (fill_grad_bytes)."""
+    """Per bucket: the first written_numel x param itemsize bytes of grad_data (the packed
+    slots) are zero, every byte after them as it was. grad_data held nonzero bytes
+    everywhere before (fill_grad_bytes), so a slot left unzeroed, a byte zeroed outside the
+    slots and a slot placed elsewhere all fail."""
     ok = True
     for bk, old in zip(s.buckets, before):
         new = bk.grad_data.detach().view(-1).view(torch.uint8)
-        changed = new != old
-        expected = written_numel(bk.layerwise_params_list) * bk.params_list[0].element_size()
-        ok &= int(torch.count_nonzero(new[changed])) == 0
-        ok &= int(changed.sum()) == expected
+        n = written_numel(bk.layerwise_params_list) * bk.params_list[0].element_size()
+        ok &= int(torch.count_nonzero(new[:n])) == 0
+        ok &= torch.equal(new[n:], old[n:])
     return all_ranks(ok)
+
+
+def grad_data_untouched(s, before):
+    """Every grad_data byte as in `before` (grad_bytes()), on every rank."""
+    return all_ranks(all(torch.equal(a, b) for a, b in zip(grad_bytes(s), before)))
+
+
+def gathered_bytes(s):
+    """Bytes of every bucket's gather (sum of its shares x param itemsize): the temporaries
+    the design allocates where a sync may not receive into grad_data, one per bucket."""
+    return sum(
+        sum(shares_of(bk.layerwise_params_list)) * bk.params_list[0].element_size()
+        for bk in s.buckets
+        if bk.layerwise_params_list and max(shares_of(bk.layerwise_params_list)) > 0
+    )
+
+
+def gathered_buckets(s):
+    """Buckets whose gather moves anything (one temporary each where one is due)."""
+    return sum(
+        1 for bk in s.buckets if bk.layerwise_params_list and max(shares_of(bk.layerwise_params_list)) > 0
+    )
 
 
 def pattern_report(s):
@@ -395,10 +413,27 @@ def sc_gather(cfg):
     before = grad_bytes(a)
     for g in a.ddp.bucket_groups:
         sync_bucket_group(g, "async")
+    zeroed_exactly = zeroed_exactly_where_written(a, before)
+    # The pre-hook pair once more, over grads a backward wrote and no zero_grad_buffer()
+    # reset (grad_data not idle): it must receive into a temporary per bucket and leave
+    # every grad_data byte (so main_grad) as it was.
+    a.ddp(a.batch(1, 1)).float().pow(2).mean().backward()
+    a.ddp.finish_grad_sync()
+    a.simulate_step(step=15)
+    before = grad_bytes(a)
+    with AllocationCounter() as c:
+        for g in a.ddp.bucket_groups:
+            sync_bucket_group(g, "async")
     return {
         "params_equal_owner_values": params_ok,
         "grad_data_zero_after_gather": grad_zero,
-        "async_zeroed_exactly_where_written": zeroed_exactly_where_written(a, before),
+        "async_zeroed_exactly_where_written": zeroed_exactly,
+        "busy_grad_data_untouched": grad_data_untouched(a, before),
+        "busy_params_synced": all_ranks(a.params_equal_targets(15)),
+        "busy_temporaries_are_the_gathered_size": all_ranks(
+            c.temporary_bytes == gathered_bytes(a) and c.alloc_calls == gathered_buckets(a)
+        ),
+        "busy_temporary_bytes": c.temporary_bytes,
         "main_grad_equals_overlap_off": all_ranks(diff == 0.0),
         "main_grad_max_abs_diff": diff,
         "num_buckets": len(patterns),
@@ -445,14 +480,14 @@ def train(cfg, steps, overlap, expert=False, tweak=None, **setup_kwargs):
     overlapped (pre-hook) gather or the optimizer's synchronous gather in step().
 
     Returns:
-        (Setup, grad norms, whether every grad_data element was zero or bitwise the
-        reduced grad it held before step() whenever step() returned (sync path only; True
-        with overlap), how many nonzero grad elements the steps zeroed on this rank).
+        (Setup, grad norms, whether every grad_data byte was bitwise what it held before
+        step() (the reduced grads) whenever step() returned (sync path only; True with
+        overlap), how many nonzero grad elements the steps zeroed on this rank).
     """
     s = Setup(cfg, overlap=overlap, expert=expert, **setup_kwargs)
     if tweak is not None:
         tweak(s)
-    norms, zero_or_grad, zeroed = [], True, 0
+    norms, untouched, zeroed = [], True, 0
     for step in range(steps):
         s.ddp.zero_grad_buffer()
         s.opt.zero_grad()
@@ -460,11 +495,11 @@ def train(cfg, steps, overlap, expert=False, tweak=None, **setup_kwargs):
         before = None if overlap else [g.clone() for g in s.grad_datas()]
         norms.append(float(s.opt.step()[1]))
         for g, b in zip(s.grad_datas(), before or []):
-            zero_or_grad &= bool(((g == 0) | (g == b)).all())
+            untouched &= torch.equal(g.view(-1).view(torch.uint8), b.view(-1).view(torch.uint8))
             zeroed += int(((g == 0) & (b != 0)).sum())
     if overlap:  # the last update is gathered by the next forward's pre-hooks
         s.ddp.start_param_sync(force_sync=True)
-    return s, norms, zero_or_grad, zeroed
+    return s, norms, untouched, zeroed
 
 
 def train_overlap_and_sync(cfg, steps, expert=False, tweak=None):
@@ -472,19 +507,22 @@ def train_overlap_and_sync(cfg, steps, expert=False, tweak=None):
 
     Returns:
         (overlap Setup, its grad norms, sync Setup, its grad norms, max |param diff|,
-        (the sync run's zero-or-grad check on every rank, its zeroed count on this rank)).
+        (the sync run's grad_data-untouched check on every rank, its zeroed count on this
+        rank)).
     """
     a, na, _, _ = train(cfg, steps, True, expert, tweak)
-    b, nb, zero_or_grad, zeroed = train(cfg, steps, False, expert, tweak)
+    b, nb, untouched, zeroed = train(cfg, steps, False, expert, tweak)
     diff = max_abs_diff([p.detach() for p in a.params], [p.detach() for p in b.params])
-    return a, na, b, nb, diff, (all_ranks(zero_or_grad), zeroed)
+    return a, na, b, nb, diff, (all_ranks(untouched), zeroed)
 
 
 def sc_training(cfg, steps=4):
     """Real optimizer steps: overlapped (pre-hook) gather vs the optimizer's synchronous
     gather; params and grad norms bitwise equal, params equal on every rank; on the
-    synchronous path main_grad (grad_data) is all zero whenever step() returns."""
-    a, na, b, nb, diff, (zero_or_grad, zeroed) = train_overlap_and_sync(cfg, steps)
+    synchronous path every grad_data byte (so main_grad) is the reduced grad it held
+    before whenever step() returns: the gather never touches grad_data (patch 0007
+    broadcasts the params in place; pristine receives into temporaries)."""
+    a, na, b, nb, diff, (untouched, zeroed) = train_overlap_and_sync(cfg, steps)
     # Every rank must hold the same params after the gather.
     same = True
     for p in a.params:
@@ -498,7 +536,7 @@ def sc_training(cfg, steps=4):
         "grad_norms_overlap": na,
         "grad_norms_sync": nb,
         "params_equal_across_ranks": all_ranks(same),
-        "main_grad_zero_or_grad_after_step": zero_or_grad,
+        "grad_data_untouched_by_step": untouched,
         "main_grad_elements_zeroed_by_step": zeroed,
         # Bitwise fingerprints, compared by the test with the pristine tree's run.
         "params_sha256_overlap": params_sha256(a.params),
@@ -515,10 +553,8 @@ def params_sha256(params):
 
 
 def pending_gather(bk):
-    """A bucket's pending layer-wise gather (None: none): the series'
-    layerwise_pending_copies, pristine's layerwise_gather_list (its receive tensors)."""
-    if hasattr(bk, "layerwise_pending_copies"):
-        return bk.layerwise_pending_copies
+    """A bucket's pending layer-wise gather (None: none): its receive slots,
+    layerwise_gather_list, in the series as in pristine."""
     return bk.layerwise_gather_list
 
 
@@ -531,14 +567,15 @@ def sc_forced_sync(cfg):
     s = Setup(cfg, overlap=True)
     res = {}
     # (a) nothing pending: disable_forward_pre_hook(param_sync=True), as at eval; grad_data
-    # holds the grads the step consumed (nonzero bytes).
+    # holds the grads the step consumed (nonzero bytes). A forced sync never receives into
+    # grad_data (a grad may be there): every byte stays.
     s.ddp.zero_grad_buffer()
     s.simulate_step(step=3)
     fill_grad_bytes(s)
     before = grad_bytes(s)
     s.ddp.disable_forward_pre_hook(param_sync=True)
     res["idle_params_synced"] = all_ranks(s.params_equal_targets(3))
-    res["idle_zeroed_exactly_where_written"] = zeroed_exactly_where_written(s, before)
+    res["idle_grad_data_untouched"] = grad_data_untouched(s, before)
     res["idle_gather_lists_cleared"] = gather_lists_cleared(s)
     s.ddp.enable_forward_pre_hook()
     s.ddp.zero_grad_buffer()
@@ -629,11 +666,7 @@ def sc_offload(cfg):
     still_freed = all(g.untyped_storage().nbytes() == 0 for g in s.grad_datas())
     synced = s.params_equal_targets(7)
     s.ddp.restore_grad_buffers(synchronize=False)
-    expected = sum(
-        sum(shares_of(bk.layerwise_params_list)) * bk.params_list[0].element_size()
-        for bk in s.buckets
-        if bk.layerwise_params_list and max(shares_of(bk.layerwise_params_list)) > 0
-    )
+    expected = gathered_bytes(s)
     # After restore, a normal step must give the same grads as overlap off.
     b = Setup(cfg, overlap=False)
     b.set_all_targets(7)
@@ -713,6 +746,9 @@ def sc_alloc(cfg):
         res[f"{path}_params_synced"] = all_ranks(s.params_equal_targets(8))
         for g in s.ddp.bucket_groups:
             g.param_gather_dispatched = False
+    # The forced sync's temporaries by the design: one per gathered bucket, of its shares.
+    res["gathered_bytes"] = gathered_bytes(s)
+    res["gathered_buckets"] = gathered_buckets(s)
     # The optimizer's synchronous path (no overlap).
     o = Setup(cfg, overlap=False)
     o.simulate_step(step=9)
@@ -724,6 +760,7 @@ def sc_alloc(cfg):
     res["optimizer_params_synced"] = all_ranks(o.params_equal_targets(9))
     owners = o.opt.dp_cp_params_list
     res["optimizer_shares"] = None if owners is None else shares_of(owners)
+    res["optimizer_params"] = 0 if owners is None else sum(len(ps) for ps in owners)
     res["theory_upstream_optimizer_bytes"] = (
         0
         if owners is None
@@ -737,23 +774,24 @@ def sc_alloc(cfg):
 # ------------------------------------------------------------------- collectives (spec)
 class CollectiveSpy:
     """Records each broadcast and all_gather_into_tensor call (tensor addresses and sizes,
-    the broadcast root) in order; the calls go through unchanged to the collective model,
-    whose records (launch ids) are collected alongside."""
+    the storage each lies in, the broadcast root) in order; the calls go through unchanged
+    to the collective model, whose records (launch ids) are collected alongside."""
 
     def __enter__(self):
         self.calls = []
         self._orig = {n: getattr(dist, n) for n in ("broadcast", "all_gather_into_tensor")}
         orig_b, orig_g = self._orig["broadcast"], self._orig["all_gather_into_tensor"]
 
+        def where(t):
+            st = t.untyped_storage()
+            return t.data_ptr(), t.numel(), t.element_size(), st.data_ptr(), st.nbytes()
+
         def broadcast(tensor, src=None, group=None, async_op=False, group_src=None):
-            self.calls.append(
-                ("broadcast", tensor.data_ptr(), tensor.numel(), tensor.element_size(), src)
-            )
+            self.calls.append(Call("broadcast", *where(tensor), src, None))
             return orig_b(tensor, src, group=group, async_op=async_op, group_src=group_src)
 
         def all_gather_into_tensor(out, inp, group=None, async_op=False):
-            self.calls.append(("all_gather_into_tensor", out.data_ptr(), out.numel(), out.element_size(),
-                               inp.data_ptr(), inp.numel()))
+            self.calls.append(Call("all_gather_into_tensor", *where(out), None, where(inp)))
             return orig_g(out, inp, group=group, async_op=async_op)
 
         dist.broadcast, dist.all_gather_into_tensor = broadcast, all_gather_into_tensor
@@ -767,93 +805,120 @@ class CollectiveSpy:
             setattr(dist, n, fn)
 
 
-def _aligned_fits(recv, numels):
-    """Whether every slot can start 16-byte aligned (from recv's storage start) within recv."""
-    align = max(1, NCCL_ALIGN_BYTES // recv.element_size())
-    end = recv.storage_offset()
-    for n in numels:
-        end = -(-end // align) * align + n
-    return end - recv.storage_offset() <= recv.numel()
+class Call(NamedTuple):
+    """One recorded collective call: its (output) tensor's address, numel, itemsize, the
+    storage it lies in (address, bytes), the broadcast root (global rank) and, for
+    all_gather_into_tensor, the input's `where` tuple."""
+
+    name: str
+    ptr: int
+    numel: int
+    item: int
+    storage_ptr: int
+    storage_nbytes: int
+    src: Optional[int]
+    inp: Optional[tuple]
 
 
-def check_gather_calls(params_by_rank, recv, calls, records, group):
-    """The calls of one bucket's (or grad buffer's) gather against the design.
+#: check_gather_calls' checks and coverage counters.
+GATHER_CHECKS = ("form", "one_launch", "in_recv", "disjoint", "packed")
+GATHER_SEEN = ("into_tensor", "broadcast_slot", "single_param_slot")
 
-    Returns {check: bool} and {counter: int}: "form": equal shares -> one
-    all_gather_into_tensor of DP x share elements whose input is this rank's chunk of the
-    output; otherwise one broadcast per rank owning a param, in rank order, rooted at its
-    global rank, with its share; "one_launch": all of them one NCCL group launch;
-    "in_place": a single-param owner's broadcast is that param's storage; "in_grad_data":
-    every other tensor lies in recv's storage; "disjoint": slots in rank order, not
-    overlapping; "aligned_or_packed": every slot 16-byte aligned with less than 16 bytes of
-    gap where recv has room for that, else packed from recv's start.
+
+def check_gather_calls(params_by_rank, calls, records, group, grad_data, into_grad_data):
+    """The calls of one bucket's layer-wise gather (start_param_sync, patch 0005/0006)
+    against the design.
+
+    Returns {check: bool} and {counter: int}. "form": no call where no rank owns a param;
+    equal shares -> one all_gather_into_tensor of DP x share elements whose input is this
+    rank's slot of the output; otherwise one broadcast per rank owning a param (none for the
+    others), in rank order, rooted at its global rank, of its share (a single-param owner's
+    too: no in-place broadcast on this path); "one_launch": all of them one NCCL group
+    launch; "in_recv": every tensor lies in the receive buffer: grad_data's storage when
+    `into_grad_data` (the pre-hook pair over idle grad_data), else one temporary of exactly
+    the gathered bytes, outside grad_data (forced sync, grad_data not idle); "disjoint":
+    slots in rank order, not overlapping; "packed": each slot starts where the previous
+    rank's ends, the first at element 0 of the receive buffer (grad_data.view(param dtype)
+    or the temporary).
     """
     dp, rank = len(params_by_rank), dist.get_rank(group)
     shares = shares_of(params_by_rank)
-    st = recv.untyped_storage()
-    lo, hi = st.data_ptr(), st.data_ptr() + st.nbytes()
-    item = recv.element_size()
-    ok = dict.fromkeys(
-        ("form", "one_launch", "in_place", "in_grad_data", "disjoint", "aligned_or_packed"), True
-    )
-    seen = dict.fromkeys(
-        ("into_tensor", "broadcast_in_place", "broadcast_slot", "aligned_with_gap", "packed_fallback"),
-        0,
-    )
+    ok = dict.fromkeys(GATHER_CHECKS, True)
+    seen = dict.fromkeys(GATHER_SEEN, 0)
     if max(shares) == 0:
         ok["form"] = not calls
         return ok, seen
-    ok["one_launch"] = len({r.launch_id for r in records}) == 1
-    equal = min(shares) == max(shares)
-    if equal:
-        ok["form"] = [c[0] for c in calls] == ["all_gather_into_tensor"]
+    ok["one_launch"] = len({r.launch_id for r in records}) == 1 and len(records) == len(calls)
+    offsets = [sum(shares[:r]) for r in range(dp)]
+    if min(shares) == max(shares):
+        ok["form"] = [c.name for c in calls] == ["all_gather_into_tensor"]
         if not ok["form"]:
             return ok, seen
-        _, out_ptr, out_numel, _, inp_ptr, inp_numel = calls[0]
-        ok["form"] = out_numel == dp * shares[0] and inp_numel == shares[0]
-        ok["form"] &= inp_ptr == out_ptr + rank * shares[0] * item
-        regions = [(out_ptr, out_numel)]
+        (c,) = calls
+        inp_ptr, inp_numel = c.inp[0], c.inp[1]
+        ok["form"] = c.numel == dp * shares[0] and inp_numel == shares[0]
+        ok["form"] &= inp_ptr == c.ptr + rank * shares[0] * c.item
+        regions = [(c.ptr, c.numel, c.item, c.storage_ptr, c.storage_nbytes)]
+        want = [0]
         seen["into_tensor"] = 1
     else:
-        owners = [r for r in range(dp) if params_by_rank[r]]
-        expect = [("broadcast", torch.distributed.get_global_rank(group, r), shares[r]) for r in owners]
-        got = [(c[0], c[4], c[2]) for c in calls if c[0] == "broadcast"]
-        ok["form"] = got == expect and len(calls) == len(expect)
+        owners = [r for r in range(dp) if shares[r]]
+        expect = [("broadcast", dist.get_global_rank(group, r), shares[r]) for r in owners]
+        ok["form"] = [(c.name, c.src, c.numel) for c in calls] == expect
         if not ok["form"]:
             return ok, seen
-        regions = []
-        for r, c in zip(owners, calls):
-            if len(params_by_rank[r]) == 1:
-                ok["in_place"] &= c[1] == params_by_rank[r][0].data_ptr()
-                seen["broadcast_in_place"] += 1
-            else:
-                regions.append((c[1], c[2]))
-                seen["broadcast_slot"] += 1
-    ok["in_grad_data"] = all(lo <= p and p + n * item <= hi for p, n in regions)
-    if not regions:  # single-param owners only: nothing received into grad_data
-        return ok, seen
-    offsets = [(p - recv.data_ptr()) // item for p, _ in regions]
-    ends = [o + n for o, (_, n) in zip(offsets, regions)]
-    ok["disjoint"] = all(offsets[i + 1] >= ends[i] for i in range(len(regions) - 1))
-    align = max(1, NCCL_ALIGN_BYTES // item)
-    packed = offsets == [0] + ends[:-1]
-    if _aligned_fits(recv, [n for _, n in regions]):
-        gaps = [offsets[0]] + [o - e for o, e in zip(offsets[1:], ends)]
-        ok["aligned_or_packed"] = all(p % NCCL_ALIGN_BYTES == 0 for p, _ in regions) and all(
-            0 <= g < align for g in gaps
-        )
-        seen["aligned_with_gap"] = int(not packed)
+        regions = [(c.ptr, c.numel, c.item, c.storage_ptr, c.storage_nbytes) for c in calls]
+        want = [offsets[r] for r in owners]
+        seen["broadcast_slot"] = len(owners)
+        seen["single_param_slot"] = sum(len(params_by_rank[r]) == 1 for r in owners)
+    item = regions[0][2]
+    gd = grad_data.untyped_storage()
+    if into_grad_data:
+        base = grad_data.data_ptr()  # element 0 of grad_data.view(param dtype)
+        lo, hi = gd.data_ptr(), gd.data_ptr() + gd.nbytes()
+        ok["in_recv"] = all(lo <= p and p + n * i <= hi for p, n, i, _, _ in regions)
     else:
-        ok["aligned_or_packed"] = packed
-        seen["packed_fallback"] = 1
+        # One temporary holding exactly the packed slots, not grad_data's storage.
+        st_ptr, st_bytes = regions[0][3], regions[0][4]
+        base = st_ptr
+        ok["in_recv"] = all(r[3] == st_ptr for r in regions) and st_ptr != gd.data_ptr()
+        ok["in_recv"] &= st_bytes == sum(shares) * item
+    got = [(p - base) // item for p, _, _, _, _ in regions]
+    ends = [o + n for o, (_, n, _, _, _) in zip(got, regions)]
+    ok["disjoint"] = all(got[i + 1] >= ends[i] for i in range(len(got) - 1))
+    ok["packed"] = got == want and all((p - base) % item == 0 for p, _, _, _, _ in regions)
     return ok, seen
 
 
+#: check_optimizer_calls' checks.
+OPTIMIZER_CHECKS = ("form", "one_launch", "in_place")
+
+
+def check_optimizer_calls(params_by_rank, calls, records, group):
+    """The calls of the optimizer path's gather (allgather_params(), patch 0007) over one DP
+    group against the design: "form": one broadcast per param, in rank order then the
+    owner's param order, rooted at its owner's global rank, of the param's numel, none of
+    them zero-size, and nothing else; "one_launch": all of them one NCCL group launch;
+    "in_place": each broadcast's tensor is its param's own storage (param.data: no
+    temporary, grad_data untouched)."""
+    ok = dict.fromkeys(OPTIMIZER_CHECKS, True)
+    params = [(r, p) for r, ps in enumerate(params_by_rank) for p in ps]
+    expect = [("broadcast", dist.get_global_rank(group, r), p.numel()) for r, p in params]
+    ok["form"] = [(c.name, c.src, c.numel) for c in calls] == expect and all(c.numel for c in calls)
+    ok["one_launch"] = len({r.launch_id for r in records}) <= 1 and len(records) == len(calls)
+    ok["in_place"] = len(calls) == len(params) and all(
+        c.ptr == p.data_ptr() and c.numel == p.numel() for c, (_, p) in zip(calls, params)
+    )
+    return ok, {"optimizer_in_place": len(calls)}
+
+
 def sc_collectives(_cfg=None):
-    """Which collectives each path issues per bucket (async pre-hook pair and forced sync,
-    one bucket group at a time) and per grad buffer (the optimizer's gather in step()),
-    checked against the design (check_gather_calls) on COLLECTIVE_MODELS. Call patterns
-    and layout only: the values gathered are checked by the other scenarios."""
+    """Which collectives each path issues, checked against the design on
+    COLLECTIVE_MODELS, one bucket group at a time: the pre-hook pair over idle grad_data
+    ("async": check_gather_calls into grad_data), the forced sync ("forced": into one
+    temporary per bucket) and the optimizer's gather in step() ("optimizer":
+    check_optimizer_calls, in place). Call patterns and addresses only: the values gathered
+    are checked by the other scenarios."""
     res = {}
     group = parallel_state.get_data_parallel_group(with_context_parallel=True)
     for key_model, name in COLLECTIVE_MODELS.items():
@@ -873,27 +938,15 @@ def sc_collectives(_cfg=None):
             if path == "optimizer":
                 with CollectiveSpy() as spy:
                     s.opt.allgather_params()
-                calls, records = spy.calls, spy.records
-                for buf in s.ddp.buffers:
-                    by_rank = [
-                        [p for p in ps if p in buf.param_index_map] for ps in s.opt.dp_cp_params_list
-                    ]
-                    shares = shares_of(by_rank)
-                    # Calls this buffer's gather makes by the design (see check_gather_calls).
-                    n = int(max(shares) > 0) if min(shares) == max(shares) else sum(map(bool, by_rank))
-                    mine, calls = calls[:n], calls[n:]
-                    recs, records = records[:n], records[n:]
-                    recv = buf.grad_data.view(buf.param_dtype)
-                    add(*check_gather_calls(by_rank, recv, mine, recs, group))
-                checks["form"] = checks.get("form", True) and not calls
+                add(*check_optimizer_calls(s.opt.dp_cp_params_list, spy.calls, spy.records, group))
             else:
                 for g in s.ddp.bucket_groups:
                     (bk,) = g.buckets
                     with CollectiveSpy() as spy:
                         sync_bucket_group(g, path)
-                    recv = bk.grad_data.view(bk.params_list[0].dtype)
                     add(*check_gather_calls(
-                        bk.layerwise_params_list, recv, spy.calls, spy.records, group
+                        bk.layerwise_params_list, spy.calls, spy.records, group, bk.grad_data,
+                        into_grad_data=path == "async",
                     ))
             for k, v in checks.items():
                 res[f"{key_model}_{path}_{k}"] = all_ranks(v)
@@ -1195,7 +1248,8 @@ def sc_optimizer_two_dtypes(cfg):
     """The optimizer's gather (no --overlap-param-gather) over a model with bf16 and fp32
     params (Setup(fp32_last_layer=True)): after a simulated step every rank holds the
     owners' values; 3 real steps equal, params and grad norms bitwise, the same model
-    trained with the overlapped (pre-hook) gather. A rank whose gather raises re-raises
+    trained with the overlapped (pre-hook) gather, grad_data untouched by each step() of
+    the optimizer path. A rank whose gather raises re-raises
     with the number of gather collectives it issued first, so that an error on every rank
     before any collective is data (harness.ranks.Outcomes), and one on some ranks only
     ends the job."""
@@ -1213,7 +1267,7 @@ def sc_optimizer_two_dtypes(cfg):
         "gather_dtypes": sorted({c.dtype for c in calls}),
     }
     a, na, _, _ = train(cfg, 3, True, fp32_last_layer=True)
-    b, nb, zero_or_grad, _ = train(cfg, 3, False, fp32_last_layer=True)
+    b, nb, untouched, _ = train(cfg, 3, False, fp32_last_layer=True)
     diff = max_abs_diff([p.detach() for p in a.params], [p.detach() for p in b.params])
     same = True
     for p in b.params:
@@ -1223,7 +1277,7 @@ def sc_optimizer_two_dtypes(cfg):
     res.update(
         training_equals_overlapped=all_ranks(diff == 0.0 and na == nb),
         params_equal_across_ranks=all_ranks(same),
-        main_grad_zero_or_grad_after_step=all_ranks(zero_or_grad),
+        grad_data_untouched_by_step=all_ranks(untouched),
     )
     return res
 
@@ -1288,13 +1342,49 @@ def sc_post_param_sync_order(cfg):
     return res
 
 
+def cuda_graph_configs():
+    """CUDA graph variants of TransformerConfig (kwargs), as this tree spells them:
+    "local" (megatron's per-layer graphs), "full_iteration" (one graph of forward and
+    backward: 0.19's cuda_graph_impl="full_iteration", 0.17.1's "local" with
+    cuda_graph_scope "full_iteration") and "inference_only" (RL: graphs for inference only,
+    cuda_graph_scope "full_iteration_inference", which 0.19 turns into "local" with
+    inference_cuda_graph_scope "block")."""
+    from megatron.core import package_info
+
+    full = (
+        {"cuda_graph_impl": "full_iteration"}
+        if (package_info.MAJOR, package_info.MINOR) >= (0, 19)
+        else {"cuda_graph_impl": "local", "cuda_graph_scope": "full_iteration"}
+    )
+    return {
+        "local": {"cuda_graph_impl": "local"},
+        "full_iteration": full,
+        "inference_only": {"cuda_graph_impl": "local", "cuda_graph_scope": "full_iteration_inference"},
+    }
+
+
 def sc_local_cuda_graphs(cfg):
     """DDP and the layer-wise optimizer with --overlap-param-gather on a model whose
-    TransformerConfig has cuda_graph_impl="local": megatron's local CUDA graphs skip DDP's
-    backward hook (transformer/cuda_graphs.py), which tells the pre-hook gathers that
-    grad_data holds grads. {"built": True}, or an error on every rank (recorded)."""
-    Setup(cfg, overlap=True, cuda_graph_impl="local")
-    return {"built": True}
+    TransformerConfig asks for CUDA graphs (cuda_graph_configs(); on CPU nothing is
+    captured: the config is what DDP and the optimizer see): per variant, DDP builds and 3
+    real steps equal, params and grad norms bitwise, the same run without the CUDA graph
+    config, and params equal on every rank. Series v5 refused "local" at DDP construction;
+    v6 and pristine build it."""
+    ref, nref, _, _ = train(cfg, 3, True)
+    res = {}
+    for name, kwargs in cuda_graph_configs().items():
+        s, norms, _, _ = train(cfg, 3, True, tc_kwargs=kwargs)
+        res[f"{name}_cuda_graph_impl"] = s.config.cuda_graph_impl
+        res[f"{name}_built"] = True
+        diff = max_abs_diff([p.detach() for p in s.params], [p.detach() for p in ref.params])
+        res[f"{name}_trains_equal_without_cuda_graphs"] = all_ranks(diff == 0.0 and norms == nref)
+        same = True
+        for p in s.params:
+            r = p.detach().clone()
+            dist.broadcast(r, src=0)
+            same &= torch.equal(r, p.detach())
+        res[f"{name}_params_equal_across_ranks"] = all_ranks(same)
+    return res
 
 
 SCENARIOS = {
