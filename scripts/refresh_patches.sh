@@ -133,6 +133,36 @@ elif [[ -f "$PD/series" ]] && grep -lE '^diff --git a/tests/unit_tests/' "$PD"/*
     die "$PD has checkout-only patches (tests/unit_tests/) but there is no checkout $CG to regenerate them from; run scripts/setup.sh"
 fi
 
+# ---------------------------------------------------------------- cover letter
+# 0000-cover-letter.patch, in `git format-patch --cover-letter`'s form: its subject and blurb
+# are the maintainer's words, kept from the file in $PD; the shortlog and the diffstat under
+# them are regenerated from the commits. It is not in `series` or the manifest (git am stops
+# on a patch without a diff), so `git am 000[1-9]-*.patch` and apply_patches.sh skip it.
+COVER=0000-cover-letter.patch
+if [[ -f "$PD/$COVER" ]]; then
+    mkdir "$tmp/cover"
+    GIT_COMMITTER_NAME="$(g log -1 --format=%an HEAD)" GIT_COMMITTER_EMAIL="$(g log -1 --format=%ae HEAD)" \
+        GIT_COMMITTER_DATE="$(g log -1 --format=%ad --date=rfc2822 HEAD)" \
+        g -c format.signature= -c diff.orderFile=/dev/null format-patch --quiet --zero-commit \
+        --no-signature --cover-letter --no-thread --stat=80 -o "$tmp/cover" pristine..HEAD >/dev/null \
+        || die "git format-patch --cover-letter failed in $SG (see above)"
+    python3 - "$PD/$COVER" "$tmp/cover/$COVER" "$tmp/out/$COVER" <<'PY' || die "$PD/$COVER: cannot keep its subject and blurb (see above); restore it from git"
+import re, sys
+old = open(sys.argv[1]).read()
+new = open(sys.argv[2]).read()
+head, _, rest = old.partition("\n\n")
+subject = re.search(r"^Subject: (.*(?:\n .*)*)", head, re.M)
+shortlog = re.search(r"^\S.* \(\d+\):$", rest, re.M)
+if not subject or not shortlog:
+    sys.exit(f"{sys.argv[1]}: no Subject header or no shortlog ('Author (N):') line")
+blurb = rest[: shortlog.start()]
+new = re.sub(r"^Subject: .*(?:\n .*)*", lambda m: "Subject: " + subject.group(1), new, count=1, flags=re.M)
+assert "*** BLURB HERE ***\n" in new
+new = new.replace("*** BLURB HERE ***\n", blurb.rstrip("\n") + "\n", 1)
+open(sys.argv[3], "w").write(new)
+PY
+fi
+
 # ---------------------------------------------------------------- series
 {
     if [[ -f "$PD/series" ]]; then
@@ -179,7 +209,8 @@ blobsha() { # <rev> <path>: sha256 of the file at rev, or '-' when it does not e
 
 # ---------------------------------------------------------------- compare / write
 changed=()
-for n in "${names[@]}" series manifest.sha256; do
+covers=(); [[ -f "$tmp/out/$COVER" ]] && covers=("$COVER")
+for n in "${names[@]}" "${covers[@]}" series manifest.sha256; do
     src="$tmp/out/$n"; [[ -f "$src" ]] || src="$tmp/$n"
     cmp -s "$src" "$PD/$n" 2>/dev/null || changed+=("$n")
 done
@@ -187,7 +218,7 @@ stale=()
 for f in "$PD"/*.patch; do
     [[ -e "$f" ]] || continue
     b="$(basename "$f")"
-    [[ " ${names[*]} " == *" $b "* ]] || stale+=("$b")
+    [[ " ${names[*]} ${covers[*]} " == *" $b "* ]] || stale+=("$b")
 done
 
 if [[ ${#changed[@]} -eq 0 && ${#stale[@]} -eq 0 ]]; then

@@ -28,6 +28,8 @@ import pytest
 
 from harness.trees import BASES, REPO_ROOT, SERIES_DIR, series_patches, tree_parent
 
+COVER = "0000-cover-letter.patch"
+
 BLACK = [sys.executable, "-m", "black", "--check", "-q", "-l", "100", "-S", "-C"]
 ISORT = [sys.executable, "-m", "isort", "--check-only", "-q", "--profile", "black", "-l", "100"]
 # Names reserved for examples and placeholders (RFC 2606, RFC 6761): never a real mailbox.
@@ -81,6 +83,25 @@ def test_patch_header(patch):
     signed = re.fullmatch(r"Signed-off-by: (.+) <([^>]+)>", trailers[-1])
     assert signed, f"{patch.name}: the message must end with a Signed-off-by: trailer"
     assert signed.groups() == author.groups(), f"{patch.name}: Signed-off-by differs from author"
+
+
+@pytest.mark.parametrize("base", BASES)
+def test_cover_letter_is_format_patch_s_and_names_every_patch(base):
+    """patches/<base>/0000-cover-letter.patch has git format-patch --cover-letter's form:
+    a [PATCH 0/N] subject for the N patches of the series, a blurb that says why, and the
+    shortlog of exactly the series' subjects, in order."""
+    text = (SERIES_DIR.parent / base / COVER).read_text()
+    patches = series_patches(base=base)
+    assert re.search(rf"^Subject: \[PATCH 0/{len(patches)}\] \S", text, flags=re.M), text[:300]
+    subjects = [
+        re.sub(r"\n ", " ", re.search(r"^Subject: \[PATCH\] (.+(?:\n .+)*)", p.read_text(), re.M).group(1))
+        for p in patches
+    ]
+    shortlog = re.search(r"^\S.* \((\d+)\):\n((?:  .*\n)+)", text, flags=re.M)
+    assert shortlog and int(shortlog.group(1)) == len(patches), text
+    listed = re.sub(r"\n {4}", " ", shortlog.group(2)).splitlines()
+    assert [ln.strip() for ln in listed if ln.strip()] == subjects
+    assert len(text.split("\n\n", 1)[1].split()) >= 200, "the blurb must say what and why"
 
 
 @pytest.mark.parametrize("base,tag", [("0.17.1", "core_v0.17.1"), ("0.19", "core_v0.19.0")])
