@@ -23,8 +23,8 @@ Outputs, per scenario and config:
         params and grad_data equal the snapshot taken right before the call that
         raised, "pending_state_kept": the same for the params and for the grad_data of
         the bucket groups whose gather was pending then (None when nothing raised or no
-        snapshot was taken), "temporaries": how many gather calls received into a
-        temporary, "grad_data_gathers": {phase: gather calls that touched grad_data} (see
+        snapshot was taken), "temporaries": {phase: gather calls that received into a
+        temporary}, "grad_data_gathers": {phase: gather calls that touched grad_data} (see
         GatherReceives)}.
     DIR/results.json (rank 0)   {"<config>/<scenario>": the scalar fields above, and
         "reentry_errors", "reentry_state_kept"} plus "_meta".
@@ -68,20 +68,25 @@ PROBE_DEPTH = 2
 
 # ----------------------------------------------------------------------- forward variants
 # Each runs TinyNet's expert layer (when it has one) after the dense layers it runs.
+def _as(x, layer):
+    """x in the layer's param dtype (Scenario.two_dtypes: the last layer is fp32)."""
+    return x.to(layer.weight.dtype)
+
+
 def _experts(self, x):
     return x if self.experts is None else self.experts(x)
 
 
 def _forward_full(self, x):
     for layer in self.layers:
-        x = torch.tanh(layer(x))
+        x = torch.tanh(layer(_as(x, layer)))
     return _experts(self, x)
 
 
 def _forward_probe(self, x):
     """Only the first PROBE_DEPTH layers: e.g. a rollout or probe that exits early."""
     for layer in self.layers[:PROBE_DEPTH]:
-        x = torch.tanh(layer(x))
+        x = torch.tanh(layer(_as(x, layer)))
     return x
 
 
@@ -89,24 +94,24 @@ def _forward_bypass_last(self, x):
     """The last dense layer's params used from the parent: its forward pre-hook never
     fires."""
     for layer in self.layers[:-1]:
-        x = torch.tanh(layer(x))
+        x = torch.tanh(layer(_as(x, layer)))
     last = self.layers[-1]
-    return _experts(self, torch.tanh(F.linear(x, last.weight, last.bias)))
+    return _experts(self, torch.tanh(F.linear(_as(x, last), last.weight, last.bias)))
 
 
 def _forward_last_unused(self, x):
     """Every dense layer runs (its forward pre-hook fires), but the last one's output is
     dropped, as an auxiliary head outside the loss: its bucket group gets no grads."""
     for layer in self.layers[:-1]:
-        x = torch.tanh(layer(x))
-    self.layers[-1](x)
+        x = torch.tanh(layer(_as(x, layer)))
+    self.layers[-1](_as(x, self.layers[-1]))
     return _experts(self, x)
 
 
 def _forward_skip_last(self, x):
     """The last dense layer is not used at all in this pass (no params, no grads)."""
     for layer in self.layers[:-1]:
-        x = torch.tanh(layer(x))
+        x = torch.tanh(layer(_as(x, layer)))
     return _experts(self, x)
 
 
@@ -231,6 +236,13 @@ class Scenario:
     expert = False
     # DDPConfig.overlap_param_gather (False: the optimizer's gather in step()).
     overlap_param_gather = True
+    # The last layer in fp32 (a second grad buffer) and DDP built with disable_bucketing,
+    # as megatron.training builds every model chunk after the first with VPP: one bucket
+    # group over a bf16 and an fp32 bucket.
+    two_dtypes = False
+    # zero_grad_buffer() before every step (False: before step 0 only, so every later
+    # backward accumulates onto the grads the previous step consumed).
+    zero_grad_every_step = True
     # The last microbatch's backward inside no_sync() too, and the grad reduce started by
     # the caller's ddp.start_grad_sync() after it, as megatron's pipeline schedules do
     # through config.grad_sync_func.
@@ -484,6 +496,54 @@ class SkipLastOptimizerGather(Scenario):
     overlap_param_gather = False
 
 
+class GatherAfterBackwardNoOverlapGradReduce(GatherAfterBackward):
+    """GatherAfterBackward without --overlap-grad-reduce: no grad reduce is in flight when
+    the gather starts; only the backward hooks say that grad_data holds grads."""
+
+    overlap_grad_reduce = False
+
+
+class HooklessGatherBeforeStep(HooklessNoOverlapGradReduce):
+    """A hook-less backward, finish_grad_sync() (its grad reduce), then an async
+    start_param_sync() before the step: only the grad reduce says that grad_data holds
+    grads; the step completes the pending gather."""
+
+    def before_step(self, s, k, phase):
+        phase("start_param_sync")
+        s.ddp.start_param_sync()
+
+
+class HooklessForcedBeforeGradSync(HooklessNoOverlapGradReduce):
+    """A hook-less backward, then a forced param sync before finish_grad_sync(): nothing
+    has said yet that grad_data holds grads (no hook ran, no grad reduce started)."""
+
+    def after_backward(self, s, k, phase):
+        _forced_sync(s, phase)
+
+
+class AccumulateAcrossSteps(Scenario):
+    """zero_grad_buffer() before step 0 only: each later step's backward adds onto the
+    grads the previous step consumed (a caller that accumulates across optimizer steps)."""
+
+    zero_grad_every_step = False
+
+
+class AccumulateAcrossStepsOptimizerGather(AccumulateAcrossSteps):
+    """AccumulateAcrossSteps without --overlap-param-gather: the optimizer gathers in
+    step(), right before the next backward."""
+
+    overlap_param_gather = False
+
+
+class AllgatherAfterNoSync(Scenario):
+    """The optimizer's allgather_params() called directly after a microbatch's backward
+    inside no_sync(), with grads accumulated in grad_data and no grad reduce yet."""
+
+    def after_no_sync_backward(self, s, k, phase):
+        phase("allgather_params")
+        s.opt.allgather_params()
+
+
 SCENARIOS = {
     "baseline": Baseline,
     "zero_grad": ZeroGradWhilePending,
@@ -507,11 +567,22 @@ SCENARIOS = {
     "grad_sync_func": GradSyncFunc,
     "forced_during_reduce_no_grads": ForcedDuringReduceNoGrads,
     "skip_last_optimizer_gather": SkipLastOptimizerGather,
+    "gather_after_backward_no_ogr": GatherAfterBackwardNoOverlapGradReduce,
+    "hookless_gather_before_step_no_ogr": HooklessGatherBeforeStep,
+    "hookless_forced_before_grad_sync_no_ogr": HooklessForcedBeforeGradSync,
+    "allgather_after_no_sync": AllgatherAfterNoSync,
+    "accumulate_across_steps": AccumulateAcrossSteps,
+    "accumulate_across_steps_optimizer_gather": AccumulateAcrossStepsOptimizerGather,
 }
 # The same on a model with an expert layer (its own expert-parallel bucket group, gathered
 # over the expert-DP group: 2 at EP 1 on 2 ranks).
 for _name in ("baseline", "zero_grad", "forward_only", "bypass_prehook", "forced_before_step"):
     SCENARIOS[f"{_name}_moe"] = type(f"{SCENARIOS[_name].__name__}MoE", (SCENARIOS[_name],), {"expert": True})
+# The same on one bucket group of a bf16 and an fp32 bucket (Scenario.two_dtypes).
+for _name in ("baseline", "zero_grad", "forced_before_step", "gather_after_backward"):
+    SCENARIOS[f"{_name}_two_dtypes"] = type(
+        f"{SCENARIOS[_name].__name__}TwoDtypes", (SCENARIOS[_name],), {"two_dtypes": True}
+    )
 
 
 def run(scenario: Scenario, cfg):
@@ -521,6 +592,7 @@ def run(scenario: Scenario, cfg):
         overlap=scenario.overlap_param_gather,
         expert=scenario.expert,
         overlap_grad_reduce=scenario.overlap_grad_reduce,
+        fp32_last_layer=scenario.two_dtypes,
     )
     s.reentry_errors, s.reentry_state_kept = [], []
     set_forward(s, scenario.forward)
@@ -532,9 +604,10 @@ def run(scenario: Scenario, cfg):
     spy = GatherReceives(s, phase).__enter__()
     try:
         for k in range(STEPS):
-            phase("zero_grad_buffer")
-            s.ddp.zero_grad_buffer()
-            s.opt.zero_grad()
+            if k == 0 or scenario.zero_grad_every_step:
+                phase("zero_grad_buffer")
+                s.ddp.zero_grad_buffer()
+                s.opt.zero_grad()
             for mb in range(MICROBATCHES):
                 last = mb == MICROBATCHES - 1
                 synced = last and not scenario.grad_sync_by_caller
@@ -576,7 +649,7 @@ def run(scenario: Scenario, cfg):
     finally:
         spy.__exit__(None, None, None)
     rec["grad_data_gathers"] = spy.counts["grad_data"]
-    rec["temporaries"] = sum(spy.counts["temporary"].values())
+    rec["temporaries"] = spy.counts["temporary"]
     rec["reentry_errors"] = s.reentry_errors
     rec["reentry_state_kept"] = s.reentry_state_kept
     return rec

@@ -520,7 +520,7 @@ def sc_training(cfg, steps=4):
     """Real optimizer steps: overlapped (pre-hook) gather vs the optimizer's synchronous
     gather; params and grad norms bitwise equal, params equal on every rank; on the
     synchronous path every grad_data byte (so main_grad) is the reduced grad it held
-    before whenever step() returns: the gather never touches grad_data (patch 0007
+    before whenever step() returns: the gather never touches grad_data (patch 0006
     broadcasts the params in place; pristine receives into temporaries)."""
     a, na, b, nb, diff, (untouched, zeroed) = train_overlap_and_sync(cfg, steps)
     # Every rank must hold the same params after the gather.
@@ -826,7 +826,7 @@ GATHER_SEEN = ("into_tensor", "broadcast_slot", "single_param_slot")
 
 
 def check_gather_calls(params_by_rank, calls, records, group, grad_data, into_grad_data):
-    """The calls of one bucket's layer-wise gather (start_param_sync, patch 0005/0006)
+    """The calls of one bucket's layer-wise gather (start_param_sync, patches 0003 and 0005)
     against the design.
 
     Returns {check: bool} and {counter: int}. "form": no call where no rank owns a param;
@@ -895,7 +895,7 @@ OPTIMIZER_CHECKS = ("form", "one_launch", "in_place")
 
 
 def check_optimizer_calls(params_by_rank, calls, records, group):
-    """The calls of the optimizer path's gather (allgather_params(), patch 0007) over one DP
+    """The calls of the optimizer path's gather (allgather_params(), patch 0006) over one DP
     group against the design: "form": one broadcast per param, in rank order then the
     owner's param order, rooted at its owner's global rank, of the param's numel, none of
     them zero-size, and nothing else; "one_launch": all of them one NCCL group launch;

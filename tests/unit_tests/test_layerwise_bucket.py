@@ -3,12 +3,12 @@
 megatron/core/distributed/param_and_grad_buffer.py (patched tree only; pristine has none of
 this):
 
-- ``_layerwise_all_gather(recv, slots, rank, group, async_op)`` (patch 0006): the collective
+- ``_layerwise_all_gather(recv, slots, rank, group, async_op)`` (patch 0005): the collective
   chosen from the per-rank slots, the split of the 1-D ``recv`` in rank order: equal slots
   -> one ``all_gather_into_tensor`` straight into ``recv`` from this rank's slot; otherwise
   one broadcast per rank whose slot is not empty, rooted at that rank, of that slot, all
   inside one ``_coalescing_manager`` (one NCCL group launch);
-- ``_ParamAndGradBucketGroup.start_param_sync`` (patch 0005): the receive buffer is the
+- ``_ParamAndGradBucketGroup.start_param_sync`` (patch 0003): the receive buffer is the
   bucket's ``grad_data`` viewed as the param dtype while the group's ``grad_data_idle`` is
   True and the sync is not forced (and grad_data is at least as wide as the params), else
   one temporary of the gathered size; the slots are packed in rank order from its element

@@ -197,7 +197,7 @@ def test_pre_hook_gather_over_grads_not_reset_receives_into_temporaries(runs, wo
     not idle: DDP's backward hook and start_grad_sync() cleared grad_data_idle): params
     synced, every grad_data byte (so main_grad) as it was, and exactly one temporary per
     gathered bucket of its shares' bytes, as pristine 0.17.1 allocates (by design: patch
-    0005 receives into grad_data only while it is idle)."""
+    0003 receives into grad_data only while it is idle)."""
     r = result(runs("patched", world), config, "gather")
     assert r["busy_grad_data_untouched"] and r["busy_params_synced"], r
     assert r["busy_temporaries_are_the_gathered_size"] and r["busy_temporary_bytes"] > 0, r
@@ -228,7 +228,7 @@ def test_training_steps_equal_the_pristine_tree(runs, world, config):
 
 @pytest.mark.parametrize("world,config", CASES)
 def test_main_grad_keeps_the_reduced_grads_when_the_optimizer_step_returns(runs, world, config):
-    """Without --overlap-param-gather step() broadcasts the params in place (patch 0007)
+    """Without --overlap-param-gather step() broadcasts the params in place (patch 0006)
     and never touches grad_data: when it returns, after each of 4 steps, every grad_data
     byte (so every main_grad) is bitwise the reduced grad it held before the step, none
     zeroed, never param bytes. Pristine (temporaries): the same."""
@@ -280,7 +280,7 @@ def expected_pristine(shares, itemsize):
 
 
 def expected_series(shares):
-    """The series' pre-hook or forced gather of one bucket (patch 0006): one launch, no NCCL
+    """The series' pre-hook or forced gather of one bucket (patch 0005): one launch, no NCCL
     temporary, no zero-size op; one all_gather_into_tensor for equal shares, else one
     broadcast per rank that owns something."""
     if not shares or max(shares) == 0:
@@ -290,7 +290,7 @@ def expected_series(shares):
 
 
 def expected_series_optimizer(n_params):
-    """The series' optimizer-path gather of one DP group (patch 0007): every param
+    """The series' optimizer-path gather of one DP group (patch 0006): every param
     broadcast in place by its owner, all in one launch: one op per param, none zero-size,
     no NCCL temporary."""
     if not n_params:
@@ -310,7 +310,7 @@ def test_nccl_ops_and_launches_at_most_pristine_per_bucket_and_per_step(runs, wo
     """Both trees on the same model, from the collective model's records: per bucket on the
     async (pre-hook) and forced paths, and per step on those, the series issues at most
     pristine's NCCL ops and launches, no zero-size op and no NCCL temporary, exactly as
-    designed from the shares. On the optimizer's path (patch 0007: each param broadcast in
+    designed from the shares. On the optimizer's path (patch 0006: each param broadcast in
     place by its owner, one NCCL group per DP group) the series issues one op per param,
     which can exceed pristine's DP-rank count at small DP: there it issues at most
     pristine's launches, exactly one op per param, no zero-size op, no NCCL temporary (and
@@ -346,7 +346,7 @@ def test_nccl_ops_and_launches_at_most_pristine_per_bucket_and_per_step(runs, wo
 def test_forced_sync(runs, world, config):
     """Forced sync (eval/checkpoint) idle and with a gather pending: params synced; idle,
     grad_data (consumed grads, nonzero bytes) untouched: a forced sync never receives into
-    grad_data (patch 0005); pending (the pre-hooks' gather into idle grad_data), completed
+    grad_data (patch 0003); pending (the pre-hooks' gather into idle grad_data), completed
     and grad_data zero again; no gather state left; the next pre-hook neither re-gathers
     nor skips a needed gather.
     Pristine: a forced sync with a gather pending drops the data (params stay stale)."""
@@ -814,20 +814,20 @@ def test_019_every_gather_of_a_bucket_group_is_waited_on(runs):
 # ---------------------------------------------------------------------------- prefixes
 PREFIX_SCENARIOS = "gather,microbatches,training"
 # Claims of the finished series beyond numerics: the exact bytes the pre-hook gather writes
-# into idle grad_data (0005's packed slots; before it 0.17.1 receives into temporaries and
+# into idle grad_data (0003's packed slots; before it 0.17.1 receives into temporaries and
 # 0.19.2 zeroes the whole grad_data), and the one temporary per bucket of a sync over grads
-# not reset (before 0006 the flattened local copy is one more). Every prefix must still
+# not reset (before 0005 the flattened local copy is one more). Every prefix must still
 # gather right, leave grad_data zero before backward and train like pristine.
 NOT_NUMERICS = {"gather.async_zeroed_exactly_where_written", "gather.busy_temporaries_are_the_gathered_size"}
-# Before 0005 (grad_data_idle) pristine 0.19.2's pre-hook gather receives into grad_data
+# Before 0003 (grad_data_idle) pristine 0.19.2's pre-hook gather receives into grad_data
 # whatever it holds and zeroes it: a sync over grads not reset loses them (0.17.1 receives
 # into temporaries and keeps them).
-BEFORE_0005_019 = {"gather.busy_grad_data_untouched"}
+BEFORE_0003_019 = {"gather.busy_grad_data_untouched"}
 
 
 def allowed_prefix_failures(base, k):
     """The checks the first k patches of `base` may fail (see NOT_NUMERICS)."""
-    return NOT_NUMERICS | (BEFORE_0005_019 if base == "0.19" and k < 5 else set())
+    return NOT_NUMERICS | (BEFORE_0003_019 if base == "0.19" and k < 3 else set())
 
 
 PREFIX_CASES = [(b, k) for b in BASES for k in range(1, len(series_patches(base=b)) + 1)]
@@ -877,7 +877,7 @@ def test_optimizer_gather_takes_the_same_collective_whatever_a_rank_holds(runs, 
     """Item 3. allgather_params() (the optimizer path, no --overlap-param-gather) called
     directly while rank 0 holds private state and rank 1 is idle: offloaded grad buffers,
     or grads no step consumed (a no_sync() backward). Both ranks issue the same collectives
-    (form, group size, dtype, sizes, roots: patch 0007's in-place broadcast of every param
+    (form, group size, dtype, sizes, roots: patch 0006's in-place broadcast of every param
     from its owner, on both configs), the params equal the owners' values on every rank,
     and rank 0's state is untouched (its storage stays freed, its grads keep their bytes):
     v6's optimizer path does not look at grad_data at all. v4 chose the collective from it
@@ -979,7 +979,7 @@ def test_019_every_copy_back_happens_before_post_param_sync(runs):
 def test_optimizer_gather_of_two_param_dtypes(runs, base):
     """Item 8, second kind. The optimizer path (no --overlap-param-gather) on a model with
     bf16 and fp32 params (both buffers' buckets in one bucket group): after a simulated
-    step every rank holds the owners' values of both dtypes (patch 0007's in-place
+    step every rank holds the owners' values of both dtypes (patch 0006's in-place
     broadcasts ran in both), and 3 real steps equal the overlapped run bitwise, params
     equal on every rank, grad_data untouched by each step(). v4 fell back to 0.17.1's
     helper, which raised on rank 0 only (a dtype mismatch) while rank 1 waited in the

@@ -1,0 +1,140 @@
+"""Write every mutant of tests/mutants/ from the patched trees (the series of each base).
+
+Usage: .venv/bin/python tests/mutants/generate.py [NAME ...]   (default: every mutant)
+
+A mutant is one deliberate bug on top of the series: a description, then a unified diff
+against the patched tree (megatron/ for 0.17.1, build/patched-0.19/megatron for 0.19,
+written by scripts/setup.sh), made here by exact text replacement (each old text must occur
+once). Rerun after a change of the series; tests/unit_tests/test_layerwise_param_sync.py
+and test_grad_data_guards.py list which checks each mutant must fail.
+
+Raises:
+    AssertionError: an old text does not occur exactly once in a patched file.
+"""
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+BASE_TREES = {"0.17.1": ROOT, "0.19": ROOT / "build" / "patched-0.19"}
+OUT = {"0.17.1": ROOT / "tests" / "mutants", "0.19": ROOT / "tests" / "mutants" / "0.19"}
+PGB = "megatron/core/distributed/param_and_grad_buffer.py"
+DDP = "megatron/core/distributed/distributed_data_parallel.py"
+LWO = "megatron/core/optimizer/layer_wise_optimizer.py"
+ZERO = "            torch._foreach_zero_(bucket.layerwise_gather_list)\n"
+
+MUTANTS = {
+    "no_zeroing": (
+        "The copy-out does not zero the slots it received into (upstream PR #3751 as first\n"
+        "shipped): backward then accumulates the gradients onto the gathered param bytes.",
+        PGB, [(ZERO, "")]),
+    "zeroes_all_of_grad_data": (
+        "The copy-out zeroes the whole of grad_data, not only the slots the gather wrote (as\n"
+        "pristine 0.19.2 does): a sync that received into a temporary, or over grads, wipes them.",
+        PGB, [(ZERO, ZERO + "            bucket.grad_data.zero_()\n")]),
+    "zeroing_only_in_pre_hooks": (
+        "The copy-out zeroes the slots only when a forward pre-hook finishes the gather\n"
+        "(finish_param_sync), not when a forced sync or free_overlap_buffers() completes it.",
+        PGB, [(ZERO, "            import sys\n\n"
+                     "            if sys._getframe(1).f_code.co_name == \"finish_param_sync\":\n"
+                     "                torch._foreach_zero_(bucket.layerwise_gather_list)\n")]),
+    "copy_back_skips_rank1": (
+        "The copy-out skips DP rank 1's slot: the other ranks keep stale values of what rank 1\n"
+        "updated.",
+        PGB, [("                if len(params) == 0 or idx == local_rank:\n",
+               "                if len(params) == 0 or idx == local_rank or idx == 1:\n")]),
+    "broadcast_from_wrong_owner": (
+        "The pre-hook path's broadcasts are rooted at the next rank, not at the slot's owner.",
+        PGB, [("                src = torch.distributed.get_global_rank(group, r)\n",
+               "                src = torch.distributed.get_global_rank(group, (r + 1) % len(slots))\n")]),
+    "skipped_nonempty_share": (
+        "The pre-hook path skips the broadcast of the last rank that owns a param of the bucket.",
+        PGB, [("            if slot.numel() > 0:\n",
+               "            if slot.numel() > 0 and r != max(i for i, s in enumerate(slots) if s.numel()):\n")]),
+    "slots_out_of_rank_order": (
+        "The receive slots are laid out in reverse rank order (the last rank's slot at element\n"
+        "0), not packed in rank order: all_gather_into_tensor's chunks no longer are the slots.",
+        PGB, [("                gather_list = list(recv.split(bucket.layerwise_param_flat_sizes))\n",
+               "                gather_list = list(recv.split(bucket.layerwise_param_flat_sizes[::-1]))[::-1]\n")]),
+    "gather_into_busy_grad_data": (
+        "The pre-hook path receives into grad_data whatever grad_data_idle says: a sync over\n"
+        "grads that no zero_grad_buffer() reset overwrites them, and its copy-out zeroes them.",
+        PGB, [("                    self.grad_data_idle\n                    and not force_sync\n",
+               "                    not force_sync\n")]),
+    "forced_sync_into_grad_data": (
+        "A forced sync (evaluation, checkpoint) receives into idle grad_data too, where a grad\n"
+        "may be (pristine 0.19.2's bug class): the copy-out zeroes what it wrote there.",
+        PGB, [("                    self.grad_data_idle\n                    and not force_sync\n",
+               "                    self.grad_data_idle\n")]),
+    "zero_grad_buffer_under_pending_gather": (
+        "zero_grad_buffer() zeroes grad_data under a pending layer-wise gather instead\n"
+        "of completing it first.",
+        DDP, [("        self._finish_layerwise_param_gathers()\n        for buffer in self.buffers + self.expert_parallel_buffers:\n            buffer.reset()\n",
+               "        for buffer in self.buffers + self.expert_parallel_buffers:\n            buffer.reset()\n")]),
+    "optimizer_broadcast_from_wrong_owner": (
+        "The optimizer path's in-place broadcasts (allgather_params(), no\n"
+        "--overlap-param-gather) are rooted at the next rank, not at the param's owner.",
+        LWO, [("                        src = torch.distributed.get_global_rank(group, r)\n",
+               "                        src = torch.distributed.get_global_rank(group, (r + 1) % len(params_list))\n")]),
+}
+
+# Rules of patch 0003 (grad_data only while idle; the step resyncs), in guards/: caught by
+# tests/unit_tests/test_grad_data_guards.py.
+MUTANTS.update({
+    "guards/backward_hook_leaves_grad_data_idle": (
+        "DDP's backward hook does not clear grad_data_idle: a gather started after backward,\n"
+        "before the grad reduce, receives over the grads.",
+        DDP, [("                bucket_group.grad_data_idle = False\n", "")]),
+    "guards/start_grad_sync_leaves_grad_data_idle": (
+        "start_grad_sync() does not clear grad_data_idle: after a backward without DDP's\n"
+        "hooks, a gather between the grad reduce and the step receives over the reduced grads.",
+        PGB, [("        self.grad_data_idle = False\n        if self.is_first_batch",
+               "        if self.is_first_batch")]),
+    "guards/start_grad_sync_leaves_gather_pending": (
+        "start_grad_sync() does not complete a pending layer-wise gather: the grad reduce of a\n"
+        "bucket group that got no grads reads what the gather writes into its grad_data.",
+        PGB, [("            self.finish_param_sync(skip_next_bucket_dispatch=True)  # it may write grad_data\n",
+               "            pass\n")]),
+    "guards/backward_hook_does_not_raise": (
+        "DDP's backward hook lets a grad land while its bucket group's gather into grad_data\n"
+        "is in flight (the RuntimeError dropped).",
+        DDP, [("                if bucket_group.grad_data_idle and (",
+               "                if False and bucket_group.grad_data_idle and (")]),
+    "guards/step_keeps_dispatch_mark": (
+        "The optimizer step does not clear param_gather_dispatched: after a forced sync between\n"
+        "finish_grad_sync() and the step, the next forward computes with the other ranks'\n"
+        "params of before the step.",
+        LWO, [("            bucket_group.param_gather_dispatched = False\n", "            pass\n")]),
+    "guards/step_leaves_gather_pending": (
+        "The optimizer step does not complete a pending gather before it clears the dispatch\n"
+        "mark: the next forward's pre-hook starts another gather over it (0.17.1's assertion).",
+        LWO, [("                bucket_group.finish_param_sync(skip_next_bucket_dispatch=True)\n",
+               "                pass\n")]),
+})
+
+
+def main(names):
+    for base, tree in BASE_TREES.items():
+        for name in names or MUTANTS:
+            desc, rel, reps = MUTANTS[name]
+            old = (tree / rel).read_text()
+            new = old
+            for a, b in reps:
+                assert new.count(a) == 1, (base, name, a, new.count(a))
+                new = new.replace(a, b)
+            with tempfile.TemporaryDirectory() as tmp:
+                fa, fb = Path(tmp) / "a", Path(tmp) / "b"
+                fa.write_text(old)
+                fb.write_text(new)
+                diff = subprocess.run(["diff", "-u", "--label", f"a/{rel}", "--label", f"b/{rel}", str(fa), str(fb)],
+                                      capture_output=True, text=True).stdout
+            assert diff
+            out = OUT[base] / f"{name}.patch"
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(f"Mutant: {desc}\n\n{diff}")
+            print(base, name, "written")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
