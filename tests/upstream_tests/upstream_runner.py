@@ -191,9 +191,10 @@ def command(checkout: Path, files: Sequence[str], nproc: int, results_dir: Path)
         PYTHONUNBUFFERED="1",
     )
     env.pop("MEGATRON_CPU_RUNTIME", None)  # the plugin installs the runtime itself
+    from harness import launch  # the one builder of the torchrun line
+
     argv = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-        "-m", "pytest", "-p", "cpu_gloo_plugin", "-p", "no:cacheprovider", "-o", "addopts=",
+        *launch.torchrun_argv(nproc), "-m", "pytest", "-p", "cpu_gloo_plugin", "-p", "no:cacheprovider", "-o", "addopts=",
         "-q", "-rfE", "--tb=short", *files,
     ]
     return argv, env
