@@ -81,6 +81,8 @@ set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 PD="${PATCHES_DIR:-}"
+# git status and friends must not refresh TARGET's index behind a check that "changes nothing".
+export GIT_OPTIONAL_LOCKS=0
 ME=apply_patches.sh
 die() { local code="$1"; shift; echo "$ME: error: $*" >&2; exit "$code"; }
 usage() { die 2 "usage: scripts/apply_patches.sh TARGET [--check | --reverse]${1:+ ($1)}"; }

@@ -5,8 +5,11 @@ base), gets the series by a three-way merge, one commit per patch; a tree the se
 serve gets one line and stays as it was. The tests read what they need from the series at test
 time (its patch count, subjects, first hunks), so they hold for any version of it.
 
-Trees (scripts/setup.sh): build/megatron-lm/core_v0.19.0 (the 0.19 base; forks are made from a
-clone of it with a local commit), build/megatron-lm/main-d98e8a64dd (upstream main committed on
+Trees: most tests use a small repository holding core_v0.19.0's files that the series and the
+run read (``mini_019``: the touched files, package_info.py, pretrain_gpt.py, helpers.cpp; a
+fork is a local commit on top), which clones and packs in milliseconds where the whole
+checkout takes seconds; the script sees the same version, files and blobs. One test takes
+upstream main itself, build/megatron-lm/main-d98e8a64dd (scripts/setup.sh: main committed on
 top of core_v0.19.0, as a clone of main holds 0.19's blobs). Tests skip where a tree is missing.
 """
 
@@ -133,10 +136,31 @@ def first_hunk_line(patch: Path):
     raise AssertionError(f"{patch} has no hunk")
 
 
+#: What a mini tree copies from core_v0.19.0 besides the touched files.
+MINI_EXTRA = ("megatron/core/package_info.py", "pretrain_gpt.py", "megatron/core/datasets/helpers.cpp")
+
+
+def mini_019(tmp_path: Path, name="mini") -> Path:
+    """A git repository with one commit: core_v0.19.0's touched files and ``MINI_EXTRA``, bytes
+    and blobs as the tag has them (a Megatron-LM tree as far as the series and the run look)."""
+    if not (BASE019 / ".git").is_dir():
+        pytest.skip(f"{BASE019} is missing (scripts/setup.sh builds it from ../shared/upstream/)")
+    repo = tmp_path / name
+    for f in sorted(touched() | set(MINI_EXTRA)):
+        if (BASE019 / f).is_file():
+            (repo / f).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(BASE019 / f, repo / f)
+    git(repo, "init", "-q", "-b", "main")
+    git(repo, "add", "-A")
+    git(repo, "commit", "-q", "-m", "core_v0.19.0, the files the series reads")
+    git(repo, "tag", "core_v0.19.0")
+    return repo
+
+
 def fork_019(tmp_path: Path, name="fork") -> Path:
-    """A core_v0.19.0 clone with a local commit in a touched file, away from every hunk: a line
+    """``mini_019`` with a local commit in a touched file, away from every hunk: a line
     appended to the end of the file no patch's hunk reaches."""
-    repo = clone(BASE019, tmp_path / name, "--shared")
+    repo = mini_019(tmp_path, name)
     for f in sorted(touched()):
         text = (repo / f).read_text() if (repo / f).exists() else None
         if text is None:
@@ -216,7 +240,7 @@ def test_upstream_main_gets_the_019_series_three_way(tmp_path):
 def test_a_local_commit_on_a_hunks_line_conflicts_names_patch_file_hunk_and_changes_nothing(tmp_path):
     """The first patch's first hunk: a local commit edits a line it changes. apply and --check
     stop at that patch, name it, its file and the hunk, and leave HEAD and status as they were."""
-    repo = clone(BASE019, tmp_path / "fork", "--shared")
+    repo = mini_019(tmp_path, "fork")
     first = series()[0]
     path, line = first_hunk_line(SERIES019 / first)
     commit_edit(repo, path, line + "\n", line.rstrip() + "  # a fork's edit\n", "fork: edit a line the series changes")
@@ -250,7 +274,7 @@ def test_a_shallow_clone_lacks_the_blobs_says_so_and_how_to_fetch_them(tmp_path)
 def test_a_checkout_without_history_lacks_the_blobs(tmp_path):
     fork = fork_019(tmp_path)
     repo = tmp_path / "no-history"
-    shutil.copytree(fork, repo, ignore=shutil.ignore_patterns(".git"))
+    shutil.copytree(fork, repo, ignore=shutil.ignore_patterns(".git"))  # the same files, no history
     git(repo, "init", "-q", "-b", "main")
     git(repo, "add", "-A")
     git(repo, "commit", "-q", "-m", "a copy without history")
@@ -274,16 +298,16 @@ def test_a_directory_that_is_not_a_checkout(tmp_path):
 
 
 def test_a_016_era_checkout_is_refused(tmp_path):
-    repo = clone(MLM / "core_v0.17.1", tmp_path / "old", "--shared")
+    repo = mini_019(tmp_path, "old")
     pinfo = repo / "megatron/core/package_info.py"
-    pinfo.write_text(re.sub(r"^MINOR = 17$", "MINOR = 16", pinfo.read_text(), flags=re.M))
+    pinfo.write_text(re.sub(r"^MINOR = 19$", "MINOR = 16", pinfo.read_text(), flags=re.M))
     git(repo, "commit", "-q", "-a", "-m", "a 0.16-era tree")
     for mode in ([], ["--check"]):
         refused(repo, mode, CANNOT_SERVE, "megatron-core 0.16", "older than 0.17.1", "update to 0.17.1 first")
 
 
 def test_two_minor_versions_past_the_newest_base_is_refused(tmp_path):
-    repo = clone(BASE019, tmp_path / "far", "--shared")
+    repo = mini_019(tmp_path, "far")
     pinfo = repo / "megatron/core/package_info.py"
     pinfo.write_text(re.sub(r"^MINOR = 19$", "MINOR = 21", pinfo.read_text(), flags=re.M))
     git(repo, "commit", "-q", "-a", "-m", "0.21")
@@ -293,7 +317,7 @@ def test_two_minor_versions_past_the_newest_base_is_refused(tmp_path):
 def test_a_fork_without_the_grad_data_gather_is_refused_by_name(tmp_path):
     """A fork whose layer-wise param sync no longer receives into grad_data: the series builds
     on that gather, so one line names it instead of a conflict."""
-    repo = clone(BASE019, tmp_path / "fork", "--shared")
+    repo = mini_019(tmp_path, "fork")
     pgb = "megatron/core/distributed/param_and_grad_buffer.py"
     text = (repo / pgb).read_text()
     assert "grad_data.view(" in text
@@ -301,3 +325,111 @@ def test_a_fork_without_the_grad_data_gather_is_refused_by_name(tmp_path):
     git(repo, "commit", "-q", "-a", "-m", "fork: gather into temporaries")
     for mode in ([], ["--check"]):
         refused(repo, mode, CANNOT_SERVE, "cannot take the series", pgb, "grad_data gather", "nothing was changed")
+
+
+# ---------------------------------------------------------------- the main job on your own tree
+
+
+def all_files(repo: Path) -> dict:
+    """Every path under repo with its size and mtime (.git included): a write anywhere shows."""
+    out = {}
+    for p in sorted(repo.rglob("*")):
+        st = p.lstat()
+        out[str(p.relative_to(repo))] = (st.st_size, st.st_mtime_ns, p.is_dir())
+    return out
+
+
+def test_prepare_trains_scratch_clones_and_never_writes_the_checkout(tmp_path):
+    """--checkout's trees: PATH's HEAD as it is and with the series (one commit per patch), in
+    two clones with the dataset helpers a rank imports; PATH itself unchanged to the byte and
+    the mtime, .git included. A second prepare reuses the clones."""
+    from harness import own_tree
+
+    fork = fork_019(tmp_path)
+    before = all_files(fork)
+    logs = []
+    tree = own_tree.prepare(fork, work_root=tmp_path / "work", log=logs.append)
+    assert all_files(fork) == before, "PATH was written"
+    head = git(fork, "rev-parse", "HEAD").strip()
+    assert (tree.head, tree.version, tree.series, tree.base, tree.release) == (head, "0.19.1", SERIES019, "0.19", False)
+    assert "three-way" in tree.why
+    assert git(tree.upstream, "rev-parse", "HEAD").strip() == head
+    subjects = git(tree.patched, "log", "--format=%s", f"{head}..HEAD").splitlines()[::-1]
+    assert subjects == [subject(SERIES019 / n) for n in series()]
+    for clone in (tree.upstream, tree.patched):
+        assert git(clone, "status", "--porcelain") == ""
+        assert (clone / "pretrain_gpt.py").read_bytes() == (fork / "pretrain_gpt.py").read_bytes()
+        if (ROOT / "build/upstream-0.19/megatron/core/datasets").is_dir():
+            assert list((clone / "megatron/core/datasets").glob("helpers_cpp*.so")), clone
+    again = own_tree.prepare(fork, work_root=tmp_path / "work", log=logs.append)
+    assert again == tree and "up to date" in logs[-1]
+
+
+def test_prepare_of_a_release_checkout_counts_the_golden_values(tmp_path):
+    from harness import own_tree
+
+    repo = mini_019(tmp_path, "release")
+    tree = own_tree.prepare(repo, work_root=tmp_path / "work", log=lambda m: None)
+    assert tree.release and tree.why == "" and tree.series == SERIES019
+    assert len(git(tree.patched, "log", "--format=%s", "core_v0.19.0..HEAD").splitlines()) == len(series())
+
+
+def _fake_tree(root: Path, minor: int, git_init: bool) -> Path:
+    """A tiny Megatron-LM-shaped tree: package_info.py and pretrain_gpt.py only."""
+    (root / "megatron/core").mkdir(parents=True)
+    (root / "megatron/core/package_info.py").write_text(f"MAJOR = 0\nMINOR = {minor}\nPATCH = 0\n")
+    (root / "pretrain_gpt.py").write_text("")
+    if git_init:
+        git(root, "init", "-q", "-b", "main")
+        git(root, "add", "-A")
+        git(root, "commit", "-q", "-m", "tree")
+    return root
+
+
+def test_run_functional_test_checkout_refuses_what_it_cannot_train_in_one_line(tmp_path, capsys):
+    """scripts/run_functional_test.sh --checkout PATH: exit 2 and one line, before training and
+    with PATH unchanged, for a missing path, a non-git tree, a dirty checkout, a tree the series
+    cannot serve (apply_patches.sh's reason), a checkout that already has the series, a case of
+    another base, and --update-golden."""
+    from tests.functional_tests.python_test_utils import run_case
+
+    def refuse(args, *needles, path=None):
+        before = all_files(path) if path else None
+        assert run_case.main(["--checkout", *map(str, args)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and err.startswith("error: "), err
+        for n in needles:
+            assert n in err, (n, err)
+        if path:
+            assert all_files(path) == before, "PATH changed"
+
+    refuse([tmp_path / "nope"], "no such directory")
+    plain = _fake_tree(tmp_path / "plain", 19, git_init=False)
+    refuse([plain], "not a git checkout", path=plain)
+    old = _fake_tree(tmp_path / "old", 16, git_init=True)
+    refuse([old], "the series cannot be applied", "megatron-core 0.16", path=old)
+    fork = fork_019(tmp_path)
+    (fork / "pretrain_gpt.py").write_text((fork / "pretrain_gpt.py").read_text() + "# wip\n")
+    refuse([fork], "uncommitted changes", "pretrain_gpt.py", path=fork)
+    git(fork, "checkout", "-q", "--", "pretrain_gpt.py")
+    refuse([fork, "gpt_dp2_bf16_fp32grad_overlap_layerwise"], "not cases of megatron-core 0.19")
+    refuse([fork, "--update-golden"], "--update-golden")
+    run(APPLY, fork, check=True)
+    refuse([fork], "already carries the series", path=fork)
+
+
+def test_golden_values_are_information_only_where_the_tree_is_not_a_release():
+    from tests.functional_tests.python_test_utils.run_case import golden_for_information
+
+    base = {"case": "c", "first_divergent_step": None, "metrics": {}, "golden_file": "g.json"}
+    outside = {**base, "verdict": "outside_golden", "verdict_line": "outside golden tolerance",
+               "failures": ["patched: lm loss: step 6 off"], "golden_failures": ["patched: lm loss: step 6 off"]}
+    got = golden_for_information(outside)
+    assert (got["verdict"], got["verdict_line"], got["failures"]) == ("identical", "identical", [])
+    assert got["golden_findings"] == ["patched: lm loss: step 6 off"] and "for information" in got["golden_note"]
+    same = golden_for_information({**base, "verdict": "identical", "verdict_line": "identical",
+                                   "failures": [], "golden_failures": []})
+    assert same["verdict"] == "identical" and "within the golden tolerance" in same["golden_note"]
+    for verdict in ("diverged", "failed"):
+        bad = {**base, "verdict": verdict, "verdict_line": verdict, "failures": ["x"], "golden_failures": []}
+        assert golden_for_information(bad) == bad
