@@ -137,7 +137,8 @@ def first_hunk_line(patch: Path):
 
 
 #: What a mini tree copies from core_v0.19.0 besides the touched files.
-MINI_EXTRA = ("megatron/core/package_info.py", "pretrain_gpt.py", "megatron/core/datasets/helpers.cpp")
+MINI_EXTRA = ("megatron/core/package_info.py", "megatron/core/__init__.py", "pretrain_gpt.py",
+              "megatron/core/datasets/helpers.cpp")
 
 
 def mini_019(tmp_path: Path, name="mini") -> Path:
@@ -433,3 +434,24 @@ def test_golden_values_are_information_only_where_the_tree_is_not_a_release():
     for verdict in ("diverged", "failed"):
         bad = {**base, "verdict": verdict, "verdict_line": verdict, "failures": ["x"], "golden_failures": []}
         assert golden_for_information(bad) == bad
+
+
+def test_gpu_check_plan_on_a_checkout_trains_its_clones(tmp_path):
+    """scripts/gpu_check.sh --checkout PATH: the functional runs of the series' base launch the
+    two clones (each its own tree and pretrain_gpt.py) and their drivers get --checkout; the
+    runs of the pinned 0.17.1 trees are planned as skipped, saying why."""
+    from harness import own_tree
+    from harness.gpu_check import plan as plan_mod
+
+    tree = own_tree.prepare(fork_019(tmp_path), work_root=tmp_path / "work", log=lambda m: None)
+    plan = plan_mod.make_plan(1, "NVIDIA H200", tmp_path / "out", with_te=False, own=tree)
+    ran = [r for r in plan.runs if not r.skip_reason]
+    assert ran and all(r.base == "0.19" and r.kind == "functional" for r in ran)
+    for r in ran:
+        assert [x.env["MEGATRON_LM_CHECKOUT"] for x in r.launches] == [str(tree.upstream), str(tree.patched)]
+        assert [x.env["PYTHONPATH"].split(os.pathsep)[0] for x in r.launches] == [str(tree.upstream), str(tree.patched)]
+        assert plan_mod.functional_command(r, plan)[-2:] == ["--checkout", str(tree.source)]
+    skipped = [r for r in plan.runs if r.skip_reason]
+    assert skipped and all(r.base == "0.17.1" and not r.launches and "--checkout" in r.skip_reason for r in skipped)
+    assert {r.name for r in ran} == {r.name for r in plan_mod.make_plan(1, "NVIDIA H200", tmp_path / "o2", with_te=False).runs
+                                     if r.base == "0.19"}

@@ -467,7 +467,8 @@ def run_case(
         if case.base != own.base:
             raise CaseConfigError(f"{name} is a case of megatron-core {case.base}; {own.label} takes "
                                   f"patches/{own.series.name}, whose cases have BASE {own.base!r}")
-        out_root = out_root / f"checkout-{own.source.name}-{own.head[:12]}"
+        if out_root == OUT_ROOT:  # a caller's own folder (the GPU check's) stays as given
+            out_root = out_root / f"checkout-{own.source.name}-{own.head[:12]}"
     if model_args:
         case = replace(case, model_args={**case.model_args, **model_args})
     out = out_root / case.name
