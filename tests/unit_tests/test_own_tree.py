@@ -455,3 +455,21 @@ def test_gpu_check_plan_on_a_checkout_trains_its_clones(tmp_path):
     assert skipped and all(r.base == "0.17.1" and not r.launches and "--checkout" in r.skip_reason for r in skipped)
     assert {r.name for r in ran} == {r.name for r in plan_mod.make_plan(1, "NVIDIA H200", tmp_path / "o2", with_te=False).runs
                                      if r.base == "0.19"}
+
+
+def test_upstream_tests_of_an_own_tree_are_the_files_and_tests_it_has(tmp_path):
+    """upstream_runner --checkout: FILES_OWN_019 as far as the tree has them; a missing file or
+    test function is left out (it would count as a failure on both trees)."""
+    from tests.upstream_tests import upstream_runner as ur
+
+    tree = tmp_path / "t"
+    (tree / "tests/unit_tests/distributed").mkdir(parents=True)
+    (tree / "tests/unit_tests/distributed/test_param_and_grad_buffer.py").write_text("def test_x():\n    pass\n")
+    (tree / "tests/unit_tests/test_emerging_optimizers.py").write_text(
+        "class TestMuonOptimizerMultiRank:\n    def test_get_megatron_optimizer_layer_wise(self):\n        pass\n")
+    got = ur.own_files(tree, "0.19")
+    assert got == ["tests/unit_tests/distributed/test_param_and_grad_buffer.py",
+                   "tests/unit_tests/test_emerging_optimizers.py::TestMuonOptimizerMultiRank::"
+                   "test_get_megatron_optimizer_layer_wise"]
+    if (MAIN / ".git").is_dir():
+        assert ur.own_files(MAIN, "0.19") == list(ur.FILES_OWN_019)
