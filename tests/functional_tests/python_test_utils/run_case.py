@@ -560,7 +560,8 @@ def run_case(
     if own is not None:
         info = replace(info, version=own.version, series=f"patches/{own.series.name}"
                        + ("" if own.release else " (three-way)"),
-                       trees={"upstream": own.label, "patched": f"{own.label} + patches/{own.series.name}"})
+                       trees={"upstream": own.label, "patched": f"{own.label} + patches/{own.series.name}"},
+                       released=own.release, golden_note=comparison.get("golden_note", ""))
     try:
         plot.plot_loss_curves(
             out / "loss_curves.png", curves, comparison["first_divergent_step"],
