@@ -137,8 +137,10 @@ def first_hunk_line(patch: Path):
 
 
 #: What a mini tree copies from core_v0.19.0 besides the touched files.
+#: tests/unit_tests/__init__.py: with pretrain_gpt.py, what makes apply_patches.sh treat the tree as
+#: a Megatron-LM checkout, so that a patch touching only upstream's tests/unit_tests/ applies too.
 MINI_EXTRA = ("megatron/core/package_info.py", "megatron/core/__init__.py", "pretrain_gpt.py",
-              "megatron/core/datasets/helpers.cpp")
+              "megatron/core/datasets/helpers.cpp", "tests/unit_tests/__init__.py")
 
 
 def mini_019(tmp_path: Path, name="mini") -> Path:
