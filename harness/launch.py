@@ -210,6 +210,23 @@ def tiny_gpt_args(
     return args
 
 
+def torchrun_argv(nproc: int, python: str = sys.executable) -> List[str]:
+    """The torchrun launcher, spelled in this one place: ``python -m torch.distributed.run
+    --standalone --nproc-per-node N`` (``--standalone``: a free local rendezvous port, so
+    concurrent runs do not collide). The script, or ``-m MODULE``, and its arguments follow.
+
+    Used by ``torchrun_command`` and by the runs of upstream's own tests, which launch
+    ``-m pytest`` (``tests/upstream_tests/upstream_runner.py:command``,
+    ``scripts/seed_sweep_upstream_test.py:sweep_command``).
+
+    Raises:
+        ValueError: ``nproc`` < 1.
+    """
+    if int(nproc) < 1:
+        raise ValueError(f"torchrun: nproc must be >= 1, got {nproc!r}")
+    return [python, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(int(nproc))]
+
+
 def torchrun_command(
     script: Union[str, Path],
     script_args: Sequence[str] = (),
@@ -293,7 +310,7 @@ def torchrun_command(
         argv = [python, str(FORK_RANKS), "--nproc-per-node", str(int(nproc)),
                 *(["--preload", ",".join(preload)] if preload else [])]
     else:
-        argv = [python, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(int(nproc))]
+        argv = torchrun_argv(nproc, python)
     return [*argv, str(script), *map(str, script_args)], env
 
 

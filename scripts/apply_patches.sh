@@ -9,6 +9,20 @@
 #     grad_data and zero it after the copy-back (upstream #3751 + #4609); the line also says
 #     what they still lack that this series fixes.
 #
+# Your own tree (docs/own_tree.md): a git checkout that is not exactly a base (a fork with its own
+# commits in the touched files, or the minor version after the newest base, which upstream main
+# carries until its release: main at d98e8a64dd says 0.20.0 and gets patches/0.19/) gets the
+# series by a three-way merge (git am -3), one commit per patch. The first stdout line names the
+# series and why. It is worked out in a scratch clone (--shared, sparse: only the touched files);
+# the checkout moves only when every patch went in, by a fast-forward. It refuses with one line,
+# changing nothing, a tree whose touched code lacks what the series builds on (e.g. no grad_data
+# gather, exit 5), a conflict (exit 6: the patch, the file and the hunk, and what to do), a
+# repository without the base's blobs that the merge starts from (shallow clone, a copy without
+# history: exit 7, with the fetch that gets them), and such a tree that is not a git checkout
+# (exit 5). --check lists per patch "applies", "applies at shifted lines", "merges three-way"
+# or "conflicts in FILE, hunk @@ ... @@". "Applied" there means: every patch's subject is a
+# commit in HEAD's history (newer than any revert of it); --reverse reverts those commits.
+#
 # Usage: scripts/apply_patches.sh TARGET [--check | --reverse]
 #   TARGET   a Megatron-LM git checkout (at tag core_v0.17.1), or any directory that holds
 #            megatron/core (e.g. .../site-packages of an env with megatron-core==0.17.1).
@@ -38,7 +52,10 @@
 #   4  partly applied or foreign changes: some touched file matches neither the pristine nor
 #      the patched sha256 in manifest.sha256, or they are mixed (all modes; nothing is changed)
 #   5  wrong base: megatron/core/package_info.py is not exactly the version the series is for
-#      (manifest.sha256 `base`, 0.17.1)
+#      (manifest.sha256 `base`, 0.17.1), and not the minor version after the newest base; or a
+#      tree the series cannot serve (above)
+#   6  three-way (a git checkout that is not exactly a base): a patch conflicts; nothing changed
+#   7  three-way: the repository lacks the base's blobs the merge starts from; nothing changed
 #   130 interrupted (INT/TERM/HUP) while writing; the touched files (git: HEAD too) were restored
 #
 # How it stays all-or-nothing:
@@ -64,6 +81,8 @@ set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 PD="${PATCHES_DIR:-}"
+# git status and friends must not refresh TARGET's index behind a check that "changes nothing".
+export GIT_OPTIONAL_LOCKS=0
 ME=apply_patches.sh
 die() { local code="$1"; shift; echo "$ME: error: $*" >&2; exit "$code"; }
 usage() { die 2 "usage: scripts/apply_patches.sh TARGET [--check | --reverse]${1:+ ($1)}"; }
@@ -90,17 +109,33 @@ done
 # the first folder: its checks below refuse TARGET with a line that says what to do.
 # version_field PACKAGE_INFO NAME: MAJOR, MINOR or PATCH of megatron/core/package_info.py.
 version_field() { sed -nE "s/^$2[[:space:]]*=[[:space:]]*([0-9A-Za-z]+).*/\\1/p" "$1" 2>/dev/null | head -n1; }
+# NEWEST=1: PD is the series of the newest base here (or PATCHES_DIR's); only that series may
+# serve the next minor version three-way (upstream main after that base, see the header).
+NEWEST=1
 if [[ -z "$PD" ]]; then
     pinfo="$TARGET/megatron/core/package_info.py"
     want="$(version_field "$pinfo" MAJOR).$(version_field "$pinfo" MINOR).$(version_field "$pinfo" PATCH)"
+    newest="" newest_v="" matched=""
     for m in "$ROOT"/patches/*/manifest.sha256; do
         [[ -f "$m" ]] || continue
         [[ -n "$PD" ]] || PD="$(dirname "$m")"
-        if awk -v v="$want" '($1 == "base" || $1 == "also") { for (i = 2; i <= NF; i++) if ($i == v) f = 1 } END { exit !f }' "$m"; then
-            PD="$(dirname "$m")"; break
+        b="$(awk '$1 == "base" {print $2; exit}' "$m")"
+        if [[ -n "$b" ]] && { [[ -z "$newest_v" ]] || [[ "$(printf '%s\n%s\n' "$newest_v" "$b" | sort -V | tail -n1)" == "$b" ]]; }; then
+            newest="$(dirname "$m")" newest_v="$b"
+        fi
+        if [[ -z "$matched" ]] && awk -v v="$want" '($1 == "base" || $1 == "also") { for (i = 2; i <= NF; i++) if ($i == v) f = 1 } END { exit !f }' "$m"; then
+            matched="$(dirname "$m")"
         fi
     done
     [[ -n "$PD" ]] || die 1 "no series under $ROOT/patches/ (patches/<base>/series); restore patches/ (git checkout -- patches) or set PATCHES_DIR to a series directory"
+    if [[ -n "$matched" ]]; then PD="$matched"
+    elif [[ -n "$newest" ]]; then
+        IFS=. read -r tmaj tmin _ <<<"$want"
+        IFS=. read -r nmaj nmin _ <<<"$newest_v"
+        # The version after the newest base (upstream main says 0.20.0 after 0.19): that series.
+        if [[ "$tmaj" =~ ^[0-9]+$ && "$tmin" =~ ^[0-9]+$ && "$tmaj" == "$nmaj" && "$tmin" == "$((nmin + 1))" ]]; then PD="$newest"; fi
+    fi
+    [[ "$PD" == "$newest" || -z "$newest" ]] || NEWEST=0
 fi
 # Every base patches/ has a series for, for a refusal: "0.17.1; 0.19.2 (also 0.19.1, 0.19.0)".
 supported_bases() {
@@ -163,7 +198,17 @@ HAVE="$vmaj.$vmin${vpat:+.$vpat}"
 IFS=. read -r bmaj bmin bpat <<<"$BASE"
 # `also` versions carry the base's touched files byte for byte (their sha256 is checked below).
 for v in "${ALSO[@]}"; do if [[ "$HAVE" == "$v" ]]; then HAVE="$BASE"; fi; done
-if [[ "$HAVE" != "$BASE" ]]; then
+# PATCHES_DIR's series is the newest only if no series under patches/ has a later base.
+for m in "$ROOT"/patches/*/manifest.sha256; do
+    [[ -f "$m" ]] || continue
+    b="$(awk '$1 == "base" {print $2; exit}' "$m")"
+    [[ -n "$b" && "$b" != "$BASE" && "$(printf '%s\n%s\n' "$BASE" "$b" | sort -V | tail -n1)" == "$b" ]] && NEWEST=0
+done
+# NEXT=1: TARGET is the minor version after the newest base (upstream main between two
+# releases says the next one): the series serves it three-way, on a git checkout (decided below).
+NEXT=0
+if [[ "$HAVE" != "$BASE" && $NEWEST == 1 && "$vmaj" == "$bmaj" && "$vmin" == "$((bmin + 1))" ]]; then NEXT=1; fi
+if [[ "$HAVE" != "$BASE" && $NEXT == 0 ]]; then
     if (( vmaj > bmaj || (vmaj == bmaj && vmin > bmin) )); then
         later=""
         (( vmaj > 0 || vmin >= 19 )) && later=" 0.19 also adds full_param_layout, which gathers in place into param_data with no grad_data reuse."
@@ -207,6 +252,25 @@ if top="$(git -C "$T" rev-parse --show-toplevel 2>/dev/null)" && [[ "$(cd "$top"
     GIT=1
 fi
 
+# git_preconditions: a checkout that git am can work on (sets gd, ORIG_HEAD); dies otherwise.
+git_preconditions() {
+    gd="$(git -C "$T" rev-parse --absolute-git-dir)"
+    for st in rebase-merge rebase-apply MERGE_HEAD CHERRY_PICK_HEAD REVERT_HEAD; do
+        [[ ! -e "$gd/$st" ]] || die 1 "git checkout '$TARGET' is in the middle of an am/rebase/merge ($st); finish or abort it, then rerun"
+    done
+    ORIG_HEAD="$(git -C "$T" rev-parse -q --verify 'HEAD^{commit}')" \
+        || die 1 "git checkout '$TARGET' has no commit yet; commit megatron-core first"
+    dirty="$(git -C "$T" status --porcelain --untracked-files=all -- "${FILES[@]}")"
+    [[ -z "$dirty" ]] || die 1 "git checkout '$TARGET' has uncommitted changes in files the series touches ($(tr '\n' ' ' <<<"$dirty")); commit or stash them, then rerun"
+    git -C "$T" var GIT_COMMITTER_IDENT >/dev/null 2>&1 \
+        || die 1 "git in '$TARGET' has no committer identity; set one (git config user.name ...; git config user.email ...), then rerun"
+}
+
+subject_of() { # the Subject of a format-patch file, unfolded, without [PATCH]
+    awk '/^Subject: /{s = substr($0, 10); f = 1; next} f && /^[ \t]/{s = s $0; next} f{print s; exit}' "$1" \
+        | sed -E 's/^\[PATCH[^]]*\] *//'
+}
+
 # ---------------------------------------------------------------- state of the touched files
 cur_sha() { if [[ -f "$1" && ! -L "$1" ]]; then sha "$1"; elif [[ -e "$1" || -L "$1" ]]; then echo other; else echo -; fi; }
 n_pri=0 n_pat=0 details=()
@@ -229,8 +293,192 @@ else STATE=partial; fi
 partial_msg() {
     local joined
     joined="$(printf '%s; ' "${details[@]}")"
-    echo "partly applied or foreign changes in '$TARGET' (${joined%; }); restore those files to megatron-core $BASE (git checkout core_v$BASE -- <files> / pip install --force-reinstall megatron-core==$BASE) or to the fully patched state, then rerun"
+    echo "partly applied or foreign changes in '$TARGET' (${joined%; }); restore those files to megatron-core $BASE (git checkout core_v$BASE -- <files> / pip install --force-reinstall megatron-core==$BASE) or to the fully patched state, then rerun; a fork of $BASE in a git checkout (whose history holds $BASE's files) gets the series by a three-way merge"
 }
+
+# ---------------------------------------------------------------- three-way: a tree that is not exactly a base
+# A git checkout whose touched files are neither the base's nor the series' (a fork of the base,
+# or NEXT: the version after the newest base, upstream main) gets the series by git am -3, one
+# commit per patch, worked out in a scratch clone first; TARGET changes only when every patch
+# went in, by a fast-forward to the scratch clone's commits.
+THREEWAY=0 WHY=""
+if [[ $NEXT == 1 ]]; then
+    WHY="megatron-core $HAVE is the minor version after $BASE, the newest base here, and no release any series is made for: upstream main after $bmaj.$bmin carries it until $vmaj.$vmin is released, so the series of $BASE applies"
+fi
+if [[ $STATE == partial ]] && [[ $NEXT == 1 || $GIT == 1 ]]; then
+    [[ -n "$WHY" ]] || WHY="megatron-core $HAVE, the base of this series, with its own changes in the files the series touches (a fork, or a commit after the release)"
+    if [[ $GIT == 0 ]]; then
+        die 5 "target '$TARGET': $WHY, but only by a three-way merge, which needs a git checkout whose history holds megatron-core $BASE's files, and '$TARGET' is not a git checkout (or not its top level); nothing was changed. Clone Megatron-LM (git clone https://github.com/NVIDIA/Megatron-LM), check out the commit this tree came from, and rerun on the clone"
+    fi
+    THREEWAY=1
+elif [[ $NEXT == 1 ]]; then
+    # The next minor version with the base's touched files byte for byte: the series applies exactly.
+    echo "series: $PD ($WHY; its touched files are $BASE's byte for byte)"
+fi
+
+if [[ $THREEWAY == 1 ]]; then
+    [[ $MODE == check ]] || git_preconditions
+    ORIG_HEAD="$(git -C "$T" rev-parse -q --verify 'HEAD^{commit}')" \
+        || die 1 "git checkout '$TARGET' has no commit yet; commit megatron-core first"
+    echo "series: $PD ($WHY; three-way merge, git am -3)"
+    # Is the series there already? git am keeps each patch's subject as its commit's subject.
+    SUBJ=() FOUND=() MISSING=() FOUND_AT=()
+    hist="$(git -C "$T" log --format='%H %s' -n 5000 HEAD -- "${FILES[@]}")"
+    for p in "${PATCHES[@]}"; do
+        s="$(subject_of "$PD/$p")"; SUBJ+=("$s")
+        # the newest commit with that subject, unless a revert of it is newer still
+        c="$(awk -v s="$s" 'substr($0, 42) == s {print $1; exit} substr($0, 42) == "Revert \"" s "\"" {exit}' <<<"$hist")"
+        if [[ -n "$c" ]]; then FOUND+=("$p"); FOUND_AT+=("$c"); else MISSING+=("$p"); fi
+    done
+    if [[ ${#FOUND[@]} -gt 0 && ${#MISSING[@]} -gt 0 ]]; then
+        die 4 "partly applied: the history of '$TARGET' has the commits of ${FOUND[*]} but not of ${MISSING[*]}; nothing was changed. Revert those commits (git -C '$TARGET' revert ${FOUND_AT[*]}) or apply the rest by hand (git -C '$TARGET' am -3 ...), then rerun"
+    fi
+    if [[ ${#FOUND[@]} -gt 0 ]]; then
+        case "$MODE" in
+            check) report "applied: all $N patches of the series are commits in the history of '$TARGET' (merged three-way)"; exit 0 ;;
+            apply) report "already applied: all $N patches are commits in the history of '$TARGET'; nothing to do"; exit 0 ;;
+        esac
+    elif [[ $MODE == reverse ]]; then
+        report "not applied: no commit of the series in the history of '$TARGET'; nothing to reverse"; exit 0
+    fi
+
+    # What the series builds on must be there: a tree without it gets one line, not a conflict.
+    # series base minor -> "file|extended regex|what it is" (the series of 0.19 works on the
+    # layer-wise gather into grad_data of upstream #3751/#4609; 0.17.1's adds that gather).
+    if [[ $MODE != reverse ]]; then
+        if (( bmaj == 0 && bmin >= 18 )); then
+            NEEDS=("megatron/core/distributed/param_and_grad_buffer.py|layerwise_params_list|layerwise_params_list, the buckets' layer-wise param lists"
+                   "megatron/core/distributed/param_and_grad_buffer.py|grad_data\.view\(|grad_data gather: the layer-wise param all-gather into bucket.grad_data.view(...) of upstream #3751 + #4609"
+                   "megatron/core/optimizer/layer_wise_optimizer.py|def allgather_params\(|allgather_params(), the layer-wise optimizer's gather after the step"
+                   "megatron/core/optimizer/layer_wise_optimizer.py|def set_bucket_layerwise_params_list\(|set_bucket_layerwise_params_list(), which hands the optimizer's shards to the buckets")
+        else
+            NEEDS=("megatron/core/distributed/param_and_grad_buffer.py|layerwise_params_list|layerwise_params_list, the buckets' layer-wise param lists"
+                   "megatron/core/optimizer/layer_wise_optimizer.py|def allgather_params\(|allgather_params(), the layer-wise optimizer's gather after the step")
+        fi
+        for need in "${NEEDS[@]}"; do
+            IFS='|' read -r nf nre nwhat <<<"$need"
+            if ! git -C "$T" cat-file -e "HEAD:$nf" 2>/dev/null; then
+                die 5 "target '$TARGET' cannot take the series of $BASE: its HEAD has no $nf, which the series changes; nothing was changed. Apply it to a Megatron-LM checkout that has it"
+            fi
+            git -C "$T" show "HEAD:$nf" | grep -E -- "$nre" >/dev/null \
+                || die 5 "target '$TARGET' cannot take the series of $BASE: its $nf has no $nwhat, which the series builds on (a fork that removed or rewrote it); nothing was changed. Apply the series to a tree that has it (upstream's $bmaj.$bmin or later), or port it by hand"
+        done
+    fi
+
+    # The blobs a three-way merge starts from: each touched file as the base has it (the first
+    # preimage of each file in the series). A shallow clone or a history-less copy lacks them.
+    declare -A FIRST=()
+    for p in "${PATCHES[@]}"; do
+        while read -r f pre; do
+            [[ -n "${FIRST[$f]+x}" ]] || FIRST[$f]="$pre"
+        done < <(awk '/^diff --git a\//{f = substr($3, 3)} /^index [0-9a-f]+\.\.[0-9a-f]+/{split($2, a, "\\.\\."); print f, a[1]}' "$PD/$p")
+    done
+    lacking=()
+    for f in "${!FIRST[@]}"; do
+        pre="${FIRST[$f]}"
+        [[ "$pre" =~ ^0+$ ]] && continue
+        git -C "$T" cat-file -e "$pre^{blob}" 2>/dev/null || lacking+=("$f (blob ${pre:0:12})")
+    done
+    if [[ ${#lacking[@]} -gt 0 ]]; then
+        tagv="$(printf '%s\n' "$BASE" "${ALSO[@]}" | sort -V | head -n1)"
+        how="git -C '$TARGET' fetch https://github.com/NVIDIA/Megatron-LM tag core_v$tagv --no-tags"
+        [[ "$(git -C "$T" rev-parse --is-shallow-repository 2>/dev/null)" == true ]] \
+            && how="git -C '$TARGET' fetch --unshallow (it is a shallow clone), or $how"
+        die 7 "'$TARGET' lacks the git objects of megatron-core $BASE's files that a three-way merge starts from ($(IFS=,; echo "${lacking[*]}" | sed 's/,/, /g')): a shallow clone or a checkout without history. Fetch them: $how, then rerun; nothing was changed"
+    fi
+
+    # The scratch clone: TARGET's objects borrowed (--shared), only the files the patches touch
+    # checked out, at TARGET's HEAD.
+    SCRATCH="$(mktemp -d "${TMPDIR:-/tmp}/apply_patches.XXXXXX")"
+    trap 'rm -rf "$SCRATCH"' EXIT
+    S="$SCRATCH/clone"
+    ident="$(git -C "$T" var GIT_COMMITTER_IDENT 2>/dev/null || true)"
+    if [[ -n "$ident" ]]; then
+        export GIT_COMMITTER_NAME="${GIT_COMMITTER_NAME:-${ident%% <*}}"
+        ident="${ident#*<}"; export GIT_COMMITTER_EMAIL="${GIT_COMMITTER_EMAIL:-${ident%%>*}}"
+    fi
+    sg() { git -C "$S" -c core.hooksPath=/dev/null -c gc.auto=0 -c maintenance.auto=false -c advice.detachedHead=false "$@"; }
+    git clone -q --shared --no-checkout "$T" "$S" 2>/dev/null || die 1 "cannot make a scratch clone of '$TARGET' in $SCRATCH; nothing was changed"
+    mapfile -t PFILES < <(for p in "${PATCHES[@]}"; do sed -n 's#^diff --git a/\(.*\) b/\(.*\)$#\1\n\2#p' "$PD/$p"; done | sort -u)
+    sg sparse-checkout set --no-cone "${PFILES[@]/#//}" >/dev/null 2>&1 \
+        && sg checkout -q --detach "$ORIG_HEAD" 2>/dev/null \
+        || die 1 "cannot check out HEAD of '$TARGET' in the scratch clone $S; nothing was changed"
+    # The series' own intermediate states of each file (base + patches 1..k-1): git am -3 merges
+    # patch k from the blob its index line names, which exists nowhere else.
+    W="$SCRATCH/states"; mkdir -p "$W"
+    for f in "${!FIRST[@]}"; do
+        pre="${FIRST[$f]}"; [[ "$pre" =~ ^0+$ ]] && continue
+        mkdir -p "$W/$(dirname "$f")"; git -C "$T" cat-file blob "$pre" > "$W/$f"
+    done
+    for p in "${PATCHES[@]}"; do
+        (cd "$W" && GIT_CEILING_DIRECTORIES="$SCRATCH" GIT_CONFIG_NOSYSTEM=1 GIT_CONFIG_GLOBAL=/dev/null \
+            git apply --whitespace=nowarn -- "$PD/$p") >/dev/null 2>&1 \
+            || die 1 "the series does not apply to megatron-core $BASE's own files ($p); restore patches/ from git; nothing was changed"
+        while read -r f; do [[ -f "$W/$f" ]] && sg hash-object -w -- "$W/$f" >/dev/null; done \
+            < <(sed -n 's#^diff --git a/.* b/\(.*\)$#\1#p' "$PD/$p")
+    done
+
+    hunk_of() { # PATCH FILE LINE: the header of FILE's hunk of PATCH that starts at old line LINE (else its first)
+        awk -v f="$2" -v l="$3" '/^diff --git a\//{in_f = (substr($3, 3) == f)} in_f && /^@@ /{split($2, a, ","); if (!first) first = $0; if (substr(a[1], 2) == l) {print; found = 1; exit}} END{if (!found) print first}' "$1"
+    }
+    if [[ $MODE == reverse ]]; then
+        for ((i = ${#FOUND_AT[@]} - 1; i >= 0; i--)); do
+            if ! out="$(sg revert --no-edit "${FOUND_AT[$i]}" 2>&1)"; then
+                cf="$(sed -n 's/^CONFLICT ([^)]*): Merge conflict in //p' <<<"$out" | head -n1)"
+                die 6 "conflict: the revert of ${FOUND[$i]} (commit ${FOUND_AT[$i]:0:12}) does not merge in '$TARGET'${cf:+ ($cf)}: later commits changed its lines; nothing was changed (HEAD and status as before). Revert it by hand: git -C '$TARGET' revert ${FOUND_AT[$i]}, resolve, git revert --continue"
+            fi
+            echo "  ${FOUND[$i]}: reverted"
+        done
+    else
+        i=0
+        for p in "${PATCHES[@]}"; do
+            if out="$(sg apply --check -v -- "$PD/$p" 2>&1)"; then
+                grep -qi 'offset' <<<"$out" && how="applies at shifted lines" || how="applies"
+                failed=""
+            else
+                how="merges three-way"
+                failed="$(sed -n 's/^error: patch failed: //p' <<<"$out" | head -n1)"
+            fi
+            if ! out="$(sg am -q -3 --keep-cr --no-scissors --whitespace=nowarn -- "$PD/$p" 2>&1)"; then
+                cf="$(sed -n 's/^CONFLICT ([^)]*): Merge conflict in //p' <<<"$out" | head -n1)"
+                [[ -n "$cf" ]] || cf="${failed%:*}"
+                line="${failed##*:}"; [[ "${failed%:*}" == "$cf" ]] || line=""
+                hk="$(hunk_of "$PD/$p" "$cf" "$line")"
+                mark="$( [[ -n "$cf" && -f "$S/$cf" ]] && grep -n -m1 '^<<<<<<<' "$S/$cf" | cut -d: -f1 || true)"
+                why="$(grep -m1 -E '^(error|fatal):' <<<"$out" | sed -E 's/^(error|fatal): //; s/\.+$//' || true)"
+                sg am --abort >/dev/null 2>&1 || true
+                echo "  $p: conflicts in ${cf:-?}, hunk ${hk:-?}"
+                for q in "${PATCHES[@]:$((i + 1))}"; do echo "  $q: not tried (after the conflict)"; done
+                done_list="$(for q in "${PATCHES[@]:0:$i}"; do printf "'%s' " "$PD/$q"; done)"
+                die 6 "conflict: $p does not merge into '$TARGET': ${cf:-its files}, hunk '${hk:-?}'${mark:+ (the merge leaves conflict markers at line $mark of HEAD + the patches before it)}${why:+; git am: $why}. The checkout's own changes touch the lines this hunk changes; nothing was changed (HEAD and status as before). Either move your change off those lines and rerun, or merge by hand: git -C '$TARGET' am -3 ${done_list}'$PD/$p', then in '$TARGET' resolve ${cf:-the conflict}, git add it, git am --continue, and git am -3 the rest of the series; then check the result with scripts/run_functional_test.sh --checkout '$TARGET'"
+            fi
+            echo "  $p: $how"
+            i=$((i + 1))
+        done
+    fi
+    NEW="$(sg rev-parse HEAD)"
+    if [[ $MODE == check ]]; then
+        dirty="$(git -C "$T" status --porcelain --untracked-files=all -- "${FILES[@]}")"
+        [[ -z "$dirty" ]] || NOTE="note: '$TARGET' has uncommitted changes in files the series touches ($(tr '\n' ' ' <<<"$dirty")); this check merged into HEAD, and applying refuses until they are committed or stashed${NOTE:+; $NOTE}"
+        report "not applied: all $N patches would go into '$TARGET' (three-way); nothing was changed"; exit 3
+    fi
+    changed="$(sg diff --name-only "$ORIG_HEAD" "$NEW" | sort -u)"
+    unexpected="$(comm -23 <(echo "$changed") <(printf '%s\n' "${PFILES[@]}" | sort -u) | grep -v '^$' || true)"
+    [[ -z "$unexpected" ]] || die 1 "the three-way merge changed files the series does not name ($unexpected); nothing was changed"
+    sg branch -q -f apply-patches-result "$NEW"
+    git -C "$T" -c gc.auto=0 -c maintenance.auto=false fetch -q --no-write-fetch-head --no-tags "$S" refs/heads/apply-patches-result 2>/dev/null \
+        || die 1 "cannot fetch the merged commits from the scratch clone into '$TARGET'; nothing was changed"
+    if ! out="$(git -C "$T" -c core.hooksPath=/dev/null merge -q --ff-only "$NEW" 2>&1)"; then
+        git -C "$T" rev-parse -q --verify HEAD | grep -qx "$ORIG_HEAD" || git -C "$T" reset -q --keep "$ORIG_HEAD" 2>/dev/null || true
+        die 1 "cannot fast-forward '$TARGET' to the merged commits ($(head -n1 <<<"$out")); nothing was changed"
+    fi
+    if [[ $MODE == apply ]]; then
+        report "applied $N patches three-way to git checkout '$TARGET' as $N commits ($(git -C "$T" rev-parse --short "$ORIG_HEAD")..$(git -C "$T" rev-parse --short HEAD))"
+    else
+        report "reversed $N patches in git checkout '$TARGET' as $N revert commits ($(git -C "$T" rev-parse --short "$ORIG_HEAD")..$(git -C "$T" rev-parse --short HEAD))"
+    fi
+    exit 0
+fi
 
 case "$MODE" in
     check)
@@ -247,18 +495,7 @@ esac
 if [[ $MODE == apply ]]; then WANT=("${PAT[@]}"); else WANT=("${PRI[@]}"); fi
 
 # ---------------------------------------------------------------- git preconditions
-if [[ $GIT == 1 ]]; then
-    gd="$(git -C "$T" rev-parse --absolute-git-dir)"
-    for st in rebase-merge rebase-apply MERGE_HEAD CHERRY_PICK_HEAD REVERT_HEAD; do
-        [[ ! -e "$gd/$st" ]] || die 1 "git checkout '$TARGET' is in the middle of an am/rebase/merge ($st); finish or abort it, then rerun"
-    done
-    ORIG_HEAD="$(git -C "$T" rev-parse -q --verify 'HEAD^{commit}')" \
-        || die 1 "git checkout '$TARGET' has no commit yet; commit megatron-core first"
-    dirty="$(git -C "$T" status --porcelain --untracked-files=all -- "${FILES[@]}")"
-    [[ -z "$dirty" ]] || die 1 "git checkout '$TARGET' has uncommitted changes in files the series touches ($(tr '\n' ' ' <<<"$dirty")); commit or stash them, then rerun"
-    git -C "$T" var GIT_COMMITTER_IDENT >/dev/null 2>&1 \
-        || die 1 "git in '$TARGET' has no committer identity; set one (git config user.name ...; git config user.email ...), then rerun"
-fi
+if [[ $GIT == 1 ]]; then git_preconditions; fi
 
 # Checked after the git preconditions: "uncommitted changes" is the more useful message.
 [[ $STATE == partial ]] && die 4 "$(partial_msg)"
@@ -280,7 +517,7 @@ if [[ $MODE == reverse ]]; then
 fi
 for p in "${ORDER[@]}"; do
     if ! out="$(cd "$SCRATCH/work" && gscratch apply -v --whitespace=nowarn "${RFLAG[@]}" -- "$PD/$p" 2>&1)"; then
-        why="$(grep -m1 -E '^(error|fatal):' <<<"$out" | sed -E 's/^(error|fatal): //' || true)"
+        why="$(grep -m1 -E '^(error|fatal):' <<<"$out" | sed -E 's/^(error|fatal): //; s/\.+$//' || true)"
         die 1 "dry run: $p does not apply${RFLAG:+ in reverse} to '$TARGET' (git apply: ${why:-failed}); nothing was changed. Restore the patch files from git, or check that TARGET is megatron-core $BASE"
     fi
     if grep -qiE 'offset|fuzz' <<<"$out"; then
@@ -383,10 +620,6 @@ restore_git() { # back to ORIG_HEAD: HEAD, index and work tree of the touched fi
 fail_git() { restore_git; die 1 "$1; '$TARGET' was reset to $(git -C "$T" rev-parse --short HEAD), its touched files restored"; }
 trap 'restore_git; die 130 "interrupted; '"'"'$TARGET'"'"' was reset to its original HEAD"' INT TERM HUP
 
-subject_of() { # the Subject of a format-patch file, unfolded, without [PATCH]
-    awk '/^Subject: /{s = substr($0, 10); f = 1; next} f && /^[ \t]/{s = s $0; next} f{print s; exit}' "$1" \
-        | sed -E 's/^\[PATCH[^]]*\] *//'
-}
 if [[ $MODE == apply ]]; then
     paths=()
     for p in "${PATCHES[@]}"; do paths+=("$PD/$p"); done

@@ -4,6 +4,8 @@
 #   scripts/gpu_check.sh OUT              # both bases; on one GPU scheduled within 8 min (runs share the GPU)
 #   scripts/gpu_check.sh --dry-run OUT    # print the runs and commands; works without a GPU
 #   scripts/gpu_check.sh --dry-run --assume-gpus 1 OUT   # the one-GPU plan: NCCL ranks share cuda:0
+#   scripts/gpu_check.sh --checkout PATH OUT   # your own Megatron-LM checkout (docs/own_tree.md): its series' cases
+#                                           # on PATH as it is and with the series; the pinned-tree runs skipped
 #   scripts/gpu_check.sh --help
 #
 # In the image: docker run --gpus all --ipc=host --rm -v "$PWD/out:/out" IMAGE scripts/gpu_check.sh /out/gpu

@@ -5,18 +5,24 @@
 # GPU ranks by torchrun) and compares them:
 # exactly with each other, per step with the committed golden values.
 #
-# Usage: scripts/run_functional_test.sh [--base 0.19|0.17.1|all] [--device cpu|cuda] [--update-golden] [--list] [CASE ...|all]
+# Usage: scripts/run_functional_test.sh [--base 0.19|0.17.1|all] [--device cpu|cuda] [--update-golden] [--list] [--checkout PATH] [CASE ...|all]
 #   no CASE: each base's default case, 0.19 first: gpt019_dp2_bf16_fp32grad_overlap_legacy
 #     (megatron-core 0.19.2 vs 0.19.2 + patches/0.19, --no-use-layer-wise-param-layout), then
 #     gpt_dp2_bf16_fp32grad_overlap_layerwise (0.17.1 vs 0.17.1 + patches/0.17.1)
 #   --base: only that base's cases (its default case, or 'all' of them)
 #   --device cuda: NCCL on GPUs (golden_values_dgx_h200.json) instead of CPU gloo ranks
 #   --update-golden: rewrite the golden values from this run; refused unless patched == upstream
+#   --checkout PATH: your own Megatron-LM git checkout (a fork, upstream main): PATH's HEAD as it
+#     is vs the same + the series its version picks (scripts/apply_patches.sh, three-way where
+#     PATH is not exactly a base), in scratch clones under build/checkouts/ (PATH is never
+#     written), with PATH's own pretrain_gpt.py and megatron.training; the default case is that
+#     series' base's; golden values are shown for information unless PATH is a release
+#     (docs/own_tree.md). Outputs under build/functional/checkout-<name>-<commit>/<case>/.
 # Writes: build/functional/<case>/{upstream,patched}/{metrics,memory}.json, comparison.json, loss_curves.png
 #         (memory.json: the param sync's megatron and NCCL bytes and the step peak per step, printed
 #         next to the verdict)
 # Exit:   0 when every case is "identical"; 1 diverged / outside golden tolerance / failed;
-#         2 bad arguments (unknown case).
+#         2 bad arguments (unknown case; a --checkout PATH the series cannot serve, one line why).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"

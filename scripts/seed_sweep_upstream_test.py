@@ -209,20 +209,27 @@ def worker(args) -> int:
 # --------------------------------------------------------------------------- driver
 
 
-def run_tree(tree: str, args, out_dir: Path) -> dict:
+def sweep_command(tree: str, args, out_dir: Path):
+    """``(argv, env, checkout)`` of one tree's sweep: torchrun (``harness.launch.torchrun_argv``)
+    of this file's ``--worker`` in the tree's checkout, with ``upstream_runner.command``'s env."""
     sys.path.insert(0, str(REPO_ROOT))
+    from harness import launch
     from tests.upstream_tests import upstream_runner as ur
 
     checkout = ur.CHECKOUTS[tree]
+    _, env = ur.command(checkout, [], args.nproc, out_dir)
+    argv = [*launch.torchrun_argv(args.nproc), str(Path(__file__).resolve()), "--worker", "--out",
+            str(out_dir), "--seeds", args.seeds, "--tests", ",".join(args.tests)]
+    if args.share_grad_norm:
+        argv.append("--share-grad-norm")
+    return argv, env, checkout
+
+
+def run_tree(tree: str, args, out_dir: Path) -> dict:
     out_dir.mkdir(parents=True, exist_ok=True)
     for old in out_dir.glob("rank*.json"):
         old.unlink()
-    _, env = ur.command(checkout, [], args.nproc, out_dir)
-    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-            str(args.nproc), str(Path(__file__).resolve()), "--worker", "--out", str(out_dir),
-            "--seeds", args.seeds, "--tests", ",".join(args.tests)]
-    if args.share_grad_norm:
-        argv.append("--share-grad-norm")
+    argv, env, checkout = sweep_command(tree, args, out_dir)
     t0 = time.monotonic()
     with open(out_dir / "sweep.log", "w") as log:
         log.write(shlex.join(argv) + "\n")

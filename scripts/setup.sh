@@ -334,6 +334,48 @@ mlm_checkout "$MLM_TAG" "$MLM_VERSION" "$MLM_COMMIT" "$MLM_TARBALL" "$MLM_TARBAL
 mlm_checkout "$MLM_NEXT_TAG" "$MLM_NEXT_VERSION" "$MLM_NEXT_COMMIT" "$MLM_NEXT_TARBALL" "$MLM_NEXT_TARBALL_SHA256" "${MEGATRON_LM_NEXT_SRC:-}" 0 || true
 mlm_checkout "$MLM_019_TAG" "$MLM_019_VERSION" "$MLM_019_COMMIT" "$MLM_019_TARBALL" "$MLM_019_TARBALL_SHA256" "${MEGATRON_LM_019_SRC:-}" 0 || true
 
+# Upstream main at MLM_MAIN_COMMIT (optional; docs/own_tree.md): $MLM/$MLM_MAIN_NAME, the main
+# tarball committed on top of the core_v0.19.0 checkout (git clone --local, about 4 s), so that
+# its history holds 0.19's blobs as a real clone of main does: git am -3 merges from them.
+# From MEGATRON_LM_MAIN_SRC (the tarball) or ../shared/upstream/; skipped without either.
+mlm_main_checkout() {
+    local dest="$MLM/$MLM_MAIN_NAME" base="$MLM/$MLM_019_TAG" src="${MEGATRON_LM_MAIN_SRC:-}" d ident got
+    if [[ -z "$src" ]]; then
+        for d in "${shared_dirs[@]}"; do [[ -f "$d/$MLM_MAIN_TARBALL" ]] && { src="$d/$MLM_MAIN_TARBALL"; break; }; done
+    fi
+    if [[ -z "$src" || ! -f "$src" ]]; then log "no $MLM_MAIN_TARBALL: $dest not built (only the tests of upstream main skip)"; return 0; fi
+    [[ -d "$base/.git" ]] || { log "no $base: $dest not built"; return 0; }
+    ident="tarball $(sha "$src") on $(git -C "$base" rev-parse HEAD)"
+    if [[ -d "$dest/.git" && "$(cat "build/stamps/mlm-$MLM_MAIN_NAME" 2>/dev/null || true)" == "$ident" ]]; then
+        log "Megatron-LM $MLM_MAIN_NAME checkout $dest up to date"; return 0
+    fi
+    if [[ "${ident%% on *}" != "tarball $MLM_MAIN_TARBALL_SHA256" ]]; then
+        got="$(gzip -dc "$src" | git get-tar-commit-id 2>/dev/null || true)"
+        [[ "$got" == "$MLM_MAIN_COMMIT" ]] || die "$src is neither the lock's tarball (sha256 $MLM_MAIN_TARBALL_SHA256) nor a git archive of $MLM_MAIN_COMMIT"
+    fi
+    say "building $dest: upstream main ${MLM_MAIN_COMMIT:0:10} committed on top of $MLM_019_TAG"
+    rm -rf "$dest.tmp"
+    git clone -q --local --no-checkout "$base" "$dest.tmp"
+    git -C "$dest.tmp" remote remove origin
+    tar -xzf "$src" -C "$dest.tmp" --strip-components=1 || { rm -rf "$dest.tmp"; die "cannot unpack $src"; }
+    got="$(pyver "$dest.tmp/megatron/core/package_info.py")"
+    [[ "$got" == "$MLM_MAIN_VERSION" ]] || { rm -rf "$dest.tmp"; die "$src has megatron-core $got, expected $MLM_MAIN_VERSION"; }
+    (
+        cd "$dest.tmp"
+        export GIT_AUTHOR_NAME="Megatron-LM main" GIT_AUTHOR_EMAIL="upstream@invalid" \
+            GIT_COMMITTER_NAME="Megatron-LM main" GIT_COMMITTER_EMAIL="upstream@invalid" \
+            GIT_AUTHOR_DATE="2000-01-01T00:00:00Z" GIT_COMMITTER_DATE="2000-01-01T00:00:00Z"
+        git add -A . && git commit -q -m "Megatron-LM main (upstream commit $MLM_MAIN_COMMIT)" \
+            -m "Source: $src; committed on top of $MLM_019_TAG so that the history holds its blobs."
+        git tag "$MLM_MAIN_NAME"
+        git config user.name "megatron-layerwise-ag setup" && git config user.email "setup@invalid"
+    )
+    rm -rf "$dest" && mv "$dest.tmp" "$dest"
+    echo "$ident" > "build/stamps/mlm-$MLM_MAIN_NAME"
+    say "Megatron-LM $MLM_MAIN_NAME: $dest"
+}
+mlm_main_checkout
+
 # The user's path: the series on the core_v0.17.1 checkout with scripts/apply_patches.sh
 # (git am, one commit per patch). The prebuilt dataset helpers of the wheel go next to the
 # sources in both 0.17.1 checkouts, as `make` would put them (*.so is in upstream's .gitignore).
@@ -440,4 +482,4 @@ place_helpers build/patched-0.19 build/upstream-0.19 "$MAKEFILE19"
 for t in "$MLM/$MLM_019_TAG" "$PC19" "$MLM/$MLM_NEXT_TAG"; do
     if [[ -d "$t/.git" ]]; then place_helpers "$t" build/upstream-0.19 "$MAKEFILE19"; fi
 done
-log "ready: .venv, build/upstream/megatron (pristine), megatron/ (patched), build/upstream-0.19/megatron (pristine $MCORE19_VERSION), build/patched-0.19/megatron, $MLM/{$MLM_TAG,patched$([[ -d "$MLM/$MLM_NEXT_TAG/.git" ]] && echo ",$MLM_NEXT_TAG")$([[ -d "$MLM/$MLM_019_TAG/.git" ]] && echo ",$MLM_019_TAG,patched-0.19")}"
+log "ready: .venv, build/upstream/megatron (pristine), megatron/ (patched), build/upstream-0.19/megatron (pristine $MCORE19_VERSION), build/patched-0.19/megatron, $MLM/{$MLM_TAG,patched$([[ -d "$MLM/$MLM_NEXT_TAG/.git" ]] && echo ",$MLM_NEXT_TAG")$([[ -d "$MLM/$MLM_019_TAG/.git" ]] && echo ",$MLM_019_TAG,patched-0.19")$([[ -d "$MLM/$MLM_MAIN_NAME/.git" ]] && echo ",$MLM_MAIN_NAME")}"

@@ -16,6 +16,13 @@ must not invent numbers (measure with ``harness.alloc_counter`` or the torch pro
 ``accelerator_stubs()``: ``torch.accelerator.is_available()`` False and
 ``current_accelerator()`` None, so ``torch.utils.data.DataLoader`` does not pin memory
 (``training/datasets/data_samplers.py`` passes ``pin_memory=True``).
+
+``get_device_capability`` returns ``(0, 0)``, a device with no CUDA compute capability, so
+every ``>= 9`` / ``>= 10`` feature probe says no. Needed by upstream main (d98e8a64dd):
+``megatron/core/ssm/ops/gdp/common.py`` probes the capability at import time, and
+``megatron.training`` imports it (through ``inference/contexts/dynamic_context.py``); the
+pinned releases never call it on a CPU run (without the stub it raises "Found no NVIDIA
+driver"), so the stub changes nothing there.
 """
 
 from __future__ import annotations
@@ -180,6 +187,7 @@ def stubs() -> Dict[str, Callable]:
         "reset_max_memory_allocated": noop,
         "device_memory_used": _zero,
         "get_device_name": lambda device=None: "cpu (harness.cpu_runtime)",
+        "get_device_capability": lambda device=None: (0, 0),
     }
 
 

@@ -56,6 +56,10 @@ def _parser() -> argparse.ArgumentParser:
                     help="with --dry-run: plan for N GPUs instead of the ones present")
     ap.add_argument("--assume-gpu-name", metavar="NAME", help=f"with --dry-run: GPU name (default: "
                     f"cuda:0's name, else {DEFAULT_GPU_NAME!r})")
+    ap.add_argument("--checkout", type=Path, metavar="PATH",
+                    help="your own Megatron-LM git checkout (docs/own_tree.md): the functional runs of its "
+                    "series' base train PATH as it is and with the series, in scratch clones; the runs "
+                    "of the pinned 0.17.1 trees are planned as skipped")
     ap.add_argument("--update-golden", action="store_true",
                     help="record golden values in OUT/<run>/golden even where the checkout has some (refused unless patched == upstream; without a golden file for this GPU type they are recorded anyway)")
     return ap
@@ -199,9 +203,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             plan_gpus, plan_name = gpus, name
         from harness.gpu_check import plan as plan_mod
 
+        own = None
+        if args.checkout is not None:
+            from harness import own_tree
+
+            if args.update_golden:
+                raise UsageError("--update-golden with --checkout: golden values come from the pinned releases only")
+            try:
+                own = own_tree.prepare(args.checkout, log=lambda m: print(m, file=sys.stderr))
+            except own_tree.OwnTreeError as exc:
+                raise UsageError(str(exc)) from None
         try:
             plan = plan_mod.make_plan(plan_gpus, plan_name, args.out, args.update_golden,
-                                      with_te=plan_mod.te_available())
+                                      with_te=plan_mod.te_available(), own=own)
         except ValueError as exc:
             raise UsageError(str(exc)) from None
     except UsageError as exc:

@@ -99,6 +99,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--megatron-defaults", action="store_true",
                     help="no harness runtime flags: Transformer Engine, fused wgrad into main_grad, fused kernels")
     ap.add_argument("--case", default=plan.CASE, help="functional test case (default: %(default)s)")
+    ap.add_argument("--checkout", type=Path, metavar="PATH",
+                    help="train your own Megatron-LM checkout as it is and with the series (harness.own_tree)")
     args = ap.parse_args(argv)
     if Path(args.golden_file).name != args.golden_file:
         ap.error(f"--golden-file is a file name in the case folder, got {args.golden_file!r}")
@@ -109,6 +111,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if not isinstance(extra_args, dict):
         ap.error(f"--model-args must be a JSON object, got {args.model_args!r}")
 
+    from harness import own_tree
     from tests.functional_tests.python_test_utils import run_case, tolerances
 
     folder = run_case.find_case(args.case)
@@ -122,6 +125,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         model_args={**plan.functional_overrides(args.backend), **extra_args},
         extra_env=plan.shared_gpu_env(args.backend) if args.shared_gpu else None,
         runtime_flags=not args.megatron_defaults,
+        own=own_tree.prepare(args.checkout) if args.checkout is not None else None,
     )
     case = run_case.load_case(folder)
     comparison = record_golden(comparison, args.out / case.name, golden_out, tolerances.rules_for(case.metrics))

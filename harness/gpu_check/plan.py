@@ -205,6 +205,8 @@ class Plan:
     out: Path
     runs: List[Run]
     update_golden: bool = False
+    #: ``--checkout PATH``: the user's own tree (``harness.own_tree``), None for the pinned trees.
+    checkout: Optional[Path] = None
 
     @property
     def total_timeout_s(self) -> int:
@@ -258,9 +260,10 @@ def shared_gpu_env(backend: str) -> Dict[str, str]:
 
 
 def functional_launches(run_dir: Path, backend: str, nproc: int, extra_env: Dict[str, str],
-                        case_name: str = CASE, runtime_flags: bool = True) -> List[Launch]:
+                        case_name: str = CASE, runtime_flags: bool = True, own=None) -> List[Launch]:
     """The torchrun lines ``run_case.run_case`` starts for ``case_name`` with these overrides
-    (``harness.gpu_check.functional`` passes the same ones), on the trees of the case's base."""
+    (``harness.gpu_check.functional`` passes the same ones), on the trees of the case's base, or
+    with ``own`` (``harness.own_tree.OwnTree``) on its two clones, each its own checkout."""
     from harness import data
     from tests.functional_tests.python_test_utils import run_case
 
@@ -269,7 +272,9 @@ def functional_launches(run_dir: Path, backend: str, nproc: int, extra_env: Dict
     model_args = {**case.model_args, **functional_overrides(backend)}
     out = []
     for variant in TREES:
-        tree = base.trees[variant]
+        tree, checkout = base.trees[variant], base.checkout
+        if own is not None:
+            tree = checkout = own.checkouts()[variant]
         variables = {
             "DATA_PATH": str(Path(data.DEFAULT_OUT).resolve() / data.DATASET_PREFIX),
             "TENSORBOARD_PATH": str(run_dir / case.name / variant / "tensorboard"),
@@ -278,9 +283,9 @@ def functional_launches(run_dir: Path, backend: str, nproc: int, extra_env: Dict
         }
         argv, env = launch.pretrain_command(tree, run_case.expand_args(model_args, variables), nproc,
                                             cpu=False, runtime_flags=runtime_flags,
-                                            extra_env={**case.env_vars, "MEGATRON_LM_CHECKOUT": str(base.checkout),
+                                            extra_env={**case.env_vars, "MEGATRON_LM_CHECKOUT": str(checkout),
                                                        **extra_env})
-        out.append(Launch(tree, argv, env))
+        out.append(Launch(variant if own is not None else tree, argv, env))
     return out
 
 
@@ -324,7 +329,7 @@ def _devices(nproc: int, gpus: int) -> List[str]:
 
 
 def make_plan(gpus: int, gpu_name: str, out: Path, update_golden: bool = False,
-              with_te: Optional[bool] = None) -> Plan:
+              with_te: Optional[bool] = None, own=None) -> Plan:
     """The runs for a machine with ``gpus`` CUDA GPUs named ``gpu_name``.
 
     Args:
@@ -335,6 +340,9 @@ def make_plan(gpus: int, gpu_name: str, out: Path, update_golden: bool = False,
             equals upstream exactly).
         with_te: whether transformer_engine is installed (None: ``te_available()``); without
             it the TE run is planned with ``skip_reason`` ``TE_MISSING``.
+        own: ``--checkout PATH`` (``harness.own_tree.OwnTree``): the functional runs of the
+            series' base train PATH as it is and with the series (``own_skip`` says which runs
+            do not apply to that tree, and why).
 
     Raises:
         ValueError: ``gpus`` < 1 or an unusable ``gpu_name``.
@@ -356,24 +364,32 @@ def make_plan(gpus: int, gpu_name: str, out: Path, update_golden: bool = False,
             variant = "_".join(v for v in (variant, kw.pop("golden_variant", "")) if v)
             # The 0.19 base may be absent (an image built for one base): its runs are then
             # skipped. The 0.17.1 base is the check's own: its absence fails the run.
-            missing = base_missing(case) if kw.get("base", "0.17.1") != "0.17.1" else None
+            if own is not None:
+                missing = own_skip(own, kind, kw.get("base", "0.17.1"))
+            else:
+                missing = base_missing(case) if kw.get("base", "0.17.1") != "0.17.1" else None
             launches = [] if missing else functional_launches(out / name, "nccl", nproc, env, case,
-                                                              kw.get("runtime_flags", True))
+                                                              kw.get("runtime_flags", True), own)
             kw.update(case=case, golden_file=golden_file(gpu_name, "nccl", variant))
             kw["skip_reason"] = missing or kw.get("skip_reason")
         else:
             launches = memory_launches(out / name, "nccl", nproc, kw["config"], env)
+            if own is not None:
+                launches, kw["skip_reason"] = [], own_skip(own, kind, "0.17.1")
         return Run(name, kind, "nccl", nproc, _devices(nproc, gpus), timeout_for(name), launches,
                    shared_gpu=shared, **kw)
 
+    gloo_skip = own_skip(own, "functional", "0.17.1") if own is not None else None
+    mem_skip = own_skip(own, "memory", "0.17.1") if own is not None else None
     runs = [
         Run("functional_gloo_shared_gpu", "functional", "gloo", 2, ["cuda:0", "cuda:0"],
             timeout_for("functional_gloo_shared_gpu"),
-            functional_launches(out / "functional_gloo_shared_gpu", "gloo", 2, shared_gpu_env("gloo")),
-            golden_file=golden_file(gpu_name, "gloo"), case=CASE, shared_gpu=True),
+            [] if gloo_skip else functional_launches(out / "functional_gloo_shared_gpu", "gloo", 2, shared_gpu_env("gloo")),
+            golden_file=golden_file(gpu_name, "gloo"), case=CASE, shared_gpu=True, skip_reason=gloo_skip),
         Run("memory_gloo_shared_gpu", "memory", "gloo", 2, ["cuda:0", "cuda:0"], timeout_for("memory_gloo_shared_gpu"),
-            memory_launches(out / "memory_gloo_shared_gpu", "gloo", 2, "param_dominated", shared_gpu_env("gloo")),
-            config="param_dominated", shared_gpu=True),
+            [] if mem_skip else memory_launches(out / "memory_gloo_shared_gpu", "gloo", 2, "param_dominated",
+                                                shared_gpu_env("gloo")),
+            config="param_dominated", shared_gpu=True, skip_reason=mem_skip),
         nccl_run("functional_nccl", "functional", 2, case=CASE),
         nccl_run("functional_nccl_te", "functional", 2, case=CASE, runtime_flags=False, golden_variant="te",
                  skip_reason=None if with_te else TE_MISSING),
@@ -390,7 +406,7 @@ def make_plan(gpus: int, gpu_name: str, out: Path, update_golden: bool = False,
     for r in runs:
         r.time_s, r.time_kind, r.time_basis = RUN_TIMES[r.name]
     assign_lanes(runs)
-    plan = Plan(gpus, gpu_name, out, runs, update_golden)
+    plan = Plan(gpus, gpu_name, out, runs, update_golden, own.source if own is not None else None)
     if plan.schedule_s > plan.budget_s:
         raise AssertionError(f"plan schedule takes up to {plan.schedule_s} s > {plan.budget_s} s")
     return plan
@@ -407,7 +423,22 @@ def functional_command(run: Run, plan: Plan) -> List[str]:
         argv += ["--shared-gpu"]
     if plan.update_golden:
         argv += ["--update-golden"]
+    if plan.checkout is not None:
+        argv += ["--checkout", str(plan.checkout)]
     return argv
+
+
+def own_skip(own, kind: str, base: str) -> Optional[str]:
+    """Why a run of the plan does not run on ``--checkout PATH``'s tree (None: it does).
+
+    The functional runs of the cases of PATH's series (``own.base``) train PATH as it is and with
+    the series. The others measure the pinned 0.17.1 trees: the 0.17.1 cases, and the memory
+    runs (the memory worker and the real-shape audit's prediction are made on them)."""
+    if kind == "functional" and base == own.base:
+        return None
+    what = f"a megatron-core {base} case" if kind == "functional" else "a memory run of the pinned 0.17.1 trees"
+    return (f"skipped: --checkout {own.label} takes patches/{own.series.name} (base {own.base}); "
+            f"this is {what}")
 
 
 def prediction_lines(prediction: Optional[dict]) -> List[str]:

@@ -262,3 +262,41 @@ def test_cpu_initialization_on_gpus_is_refused_on_0_19_with_the_reason(tree, ref
         assert rc == 0 and argv.count("--use-cpu-initialization") == 2, (rc, err)
     rc, _, argv, err = dry_run("--tree", tree, "pretrain", "--", "--use-cpu-initialization")  # CPU: as ever
     assert rc == 0 and "--use-cpu-initialization" in argv, err
+
+
+def test_every_torchrun_line_comes_from_launch_torchrun_argv(monkeypatch, tmp_path):
+    """The torchrun line is spelled once, ``launch.torchrun_argv``: the GPU ranks of
+    ``torchrun_command``, upstream's test runs (``upstream_runner.command``) and the seed sweep
+    (``scripts/seed_sweep_upstream_test.py:sweep_command``) all take it from there, so a change
+    there reaches every one (a copy of the line elsewhere would keep the old launcher)."""
+    import argparse
+    import importlib.util
+
+    from tests.upstream_tests import upstream_runner
+
+    fake = ["PYTHON", "-m", "launcher.under.test", "--nproc-per-node", "3"]
+    asked = []
+
+    def torchrun_argv(nproc, python=sys.executable):
+        asked.append(int(nproc))
+        return list(fake)
+
+    monkeypatch.setattr(launch, "torchrun_argv", torchrun_argv)
+    script = tmp_path / "rank.py"
+    script.write_text("")
+    argv, _ = launch.torchrun_command(script, ["--x"], 3, tree=None, cpu=False)
+    assert argv == [*fake, str(script), "--x"]
+    argv, _ = upstream_runner.command(tmp_path, ["tests/unit_tests/t.py"], 3, tmp_path)
+    assert argv[:5] == fake and argv[5:7] == ["-m", "pytest"] and argv[-1] == "tests/unit_tests/t.py"
+    spec = importlib.util.spec_from_file_location("seed_sweep", REPO_ROOT / "scripts" / "seed_sweep_upstream_test.py")
+    sweep = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sweep)
+    args = argparse.Namespace(nproc=3, seeds="0:2", tests=["test_parameter_updates"], share_grad_norm=False)
+    argv, _, checkout = sweep.sweep_command("pristine", args, tmp_path)
+    assert argv[:5] == fake and argv[5].endswith("seed_sweep_upstream_test.py") and "--worker" in argv
+    assert asked and set(asked) == {3}  # every builder asked for its own rank count
+    # and the real line, for the record
+    monkeypatch.undo()
+    assert launch.torchrun_argv(4, "py") == ["py", "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4"]
+    with pytest.raises(ValueError):
+        launch.torchrun_argv(0)

@@ -791,12 +791,14 @@ def test_core_v0_17_0_tree_gets_one_line_what_it_has_and_what_to_do(tmp_path, mo
     assert "#3751" not in msg  # the 0.18 story is not told to a 0.17.0 user
 
 
-def test_a_later_minor_release_hears_about_full_param_layout(tmp_path):
+def test_the_minor_version_after_the_newest_base_outside_git_hears_about_the_three_way_merge(tmp_path):
+    """0.20.x (upstream main's version after 0.19) gets patches/0.19 three-way, on a git
+    checkout only (tests/unit_tests/test_own_tree.py); a plain directory: one line, exit 5."""
     target = copy_upstream(tmp_path / "t")
     pinfo = target / "megatron/core/package_info.py"
     pinfo.write_text(re.sub(r"^MINOR = 17$", "MINOR = 20", pinfo.read_text(), flags=re.M))
-    expect_refusal(target, ["--check"], {}, WRONG_BASE, "0.20.1", "full_param_layout", "#4609",
-                   "series for: 0.17.1; 0.19.2 (also 0.19.1, 0.19.0)")
+    expect_refusal(target, ["--check"], {}, WRONG_BASE, "0.20.1", "the series of 0.19.2", "three-way merge",
+                   "not a git checkout")
 
 
 # ------------------------------------------------------------------ the 0.19 base material

@@ -109,6 +109,64 @@ FILES_019: tuple = (
         f"{_LW_CKPT}_dp_sizes[4]",
     ),
 )
+#: Your own tree (``--checkout PATH``, docs/own_tree.md) with the 0.19 series, e.g. upstream
+#: main: upstream's DDP and layer-wise tests of that tree at 2 ranks, ``FILES_019`` plus what main
+#: added next to them (``test_layer_wise_param_layout.py``) and the DDP file. A file or node id
+#: the tree lacks is left out (``own_files``).
+FILES_OWN_019: tuple = (
+    "tests/unit_tests/distributed/test_param_and_grad_buffer.py",
+    "tests/unit_tests/distributed/test_distributed_data_parallel.py",
+    "tests/unit_tests/distributed/test_layer_wise_param_layout.py",
+    *FILES_019[1:],
+)
+FILES_OWN = {"0.19": FILES_OWN_019}
+
+
+def own_files(checkout: Path, series: str) -> List[str]:
+    """``FILES_OWN[series]`` that exist in ``checkout``: files by path, node ids by their
+    ``def test_...`` in the file (a parametrized id counts when its function is there)."""
+    import re
+
+    out = []
+    for entry in FILES_OWN.get(series, FILES_OWN_019):
+        path, _, node = entry.partition("::")
+        f = Path(checkout) / path
+        if not f.is_file():
+            continue
+        name = node.rsplit("::", 1)[-1].split("[", 1)[0]
+        if not node or re.search(rf"^\s*def {re.escape(name)}\(", f.read_text(), re.M):
+            out.append(entry)
+    return out
+
+
+def run_own(checkout: Path, nproc: int = 2, timeout_s: float = 1800) -> tuple:
+    """Upstream's tests of your own tree (``harness.own_tree``): its HEAD as it is ("pristine")
+    and with the series ("patched"), the same files (``own_files``) on ``nproc`` ranks.
+
+    Returns:
+        ``(own_tree, pristine Run, patched Run)``.
+    """
+    from harness import own_tree
+
+    tree = own_tree.prepare(checkout)
+    files = own_files(tree.upstream, tree.series.name)
+    out = RESULTS_DIR / f"checkout-{tree.source.name}-{tree.head[:12]}"
+    runs = [run(label, nproc, files, timeout_s=timeout_s, out_dir=out / f"{label}-np{nproc}", checkout=clone)
+            for label, clone in (("pristine", tree.upstream), ("patched", tree.patched))]
+    return (tree, *runs)
+
+
+def own_table(pristine: "Run", patched: "Run") -> str:
+    """Markdown: one row per file of an own-tree run (``run_own``)."""
+    lines = ["| file | ranks | pristine passed / failed / skipped | patched passed / failed / skipped |",
+             "|---|---|---|---|"]
+    a, b = pristine.by_file(), patched.by_file()
+    for f in files_of(pristine.files):
+        cells = [f"{c['passed']} / {c['failed']} / {c['skipped']}" for c in (a.get(f, Counter()), b.get(f, Counter()))]
+        lines.append(f"| `{f.removeprefix('tests/unit_tests/')}` | {pristine.nproc} | {cells[0]} | {cells[1]} |")
+    return "\n".join(lines)
+
+
 #: Upstream files that import the touched modules but are not run, and why.
 NOT_RUN = {
     "tests/unit_tests/distributed/test_grad_sync_with_expert_parallel.py": (
@@ -191,9 +249,10 @@ def command(checkout: Path, files: Sequence[str], nproc: int, results_dir: Path)
         PYTHONUNBUFFERED="1",
     )
     env.pop("MEGATRON_CPU_RUNTIME", None)  # the plugin installs the runtime itself
+    from harness import launch  # the one builder of the torchrun line
+
     argv = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-        "-m", "pytest", "-p", "cpu_gloo_plugin", "-p", "no:cacheprovider", "-o", "addopts=",
+        *launch.torchrun_argv(nproc), "-m", "pytest", "-p", "cpu_gloo_plugin", "-p", "no:cacheprovider", "-o", "addopts=",
         "-q", "-rfE", "--tb=short", *files,
     ]
     return argv, env
@@ -376,7 +435,29 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--nproc", type=int, action="append", help="rank counts (default 2 and 4)")
     parser.add_argument("--tree", action="append", choices=sorted(CHECKOUTS), help="default both")
+    parser.add_argument("--checkout", type=Path, metavar="PATH",
+                        help="your own Megatron-LM checkout (docs/own_tree.md): its upstream tests of the "
+                        "touched code (FILES_OWN) on PATH as it is and with the series, in scratch clones")
     args = parser.parse_args(argv)
+    if args.checkout is not None:
+        from harness.own_tree import OwnTreeError
+
+        try:
+            tree, pri, pat = run_own(args.checkout, (args.nproc or [2])[0])
+        except OwnTreeError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        for r in (pri, pat):
+            print(f"{r.tree} np{r.nproc}: wall {r.wall_s:.0f} s, cpu {r.cpu_s:.0f} s, exit {r.returncode}, log {r.log}")
+        print(f"{tree.label}, megatron-core {tree.version}, patches/{tree.series.name}")
+        print(own_table(pri, pat))
+        bad = regressions(pri, pat) + [f"(only on patched) {b}" for b in new_test_failures(pri, pat)]
+        for k, v in sorted(pri.results.items()):
+            if v == "failed":
+                print(f"fails on pristine too: {k}: {pri.fail_reasons.get(k, '')[:160]}")
+        for b in bad:
+            print(f"REGRESSION {b}")
+        return 1 if bad else 0
     runs = matrix(args.tree or ("pristine", "patched"), args.nproc or (2, 4))
     for r in runs:
         print(f"{r.tree} np{r.nproc}: wall {r.wall_s:.0f} s, cpu {r.cpu_s:.0f} s, exit {r.returncode}, log {r.log}")

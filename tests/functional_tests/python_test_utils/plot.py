@@ -72,6 +72,8 @@ class RunInfo:
         device: "cpu" (gloo ranks) or "cuda" (GPUs; NCCL, or gloo on one GPU in the GPU check).
         verdict: one of ``verdicts.VERDICTS``.
         verdict_line: ``comparison["verdict_line"]`` (e.g. "diverged at step 6 (...)").
+        released: the upstream tree is a release (False: a user's own tree, ``--checkout``).
+        golden_note: ``comparison["golden_note"]`` where the golden values are for information.
     """
 
     case: str
@@ -83,6 +85,8 @@ class RunInfo:
     verdict: str
     verdict_line: str
     trees: Mapping[str, str] = field(default_factory=lambda: {v: v for v in VARIANTS})
+    released: bool = True
+    golden_note: str = ""
 
 
 def figure_title(info: RunInfo) -> str:
@@ -91,10 +95,13 @@ def figure_title(info: RunInfo) -> str:
 
     device = {"cpu": "CPU, gloo", "cuda": "GPU"}.get(info.device, info.device)
     meaning = VERDICT_MEANING.get(info.verdict, "")
+    if info.golden_note and info.verdict == "identical":
+        meaning = f"patched equals upstream bit for bit in every logged metric at every step; {info.golden_note}"
     line = info.verdict_line if info.verdict_line.startswith(info.verdict) else f"{info.verdict}: {info.verdict_line}"
     return (
         f"{info.case}: megatron-core {info.version}, {info.ranks} ranks ({device})\n"
-        f"upstream = {info.trees['upstream']} (megatron-core {info.version} as released), "
+        f"upstream = {info.trees['upstream']} (megatron-core {info.version} "
+        f"{'as released' if info.released else 'as it is, not a release'}), "
         f"patched = {info.trees['patched']} ({info.version} + {info.series})\n"
         f"verdict: {line}" + (f" = {meaning}" if meaning else "")
     )

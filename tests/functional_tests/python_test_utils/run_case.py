@@ -291,6 +291,7 @@ def run_variant(
     extra_env: Optional[Dict[str, str]] = None,
     record_memory: bool = True,
     runtime_flags: bool = True,
+    label: Optional[str] = None,
 ) -> VariantResult:
     """Train one variant (tree name or mutant tree Path) and read its metrics.
 
@@ -302,7 +303,7 @@ def run_variant(
     A crashed rank, a timeout or unreadable event files become failure messages (the
     verdict is then "failed"), never an exception.
     """
-    label = variant if isinstance(variant, str) else f"mutant {Path(variant).name}"
+    label = label or (variant if isinstance(variant, str) else f"mutant {Path(variant).name}")
     if out_dir.exists():
         shutil.rmtree(out_dir)
     out_dir.mkdir(parents=True)
@@ -430,6 +431,7 @@ def run_case(
     extra_env: Optional[Dict[str, str]] = None,
     record_memory: bool = True,
     runtime_flags: bool = True,
+    own=None,
 ) -> dict:
     """Run one case end to end; returns the comparison dict (also comparison.json).
 
@@ -448,20 +450,32 @@ def run_case(
         runtime_flags: prepend ``harness.launch.RUNTIME_FLAGS`` (local layers, no fused
             kernels); False trains with megatron's defaults (Transformer Engine, fused wgrad
             into ``main_grad``), for GPUs.
+        own: a ``harness.own_tree.OwnTree`` (``--checkout PATH``): train its two scratch
+            clones, PATH as it is and with the series, each with its own ``pretrain_gpt.py``;
+            outputs under ``out_root/checkout-<name>-<commit>/``. Where PATH is not a release
+            (``own.release`` False) the golden values are shown for information: the verdict is
+            the bit-for-bit comparison alone (``golden_note`` in the comparison says how the
+            runs stand against them).
     """
     from harness import data
 
     case = load_case(find_case(name))
-    absent = missing_checkouts([name])
+    absent = missing_checkouts([name]) if own is None else []
     if absent:
         raise CaseConfigError(absent[0])
+    if own is not None:
+        if case.base != own.base:
+            raise CaseConfigError(f"{name} is a case of megatron-core {case.base}; {own.label} takes "
+                                  f"patches/{own.series.name}, whose cases have BASE {own.base!r}")
+        if out_root == OUT_ROOT:  # a caller's own folder (the GPU check's) stays as given
+            out_root = out_root / f"checkout-{own.source.name}-{own.head[:12]}"
     if model_args:
         case = replace(case, model_args={**case.model_args, **model_args})
     out = out_root / case.name
     out.mkdir(parents=True, exist_ok=True)
     artifacts = data.prepare(log=lambda m: None)
     data_path = str(artifacts.data_prefix)
-    print(case_header(case, device), flush=True)
+    print(case_header(case, device, own), flush=True)
     data_note = None if update_golden else check_golden_data(artifacts)
     if data_note:
         print(f"  WARNING: {data_note}", flush=True)
@@ -475,10 +489,13 @@ def run_case(
             continue
         base = BASES[case.base]
         tree = base.trees[variant] if variant == "upstream" or patched_tree is None else Path(patched_tree)
+        checkout = base.checkout
+        if own is not None:  # each clone is a whole checkout: its megatron and its pretrain_gpt.py
+            tree = checkout = own.checkouts()[variant]
         results[variant] = run_variant(
             case, tree, out / variant, data_path, device, timeout_s,
-            {"MEGATRON_LM_CHECKOUT": str(base.checkout), **(extra_env or {})}, record_memory,
-            runtime_flags=runtime_flags,
+            {"MEGATRON_LM_CHECKOUT": str(checkout), **(extra_env or {})}, record_memory,
+            runtime_flags=runtime_flags, label=variant if own is not None else None,
         )
     failures = [f for r in results.values() for f in r.failures]
     rules = tolerances.rules_for(case.metrics)
@@ -511,6 +528,8 @@ def run_case(
         }
     if comparison["verdict"] == "no_golden" and own_golden:
         comparison["verdict_line"] += f"; create it with: {update_golden_command(case.name, device)}"
+    if own is not None and not own.release:
+        comparison = golden_for_information(comparison)
     if data_note and comparison["verdict"] not in ("diverged", "no_golden"):
         comparison["failures"].append(data_note)
         comparison["verdict"] = "failed"
@@ -538,6 +557,11 @@ def run_case(
         trees={"upstream": base.trees["upstream"],
                "patched": base.trees["patched"] if patched_tree is None else f"mutant tree {Path(patched_tree).name}"},
     )  # fmt: skip
+    if own is not None:
+        info = replace(info, version=own.version, series=f"patches/{own.series.name}"
+                       + ("" if own.release else " (three-way)"),
+                       trees={"upstream": own.label, "patched": f"{own.label} + patches/{own.series.name}"},
+                       released=own.release, golden_note=comparison.get("golden_note", ""))
     try:
         plot.plot_loss_curves(
             out / "loss_curves.png", curves, comparison["first_divergent_step"],
@@ -549,15 +573,41 @@ def run_case(
     return comparison
 
 
-def case_header(case: Case, device: str) -> str:
-    """The line the main job prints before training a case."""
+def case_header(case: Case, device: str, own=None) -> str:
+    """The line the main job prints before training a case (with ``own``: which checkout)."""
+    if own is not None:
+        return (f"== {case.name} ({own.label}, megatron-core {own.version}, patches/{own.series.name}, "
+                f"{case.test_type}, {case.nproc} ranks, {device})")
     return f"== {case.name} (megatron-core {case.base}, {case.test_type}, {case.nproc} ranks, {device})"
+
+
+def golden_for_information(comparison: dict) -> dict:
+    """The comparison of a tree that is not a release: the verdict is the bit-for-bit check alone.
+
+    The golden values were made on a release; another tree may train other numbers and still
+    be right. "outside_golden" and "no_golden" (patched == upstream exactly, nothing else
+    failed) become "identical"; ``golden_note`` keeps what the golden check found, and the
+    golden failures leave ``failures`` for ``golden_findings``. Other verdicts stay.
+    """
+    out = dict(comparison)
+    if comparison["verdict"] not in ("outside_golden", "no_golden", "identical"):
+        return out
+    golden = list(comparison.get("golden_failures", []))
+    note = ("within the golden tolerance at every step" if comparison["verdict"] == "identical"
+            else comparison["verdict_line"].split(" (patched == upstream")[0])
+    out.update(verdict="identical", verdict_line="identical",
+               golden_note=f"golden values for information only (not a release): {note}",
+               golden_findings=golden,
+               failures=[f for f in comparison["failures"] if f not in golden])
+    return out
 
 
 def case_report(comparison: dict) -> str:
     """What the main job prints after a case's runs: the per-metric table, the memory block
     (when the runs recorded it, ``comparison["memory"]``) and the verdict line."""
     parts = [format_table(comparison)]
+    if comparison.get("golden_note"):
+        parts.append(comparison["golden_note"])
     if comparison.get("memory"):
         parts.append(memory_report.format_memory(comparison["memory"]))
     parts.append(f"VERDICT {comparison['case']}: {comparison['verdict_line']}")
@@ -654,11 +704,36 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--update-golden", action="store_true",
                     help="rewrite golden values from this run (refused unless patched == upstream)")
     ap.add_argument("--timeout", type=float, default=900, help="seconds per training run")
+    ap.add_argument("--checkout", type=Path, metavar="PATH",
+                    help="train your own Megatron-LM git checkout PATH as it is against PATH + the series "
+                    "its version picks (scratch clones under build/checkouts/; PATH is never written); "
+                    "default case: that series' base's; golden values for information unless PATH is a "
+                    "release (docs/own_tree.md)")
     ap.add_argument("--list", action="store_true", help="list the cases and exit")
     args = ap.parse_args(argv)
     if args.list:
         print("\n".join(all_cases()))
         return 0
+    own = None
+    if args.checkout is not None:
+        from harness import own_tree
+
+        if args.update_golden:
+            print("error: --update-golden with --checkout: golden values come from the pinned releases only",
+                  file=sys.stderr)
+            return 2
+        try:
+            own = own_tree.prepare(args.checkout)
+        except own_tree.OwnTreeError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        if own.why:
+            print(f"  series: patches/{own.series.name} ({own.why})")
+        if args.base not in ("all", own.base):
+            print(f"error: --base {args.base}, but {own.label} takes patches/{own.series.name} (base {own.base})",
+                  file=sys.stderr)
+            return 2
+        args.base = own.base
     bases = list(BASES) if args.base == "all" else [args.base]
     names = args.cases or default_cases(bases)
     try:
@@ -667,7 +742,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         wrong = [n for n in names if load_case(find_case(n)).base not in bases]
         if wrong:
             raise CaseConfigError(f"cases {wrong} are not cases of megatron-core {args.base}")
-        absent = missing_checkouts(names)
+        absent = missing_checkouts(names) if own is None else []
         if absent:
             raise CaseConfigError("; ".join(absent))
     except CaseConfigError as e:
@@ -684,7 +759,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     t0 = time.monotonic()
     verdicts = {}
     for n in names:
-        verdicts[n] = run_case(n, args.device, args.update_golden, args.timeout)["verdict_line"]
+        verdicts[n] = run_case(n, args.device, args.update_golden, args.timeout, own=own)["verdict_line"]
     print(summary_report(verdicts, time.monotonic() - t0))
     return 0 if all(v == "identical" for v in verdicts.values()) else 1
 

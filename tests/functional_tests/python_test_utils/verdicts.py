@@ -142,6 +142,8 @@ def build_comparison(
         "golden_file": str(golden_path) if golden_path is not None else None,
         "metrics": metrics,
         "failures": failures + ([no_golden] if no_golden else []) + golden_failures,
+        # the golden check's own findings (also in failures), for a caller that shows them only
+        "golden_failures": ([no_golden] if no_golden else []) + golden_failures,
     }
 
 

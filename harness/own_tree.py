@@ -1,0 +1,246 @@
+"""A user's own Megatron-LM checkout, as it is and with the series, in scratch clones.
+
+``scripts/run_functional_test.sh --checkout PATH`` (and ``scripts/gpu_check.sh --checkout
+PATH``) train the tree a user runs, not one this repository pins: a fork of a base, or upstream
+main (docs/own_tree.md). ``prepare(PATH)`` makes two clones of PATH's HEAD under
+``build/checkouts/<name>-<commit>/``:
+
+    upstream/   PATH's HEAD as it is
+    patched/    the same + the series, by ``scripts/apply_patches.sh`` (three-way where PATH is
+                not exactly a base: one commit per patch)
+
+Both are ``git clone --shared`` (PATH's objects are borrowed, not copied) with PATH's own
+``pretrain_gpt.py``, ``megatron/training`` and ``megatron/core``. PATH itself is never written:
+no worktree, no ref, no ``__pycache__`` (nothing is imported from it). Each clone gets the
+dataset helpers a training rank needs, as ``scripts/setup.sh`` gives its checkouts
+(``place_helpers``): the prebuilt ``helpers_cpp`` of the base's wheel where ``helpers.cpp`` is
+byte-identical to the wheel's, and the wheel tree's ``GNUmakefile`` (GPU ranks run ``make``).
+
+Which series, and whether PATH is a release: from ``scripts/apply_patches.sh PATH --check``,
+which picks the series by PATH's version and says why (its first line, ``series: DIR (...)``,
+when PATH is not exactly a base). A tree the series cannot serve raises ``OwnTreeError`` with
+that script's one line.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import shutil
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Dict, Optional
+
+from harness.trees import REPO_ROOT
+
+APPLY = REPO_ROOT / "scripts" / "apply_patches.sh"
+WORK_ROOT = REPO_ROOT / "build" / "checkouts"
+#: Series folder name (patches/<name>) -> the wheel tree setup.sh extracts for that base: its
+#: prebuilt dataset helpers and GNUmakefile serve a clone whose helpers.cpp is the same.
+WHEEL_TREES = {"0.17.1": REPO_ROOT / "build" / "upstream", "0.19": REPO_ROOT / "build" / "upstream-0.19"}
+#: Series folder name -> the key of the functional runner's BASES (the cases' BASE).
+CASE_BASES = {"0.17.1": "0.17.1", "0.19": "0.19"}
+#: What the two clones are made from, for the stamp that lets a rerun reuse them.
+_STAMP = ".own_tree_stamp"
+
+
+class OwnTreeError(RuntimeError):
+    """PATH cannot be trained with the series: the message says why and what to do."""
+
+
+@dataclass(frozen=True)
+class OwnTree:
+    """PATH and its two scratch clones.
+
+    Attributes:
+        source: the user's checkout (never written).
+        head: its HEAD commit.
+        version: its megatron-core MAJOR.MINOR.PATCH.
+        series: the series folder (patches/<name>).
+        release: PATH is exactly a base (its touched files are the base's): golden values count;
+            otherwise they are shown for information.
+        why: apply_patches.sh's line on the series choice ("" for a release).
+        upstream, patched: the clones.
+        apply_log: what apply_patches.sh printed when it made ``patched``.
+    """
+
+    source: Path
+    head: str
+    version: str
+    series: Path
+    release: bool
+    why: str
+    upstream: Path
+    patched: Path
+    apply_log: str
+
+    @property
+    def base(self) -> str:
+        """The functional cases' BASE of the series (``CASE_BASES``)."""
+        return CASE_BASES.get(self.series.name, self.series.name)
+
+    @property
+    def label(self) -> str:
+        """"<name> at <commit>", for titles and headers."""
+        return f"{self.source.name} at {self.head[:10]}"
+
+    def checkouts(self) -> Dict[str, Path]:
+        return {"upstream": self.upstream, "patched": self.patched}
+
+
+def _git(*args, cwd: Optional[Path] = None, check: bool = True) -> subprocess.CompletedProcess:
+    # GIT_OPTIONAL_LOCKS=0: git status must not refresh PATH's index (PATH is never written)
+    env = {**os.environ, "GIT_CONFIG_NOSYSTEM": "1", "LC_ALL": "C", "GIT_OPTIONAL_LOCKS": "0"}
+    proc = subprocess.run(["git", *map(str, args)], cwd=cwd, env=env, capture_output=True, text=True)
+    if check and proc.returncode != 0:
+        raise OwnTreeError(f"git {' '.join(map(str, args))} failed: {proc.stderr.strip()}")
+    return proc
+
+
+def version_of(tree: Path) -> Optional[str]:
+    """MAJOR.MINOR.PATCH of ``tree/megatron/core/package_info.py``, None without one."""
+    try:
+        text = (tree / "megatron" / "core" / "package_info.py").read_text()
+    except OSError:
+        return None
+    parts = [re.search(rf"^{k}\s*=\s*(\d+)", text, re.M) for k in ("MAJOR", "MINOR", "PATCH")]
+    return ".".join(m.group(1) for m in parts) if all(parts) else None
+
+
+def _series_for_version(version: str) -> Optional[Path]:
+    """The patches/<name> folder whose manifest names ``version`` (base or also)."""
+    for manifest in sorted((REPO_ROOT / "patches").glob("*/manifest.sha256")):
+        for line in manifest.read_text().splitlines():
+            fields = line.split()
+            if fields and fields[0] in ("base", "also") and version in fields[1:]:
+                return manifest.parent
+    return None
+
+
+def check_source(path: Path) -> tuple:
+    """``(path, head, version)`` of a checkout the runner can train, or OwnTreeError."""
+    path = Path(path).expanduser()
+    if not path.exists():
+        raise OwnTreeError(f"--checkout {path}: no such directory; pass a Megatron-LM git checkout")
+    path = path.resolve()
+    if not path.is_dir():
+        raise OwnTreeError(f"--checkout {path}: not a directory; pass a Megatron-LM git checkout")
+    version = version_of(path)
+    if version is None or not (path / "pretrain_gpt.py").is_file():
+        raise OwnTreeError(
+            f"--checkout {path}: not a Megatron-LM tree (it needs megatron/core/package_info.py with "
+            "MAJOR, MINOR, PATCH and pretrain_gpt.py); pass the root of a Megatron-LM checkout")
+    top = _git("rev-parse", "--show-toplevel", cwd=path, check=False)
+    if top.returncode != 0 or Path(top.stdout.strip()).resolve() != path:
+        raise OwnTreeError(
+            f"--checkout {path}: not a git checkout (or not its top level); the run trains its HEAD "
+            "in scratch clones and reaches a tree that is not a base by a three-way merge, both in git. "
+            "Clone Megatron-LM, check out the commit this tree came from, and pass the clone")
+    head = _git("rev-parse", "-q", "--verify", "HEAD^{commit}", cwd=path, check=False).stdout.strip()
+    if not head:
+        raise OwnTreeError(f"--checkout {path}: the repository has no commit yet")
+    dirty = [ln for ln in _git("status", "--porcelain", "--untracked-files=no", cwd=path).stdout.splitlines() if ln]
+    if dirty:
+        files = " ".join(line[3:] for line in dirty[:5])
+        raise OwnTreeError(
+            f"--checkout {path} has uncommitted changes to tracked files ({files}{' ...' if len(dirty) > 5 else ''}): "
+            "the run trains its HEAD; commit or stash them, then rerun")
+    return path, head, version
+
+
+def _apply(target: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([str(APPLY), str(target), *args], capture_output=True, text=True,
+                          env={**os.environ, "GIT_CONFIG_NOSYSTEM": "1", "GIT_OPTIONAL_LOCKS": "0"})
+
+
+def _stamp(head: str) -> str:
+    h = hashlib.sha256()
+    h.update(head.encode())
+    h.update(APPLY.read_bytes())
+    for p in sorted((REPO_ROOT / "patches").rglob("*")):
+        if p.is_file():
+            h.update(p.name.encode() + p.read_bytes())
+    return h.hexdigest()
+
+
+def _clone(source: Path, head: str, dest: Path) -> None:
+    if dest.exists():
+        shutil.rmtree(dest)
+    _git("clone", "-q", "--shared", "--no-checkout", source, dest)
+    _git("-c", "advice.detachedHead=false", "checkout", "-q", "--detach", head, cwd=dest)
+    _git("config", "user.name", "megatron-layerwise-ag own tree", cwd=dest)
+    _git("config", "user.email", "own-tree@invalid", cwd=dest)
+
+
+def place_helpers(clone: Path, series: Path) -> None:
+    """The dataset helpers of ``series``' wheel tree in ``clone`` (see the module docstring)."""
+    wheel = WHEEL_TREES.get(series.name)
+    dest = clone / "megatron" / "core" / "datasets"
+    if wheel is None or not (wheel / "megatron" / "core" / "datasets").is_dir():
+        return
+    src = wheel / "megatron" / "core" / "datasets"
+    if (dest / "helpers.cpp").is_file() and (src / "helpers.cpp").read_bytes() == (dest / "helpers.cpp").read_bytes():
+        for so in src.glob("helpers_cpp*.so"):
+            if not (dest / so.name).exists():
+                shutil.copy2(so, dest / so.name)
+    if (src / "GNUmakefile").is_file():
+        shutil.copy2(src / "GNUmakefile", dest / "GNUmakefile")
+    exclude = clone / ".git" / "info" / "exclude"
+    exclude.parent.mkdir(parents=True, exist_ok=True)
+    lines = exclude.read_text().splitlines() if exclude.exists() else []
+    for pattern in ("/megatron/core/datasets/GNUmakefile", "/megatron/core/datasets/helpers_cpp*.so"):
+        if pattern not in lines:
+            lines.append(pattern)
+    exclude.write_text("\n".join(lines) + "\n")
+
+
+def prepare(checkout: Path, work_root: Path = WORK_ROOT, log=print) -> OwnTree:
+    """Check ``checkout`` and make (or reuse) its two scratch clones.
+
+    Raises:
+        OwnTreeError: not a clean git checkout of a Megatron-LM tree; already patched; a tree the
+            series cannot serve, a conflict or missing blobs (apply_patches.sh's line).
+    """
+    source, head, version = check_source(checkout)
+    check = _apply(source, "--check")
+    lines = check.stdout.splitlines()
+    m = re.match(r"series: (\S+) \((.*)\)$", lines[0]) if lines else None
+    if check.returncode == 0:
+        raise OwnTreeError(
+            f"--checkout {source} already carries the series ({(lines or ['applied'])[-1]}); pass the "
+            "checkout without it (e.g. git -C PATH checkout the commit before the series), which the run "
+            "trains as it is and with the series")
+    if check.returncode != 3:
+        why = check.stderr.strip().removeprefix("apply_patches.sh: error: ")
+        raise OwnTreeError(f"--checkout {source}: the series cannot be applied: {why}")
+    series = Path(m.group(1)) if m else _series_for_version(version)
+    if series is None:
+        raise OwnTreeError(f"--checkout {source}: no series here names megatron-core {version}")
+    why = m.group(2) if m else ""
+    release = "three-way" not in why
+    work = work_root / f"{source.name}-{head[:12]}"
+    upstream, patched = work / "upstream", work / "patched"
+    stamp = _stamp(head)
+    apply_log = ""
+    if (work / _STAMP).is_file() and (work / _STAMP).read_text().split("\n", 1)[0] == stamp \
+            and (upstream / ".git").is_dir() and (patched / ".git").is_dir():
+        apply_log = (work / _STAMP).read_text().split("\n", 1)[1]
+        log(f"  scratch clones of {source} at {head[:10]} up to date: {work}")
+    else:
+        log(f"  scratch clones of {source} at {head[:10]}: {work}/{{upstream,patched}}")
+        work.mkdir(parents=True, exist_ok=True)
+        (work / _STAMP).unlink(missing_ok=True)
+        _clone(source, head, upstream)
+        _clone(source, head, patched)
+        proc = _apply(patched)
+        if proc.returncode != 0:
+            raise OwnTreeError(f"--checkout {source}: apply_patches.sh failed on the scratch clone {patched}: "
+                               f"{proc.stderr.strip()}")
+        apply_log = proc.stdout
+        for clone in (upstream, patched):
+            place_helpers(clone, series)
+        (work / _STAMP).write_text(stamp + "\n" + apply_log)
+    return OwnTree(source=source, head=head, version=version, series=series, release=release, why=why,
+                   upstream=upstream, patched=patched, apply_log=apply_log)
