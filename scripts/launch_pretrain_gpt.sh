@@ -15,7 +15,7 @@
 #                       (an upstream baseline); by default that is an error
 #   --no-overlap-param-gather
 #                       do not add --overlap-param-gather: the params are then gathered by the
-#                       optimizer at the end of step() (the series' patch 0007 path)
+#                       optimizer at the end of step() (the series' patch 0006 path)
 #   -h, --help
 #
 # Added only where the flags do not give them (the same names, so the flags always win):

@@ -10,8 +10,9 @@ Three designs of the receive side of the layer-wise param sync (--optimizer dist
 * **NVIDIA/Megatron-LM#3751**: receives into `grad_data` but still flattens the local
   params: only the local flatten is a temporary. It changed the overlapped (bucket) path
   only; the optimizer's synchronous `allgather_params()` stayed upstream's.
-* **this series** (patches 0004, 0007): the local params are copied straight into their
-  slot of `grad_data.view(param_dtype)`: zero bytes on every path.
+* **this series** (patches 0003, 0005, 0006): the local params are copied straight into
+  their slot of `grad_data.view(param_dtype)` while it is idle (the forward's gathers), and
+  the optimizer's gather broadcasts each param in place: zero bytes on those paths.
 
 `_flatten_dense_tensors` of exactly ONE tensor returns a view of it (no copy, 0 bytes;
 `torch._C._nn.flatten_dense_tensors` special-cases a single tensor), and for no tensor

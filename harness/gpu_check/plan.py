@@ -14,7 +14,7 @@ functional_nccl                    0.17.1 2      default case on NCCL
 functional_nccl_te                 0.17.1 2      default case with megatron's defaults:
                                                  Transformer Engine, fused wgrad into main_grad
                                                  (skipped where transformer_engine is missing)
-functional_nccl_sync               0.17.1 2      overlap off: the optimizer's gather (0007)
+functional_nccl_sync               0.17.1 2      overlap off: the optimizer's gather (0006)
 functional_nccl_eval               0.17.1 2      eval every 10 steps: forced param syncs
 memory_nccl                        0.17.1 2..8   CUDA memory, ``param_dominated`` GPT
 memory_nccl_equal_shares           0.17.1 2      equal bucket shares; requires a bucket with
@@ -59,7 +59,7 @@ from harness.gpu_check import real_shapes
 
 #: The functional case every run trains (run_case's default: dist_muon, both overlaps, DP=2).
 CASE = "gpt_dp2_bf16_fp32grad_overlap_layerwise"
-#: Overlap off: the optimizer's synchronous gather through the grad buffers (patch 0007).
+#: Overlap off: the optimizer's synchronous gather, each param broadcast in place (patch 0006).
 SYNC_CASE = "gpt_dp2_bf16_fp32grad_sync_layerwise"
 #: Eval every 10 iterations: forced param syncs with the pre-hooks disabled (patch 0003).
 EVAL_CASE = "gpt_dp2_bf16_fp32grad_overlap_layerwise_eval"

@@ -337,7 +337,7 @@ def test_dp1_warns_that_the_series_gathers_nothing(checkouts):
 
 
 def test_the_optimizer_gather_path_can_be_launched(checkouts):
-    """--no-overlap-param-gather: megatron then gathers in the optimizer's step() (patch 0007)."""
+    """--no-overlap-param-gather: megatron then gathers in the optimizer's step() (patch 0006)."""
     _, _, argv = dry_run(checkouts["patched"], "--no-overlap-param-gather", env={"GPUS_PER_NODE": "2"})
     assert "--overlap-param-gather" not in argv and "--no-overlap-param-gather" not in argv
     (result,) = validate_megatron_args([{"argv": argv, "world_size": 2,

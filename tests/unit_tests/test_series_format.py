@@ -94,7 +94,11 @@ def test_cover_letter_is_format_patch_s_and_names_every_patch(base):
     patches = series_patches(base=base)
     assert re.search(rf"^Subject: \[PATCH 0/{len(patches)}\] \S", text, flags=re.M), text[:300]
     subjects = [
-        re.sub(r"\n ", " ", re.search(r"^Subject: \[PATCH\] (.+(?:\n .+)*)", p.read_text(), re.M).group(1))
+        re.sub(
+            r"\n ",
+            " ",
+            re.search(r"^Subject: \[PATCH\] (.+(?:\n .+)*)", p.read_text(), re.M).group(1),
+        )
         for p in patches
     ]
     shortlog = re.search(r"^\S.* \((\d+)\):\n((?:  .*\n)+)", text, flags=re.M)
@@ -137,60 +141,94 @@ _DSV2 = "DeepSeek-V2-Lite/Moonlight-like MoE, 64 experts top-6 + shared, EP 8"
 #: ("tests/...py::test_name[params]") or audit(). Single-digit setups are not listed (NUMBER).
 MESSAGE_NUMBERS = {
     "0.19": {
-        "0004": {
-            "784": audit(_8B, 8, "mcore_0.19_legacy"),  # NCCL calls of the pre-hook path
-            "629": audit(_8B, 8, "mcore_0.19_legacy"),  # of them zero-size
-            "98": audit(_8B, 8, "mcore_0.19_legacy"),  # launches
-            "0.11": audit(_8B, 8, "mcore_0.19_legacy"),  # GiB of flattened shares at once
-            "29.92": audit(_8B, 8, "mcore_0.19_legacy"),  # GiB zeroed per step
-            "512": audit(_8B, 512, "mcore_0.19_legacy"),
-            "7168": audit(_8B, 512, "mcore_0.19_legacy"),
-            "6973": audit(_8B, 512, "mcore_0.19_legacy"),
-            "14": audit(_8B, 512, "mcore_0.19_legacy"),
-            "155": audit(_8B, 8, "patched_0.19"),
-            "2.94": audit(_8B, 8, "patched_0.19"),
-            "195": audit(_8B, 512, "patched_0.19"),
+        # pristine 0.19.2: grad norm 0.0 after a forced sync before the step
+        "0003": {
+            "0.0": "tests/unit_tests/test_grad_data_guards.py::test_019_pristine_forced_sync_before_step_zeroes_every_grad"
         },
-        "0007": {
+        "0005": {
+            "4160": audit(_8B, 64, "mcore_0.19_legacy"),  # NCCL operations of the pre-hook path
+            "3970": audit(_8B, 64, "mcore_0.19_legacy"),  # of them zero-size
+            "190": audit(_8B, 64, "patched_0.19"),
+            "64": audit(_DSV2, 64, "mcore_0.19_legacy"),  # 64 experts, DP 64
+            "0.13": audit(_DSV2, 64, "mcore_0.19_legacy"),  # GiB NCCL allocates for equal shares
+        },
+        "0006": {
             "14.96": audit(_8B, 8, "mcore_0.19_legacy"),  # optimizer-path temporaries, GiB
             "16.43": audit("Llama-3-70B, TP 8", 8, "mcore_0.19_legacy"),
-            "64": audit(_8B, 64, "patched_0.19"),  # 14.96 GiB zeroed at DP 8 and 64
-            "512": audit(_8B, 512, "patched_0.19"),  # none from DP 512
+            "195": audit(_8B, 8, "patched_0.19"),  # NCCL operations: one per param
+            "1024": audit(_8B, 1024, "mcore_0.19_legacy"),  # one per DP rank
         },
     },
     "0.17.1": {
-        "0004": {
-            "1.09": audit(_8B, 8, "upstream"),  # GiB of receive temporaries at once, DP 8
-            "784": audit(_8B, 8, "upstream"),  # NCCL calls of the pre-hook path
-            "629": audit(_8B, 8, "upstream"),  # of them zero-size
-            "4.71": audit(_8B, 1024, "upstream"),
-            "512": audit(_8B, 512, "upstream"),
-            "7168": audit(_8B, 512, "upstream"),
-            "6973": audit(_8B, 512, "upstream"),
-            "0.13": audit(_DSV2, 64, "upstream"),  # GiB NCCL allocates for the equal shares
-            "64": audit(_DSV2, 64, "upstream"),  # 64 experts, DP 64
-            "155": audit(_8B, 8, "patched"),
-            "2.94": audit(_8B, 8, "patched"),  # GiB of slots zeroed per step
+        "0005": {
+            "4160": audit(_8B, 64, "upstream"),  # NCCL operations of the pre-hook path
+            "3970": audit(_8B, 64, "upstream"),  # of them zero-size
             "190": audit(_8B, 64, "patched"),
-            "1.57": audit(_8B, 64, "patched"),
-            "195": audit(_8B, 512, "patched"),
-            "1024": audit(_8B, 1024, "patched"),
+            "64": audit(_DSV2, 64, "upstream"),  # 64 experts, DP 64
+            "0.13": audit(_DSV2, 64, "upstream"),  # GiB NCCL allocates for the equal shares
         },
         "0006": {
-            # pristine 0.19.2: grad norm 0.0 after a forced sync before the step
-            "0.0": "tests/unit_tests/test_grad_data_guards.py::test_019_pristine_forced_sync_before_step_zeroes_every_grad",
-        },
-        "0007": {
             "14.96": audit(_8B, 8, "upstream"),  # optimizer-path temporaries, GiB
             "16.43": audit("Llama-3-70B, TP 8", 8, "upstream"),
-            "64": audit(_8B, 64, "patched"),  # 14.96 GiB zeroed at DP 8 and 64
-            "29.92": audit(_8B, 8, "exact_list_slots"),  # whole grad buffers zeroed
-            "512": audit(_8B, 512, "upstream"),
-            "317": audit(_8B, 512, "upstream"),  # zero-size calls of the list all_gather
-            "195": audit(_8B, 512, "patched"),
-            "1024": audit(_8B, 1024, "upstream"),
-            "829": audit(_8B, 1024, "upstream"),
+            "195": audit(_8B, 8, "patched"),  # NCCL operations: one per param
+            "1024": audit(_8B, 1024, "upstream"),  # one per DP rank
         },
+    },
+}
+
+
+def largest_bucket(model: str, dp: int) -> tuple:
+    """A number's source: the largest layer-wise bucket of the audit's JSON cell (model key
+    of harness/bench/real_shapes.py, DP size; pristine tree), its params in bf16, GiB to 2
+    decimals: what a forced sync receives into a temporary at once (one bucket group at a
+    time)."""
+    return ("bucket", model, dp)
+
+
+def added_lines(base: str, rev: str = "") -> tuple:
+    """A number's source: the lines the series' patches add under megatron/core, at `rev`
+    of this repository (a commit; "" = the working tree)."""
+    return ("lines", base, rev)
+
+
+#: The v5 series, for the cover letters' comparison.
+V5 = "c1ca879"
+#: Base -> each number its cover letter's blurb states -> its source.
+COVER_NUMBERS = {
+    "0.17.1": {
+        "64": audit(_8B, 64, "upstream"),
+        "1.31": audit(_8B, 64, "upstream"),  # GiB of temporaries, forward path
+        "4160": audit(_8B, 64, "upstream"),
+        "3970": audit(_8B, 64, "upstream"),
+        "190": audit(_8B, 64, "patched"),
+        "65": audit(_8B, 64, "patched"),  # launches
+        "14.96": audit(_8B, 64, "patched"),  # GiB zeroed per step; optimizer temporaries
+        "195": audit(_8B, 8, "patched"),
+        "300": added_lines("0.17.1", V5),
+        "162": added_lines("0.17.1"),
+        "0.98": largest_bucket("llama3_8b_tp1", 8),
+        "2.68": largest_bucket("llama3_8b_tp1", 1024),
+        "1024": largest_bucket("llama3_8b_tp1", 1024),
+        "0.28": largest_bucket("llama3_70b_tp8", 8),
+        "5.06": largest_bucket("gpt3_175b_tp8_pp8", 8),
+    },
+    "0.19": {
+        "0.0": "tests/unit_tests/test_grad_data_guards.py::test_019_pristine_forced_sync_before_step_zeroes_every_grad",
+        "0.11": audit(_8B, 8, "mcore_0.19_legacy"),
+        "784": audit(_8B, 8, "mcore_0.19_legacy"),
+        "629": audit(_8B, 8, "mcore_0.19_legacy"),
+        "155": audit(_8B, 8, "patched_0.19"),
+        "98": audit(_8B, 8, "patched_0.19"),
+        "29.92": audit(_8B, 8, "mcore_0.19_legacy"),  # GiB zeroed per step
+        "14.96": audit(_8B, 8, "patched_0.19"),
+        "195": audit(_8B, 8, "patched_0.19"),
+        "287": added_lines("0.19", V5),
+        "169": added_lines("0.19"),
+        "0.98": largest_bucket("llama3_8b_tp1", 8),
+        "2.68": largest_bucket("llama3_8b_tp1", 1024),
+        "1024": largest_bucket("llama3_8b_tp1", 1024),
+        "0.28": largest_bucket("llama3_70b_tp8", 8),
+        "5.06": largest_bucket("gpt3_175b_tp8_pp8", 8),
     },
 }
 
@@ -204,7 +242,9 @@ def message_numbers(text: str) -> set:
     lines = [subject.group(1) if subject else ""] + [
         ln for ln in body.splitlines() if not TRAILERS.match(ln)
     ]
-    return {n for n in NUMBER.findall("\n".join(lines)) if len(n) > 1 and not NOT_NUMBERS.fullmatch(n)}
+    return {
+        n for n in NUMBER.findall("\n".join(lines)) if len(n) > 1 and not NOT_NUMBERS.fullmatch(n)
+    }
 
 
 def audit_row(section: str, dp: int, tree: str) -> str:
@@ -243,9 +283,115 @@ def test_every_message_number_is_in_the_table(base):
         if stated - listed:
             bad.append(f"{base} {key}: stated, not in MESSAGE_NUMBERS: {sorted(stated - listed)}")
         if listed - stated:
-            bad.append(f"{base} {key}: in MESSAGE_NUMBERS, no longer stated: {sorted(listed - stated)}")
+            bad.append(
+                f"{base} {key}: in MESSAGE_NUMBERS, no longer stated: {sorted(listed - stated)}"
+            )
     bad += [f"{base} {key}: no such patch" for key in set(table) - set(patches)]
     assert not bad, "\n".join(bad)
+
+
+def source_holds(number: str, source) -> str:
+    """'' if `source` holds `number`, else what is wrong."""
+    if source[0] == "audit":
+        row = audit_row(*source[1:])
+        return (
+            "" if number in re.split(r"[\s|/()]+", row) else f"{number} not in the audit row {row}"
+        )
+    if source[0] == "bucket":
+        import json
+
+        cells = json.loads(AUDIT_REPORT.with_suffix(".json").read_text())["cells"]
+        cell = next(
+            c for c in cells if (c["tree"], c["model"], c["dp"]) == ("upstream", *source[1:])
+        )
+        numel = max(b["param_numel"] for b in cell["buckets"] if b["layerwise"])
+        got = {f"{numel * 2 / 2**30:.2f}", str(source[2])}
+        return (
+            ""
+            if number in got
+            else f"{number} not in {sorted(got)} (largest bucket of {source[1:]})"
+        )
+    _, base, rev = source
+    if rev:
+        names = subprocess.run(
+            ["git", "show", f"{rev}:patches/{base}/series"],
+            cwd=REPO_ROOT,
+            capture_output=True,
+            text=True,
+        ).stdout.split()
+        texts = [
+            subprocess.run(
+                ["git", "show", f"{rev}:patches/{base}/{n}"],
+                cwd=REPO_ROOT,
+                capture_output=True,
+                text=True,
+            ).stdout
+            for n in names
+            if not n.startswith("#")
+        ]
+    else:
+        texts = [p.read_text() for p in series_patches(base=base)]
+    added = added_lines_of(
+        base, [t for t in texts if re.search(r"^diff --git a/megatron/", t, re.M)]
+    )
+    return (
+        ""
+        if number == str(added)
+        else f"{number} != {added} lines added under megatron/core at {rev or 'HEAD'}"
+    )
+
+
+def added_lines_of(base: str, patch_texts: list) -> int:
+    """Lines added under megatron/core by the patches (texts) on the base's pristine tree, as
+    `git diff --stat` counts them: the whole series against pristine."""
+    import tempfile
+    from pathlib import Path
+
+    from harness.trees import _tree_with_patches
+
+    pristine = tree_parent(BASES[base][0])
+    with tempfile.TemporaryDirectory() as tmp:
+        paths = []
+        for i, text in enumerate(patch_texts):
+            paths.append(Path(tmp) / f"{i:04d}.patch")
+            paths[-1].write_text(text)
+        tree = _tree_with_patches(pristine, paths, Path(tmp) / "tree")
+        touched = set(re.findall(r"^\+\+\+ b/(megatron/core/\S+)", "\n".join(patch_texts), re.M))
+        added = 0
+        for rel in touched:
+            numstat = subprocess.run(
+                ["git", "diff", "--no-index", "--numstat", str(pristine / rel), str(tree / rel)],
+                capture_output=True,
+                text=True,
+            ).stdout
+            added += int(numstat.split()[0])
+        return added
+
+
+def cover_numbers(base: str) -> set:
+    """The numbers of the cover letter's subject and blurb (the shortlog and diffstat below
+    are generated)."""
+    text = (SERIES_DIR.parent / base / COVER).read_text()
+    blurb = re.split(r"^\S.* \(\d+\):$", text, maxsplit=1, flags=re.M)[0]
+    return message_numbers(blurb + "\n---\n")
+
+
+@pytest.mark.parametrize("base", BASES)
+def test_every_cover_letter_number_is_listed_and_true(base):
+    """The cover letter's numbers == COVER_NUMBERS[base], and each source holds its number."""
+    stated, listed = cover_numbers(base), set(COVER_NUMBERS[base])
+    assert stated == listed, (sorted(stated - listed), sorted(listed - stated))
+    bad = []
+    for number, source in COVER_NUMBERS[base].items():
+        if isinstance(source, tuple):
+            bad.append(source_holds(number, source))
+        elif not re.search(
+            rf"^def {re.escape(source.partition('::')[2])}\(",
+            (REPO_ROOT / source.partition("::")[0]).read_text(),
+            re.M,
+        ):
+            bad.append(f"{number}: no test {source}")
+    assert not [b for b in bad if b], [b for b in bad if b]
 
 
 @pytest.mark.parametrize("base", BASES)
@@ -256,13 +402,15 @@ def test_every_listed_number_has_its_source(base):
     for key, numbers in MESSAGE_NUMBERS[base].items():
         for number, source in numbers.items():
             if isinstance(source, tuple):
-                row = audit_row(*source[1:])
-                if number not in re.split(r"[\s|/()]+", row):
-                    bad.append(f"{base} {key}: {number} not in the audit row {row}")
+                why = source_holds(number, source)
+                if why:
+                    bad.append(f"{base} {key}: {why}")
                 continue
             path, _, name = source.partition("::")
             func = name.split("[")[0]
             src = REPO_ROOT / path
-            if not (src.is_file() and re.search(rf"^def {re.escape(func)}\(", src.read_text(), re.M)):
+            if not (
+                src.is_file() and re.search(rf"^def {re.escape(func)}\(", src.read_text(), re.M)
+            ):
                 bad.append(f"{base} {key}: {number}: no test {source}")
     assert not bad, "\n".join(bad)
