@@ -113,6 +113,15 @@ MUTANTS.update({
                "                pass\n")]),
 })
 
+# The real-shape audit's teeth (tests/unit_tests/test_real_shapes_audit.py), in audit/.
+MUTANTS.update({
+    "audit/grad_data_never_idle": (
+        "The pre-hook path never receives into grad_data, as if it were never idle: every\n"
+        "gather takes a temporary of its bucket's size, as 0.17.1 did.",
+        PGB, [("                    self.grad_data_idle\n                    and not force_sync\n",
+               "                    False\n                    and not force_sync\n")]),
+})
+
 
 def main(names):
     for base, tree in BASE_TREES.items():
