@@ -495,7 +495,11 @@ BAD_FLAGS = {
                                 "--tensor-model-parallel-size", "2"], "14337 is not divisible by 2"),
     "no vocabulary": (_drop(_LLAMA, "--vocab-size") + ["--tokenizer-type", "HuggingFaceTokenizer"], "add --vocab-size"),
     "not bf16": (_drop(_LLAMA, "--bf16", 0), "add --bf16"),
+    "world not divisible by TP": (_LLAMA + ["--tensor-model-parallel-size", "8"],
+                                  "world size (12) is not divisible by total_model_size"),
 }  # fmt: skip
+#: The kinds run at world size 12 (--world-size), the others at DP 8 (--dp-sizes).
+AT_WORLD_12 = ("world not divisible by TP",)
 #: Run in the tree's worker process: each bad kind through run_flags, then Llama-3-8B with
 #: megatron's default --transformer-impl (Transformer Engine, here its stand-in) at DP 8.
 KINDS_SCRIPT = """
@@ -506,9 +510,12 @@ check_expected_tree()
 sync_worker._fake_all_gather_object(); W._member_groups_only(); mc = W._mc()
 tree = real_shapes.TREES[sys.argv[1]]
 out = {}
-for kind, flags in json.loads(sys.argv[2]).items():
-    (rec,) = W.run_flags(mc, tree, dict(label="bad", flags=flags, dp_sizes=[8]), ["async"])
+kinds, at_world_12 = json.loads(sys.argv[2])
+for kind, flags in kinds.items():
+    size = dict(world_sizes=[12]) if kind in at_world_12 else dict(dp_sizes=[8])
+    (rec,) = W.run_flags(mc, tree, dict(label="bad", flags=flags, **size), ["async"])
     out[kind] = rec.get("flags_error")
+out["dp_of_world_64"] = W.FlagsSpec("w", sys.argv[3:], world_size=64).dp
 (out["te"],) = W.run_flags(mc, tree, dict(label="te", flags=sys.argv[3:], dp_sizes=[8]), ["async"])
 print("RESULT " + json.dumps(out))
 """
@@ -517,19 +524,21 @@ print("RESULT " + json.dumps(out))
 def test_bad_flags_of_each_kind_get_megatrons_message():
     """Each kind of bad input (BAD_FLAGS) on pristine 0.17.1: the cell holds megatron's own
     message (argparse's, validate_args', TransformerConfig's, the layer's divide) or the
-    audit's own, and no path ran. In the same process, Llama-3-8B with megatron's default
+    audit's own, and no path ran; --world-size 64 at TP 1 is DP 64, as megatron derives it.
+    In the same process, Llama-3-8B with megatron's default
     Transformer Engine spec: TE's parameters (stand-in, TE not installed) give 630 zero-size
     operations at DP 8 against the local spec's 629 (pristine: these counts do not change)."""
     flags_te = _drop(_drop(_LLAMA, "--transformer-impl"), "--optimizer")
     env = env_for_tree("upstream")
     env.update(MEGATRON_CPU_RUNTIME="force", OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     proc = subprocess.run([sys.executable, "-P", "-c", KINDS_SCRIPT, "upstream",
-                           json.dumps({k: f for k, (f, _) in BAD_FLAGS.items()}), *flags_te],
+                           json.dumps([{k: f for k, (f, _) in BAD_FLAGS.items()}, AT_WORLD_12]), *flags_te],
                           cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = json.loads(proc.stdout.split("RESULT ", 1)[1])
     for kind, (_, message) in BAD_FLAGS.items():
         assert out[kind] and message in out[kind], (kind, out[kind])
+    assert out["dp_of_world_64"] == 64  # --world-size 64 at TP 1: megatron's DP
     te = out["te"]
     assert te["layer_spec"].startswith("transformer_engine (stand-in"), te["layer_spec"]
     assert "error" not in te and "flags_error" not in te, te
