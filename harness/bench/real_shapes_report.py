@@ -239,7 +239,8 @@ FINDINGS = Path(__file__).with_name("real_shapes_findings.md")
 def write_markdown(data: dict, path: Path, plot_name: str = "real_shapes.png") -> None:
     """docs/bench/real_shapes.md from the published JSON ``data`` ({"meta", "cells"}) and
     ``FINDINGS``; ``scripts/audit_param_sync.py`` calls it, and so can anyone with the JSON:
-    the Markdown needs no new audit run.
+    the Markdown needs no new audit run. A flag run's (``meta["flags"]``) leaves out
+    ``FINDINGS`` and the flags of the built-in models.
 
     Raises:
         OSError: ``FINDINGS`` is missing."""
@@ -265,7 +266,8 @@ def write_markdown(data: dict, path: Path, plot_name: str = "real_shapes.png") -
     ]
     out += [f"- `{t}`: {m['title']} (`{m['dir']}`)" for t, m in meta["trees"].items()]
     out += ["", "Columns: " + meta["columns"], ""]
-    out += ["## What the tables show, by release", "", FINDINGS.read_text().rstrip(), ""]
+    if "flags" not in meta:  # the reading of the built-in models' tables; not of a flag run's
+        out += ["## What the tables show, by release", "", FINDINGS.read_text().rstrip(), ""]
     for label, spec in meta["models"].items():
         recs = [c for c in cells if c["model"] == label]
         if not recs:
@@ -285,13 +287,13 @@ def write_markdown(data: dict, path: Path, plot_name: str = "real_shapes.png") -
 def reproduce_section(meta: dict) -> List[str]:
     """Markdown lines: how to audit each built-in model of ``meta["models"]`` from
     ``pretrain_gpt.py`` flags (``real_shapes.MODEL_FLAGS``), at the run's DP sizes; none for
-    models without flags (the flag path's own runs)."""
+    a flag run (``meta["flags"]``)."""
     import shlex
 
     from harness.bench.real_shapes import MODEL_FLAGS, MODELS
 
     models = [m for m in meta["models"] if m in MODEL_FLAGS]
-    if not models:
+    if not models or "flags" in meta:
         return []
     dps = ",".join(map(str, meta.get("dp_sizes", [])))
     out = [
