@@ -449,13 +449,14 @@ def flags_text(data: dict) -> str:
     for dp in sorted({c["dp"] for c in cells}):
         rs = _ordered([c for c in cells if c["dp"] == dp], trees)
         lines += ["", f"DP {_dp_text(rs[0])}" + (" (expert DP)" if rs[0].get("ep", 1) > 1 else ""), head]
+        lines += [f"  {'(cell)':<10}{r['tree']:<20}  crash: {error_line(r)[:90]}" for r in rs if "error" in r]
         for path, name in (("async", "async"), ("optimizer", "optimizer"), ("forced", "forced")):
             for r in rs:
                 p = r.get("paths", {}).get(path)
                 if p is None:
                     continue
-                if "error" in p or "error" in r:
-                    lines.append(f"  {name:<10}{r['tree']:<20}  crash: {error_line(p if 'error' in p else r)[:90]}")
+                if "error" in p:
+                    lines.append(f"  {name:<10}{r['tree']:<20}  crash: {error_line(p)[:90]}")
                     continue
                 temp = f"{gib(p['megatron_temporary_bytes'])} ({gib(p['megatron_peak_bytes'])})"
                 ops = f"{p['ops']} ({p['zero_size_ops']})"
