@@ -444,11 +444,12 @@ def flags_text(data: dict) -> str:
     lines = []
     for label, m in meta["models"].items():
         lines += [f"== {m['title']}", f"   {m['summary']}", f"   {m['notes']}"]
-    head = f"  {'path':<10}{'tree':<20}{'megatron temp. GiB (peak)':>27}{'NCCL temp. GiB':>16}{'ops (0-size)':>16}" \
-           f"{'launches':>10}{'zeroed GiB':>12}"
+    head = f"  {'path':<10}{'tree':<20}{'megatron temp. GiB: all (peak)':>31}{'NCCL temp. GiB':>16}" \
+           f"{'ops (0-size)':>16}{'launches':>10}{'zeroed GiB':>12}"
     for dp in sorted({c["dp"] for c in cells}):
         rs = _ordered([c for c in cells if c["dp"] == dp], trees)
-        lines += ["", f"DP {_dp_text(rs[0])}" + (" (expert DP)" if rs[0].get("ep", 1) > 1 else ""), head]
+        edp = f", expert DP {rs[0]['expert_dp']}" if rs[0].get("ep", 1) > 1 and "expert_dp" in rs[0] else ""
+        lines += ["", f"DP {dp}{edp}", head]
         lines += [f"  {'(cell)':<10}{r['tree']:<20}  crash: {error_line(r)[:90]}" for r in rs if "error" in r]
         for path, name in (("async", "async"), ("optimizer", "optimizer"), ("forced", "forced")):
             for r in rs:
@@ -460,7 +461,7 @@ def flags_text(data: dict) -> str:
                     continue
                 temp = f"{gib(p['megatron_temporary_bytes'])} ({gib(p['megatron_peak_bytes'])})"
                 ops = f"{p['ops']} ({p['zero_size_ops']})"
-                lines.append(f"  {name:<10}{r['tree']:<20}{temp:>27}{gib(nccl_peak(p)):>16}{ops:>16}"
+                lines.append(f"  {name:<10}{r['tree']:<20}{temp:>31}{gib(nccl_peak(p)):>16}{ops:>16}"
                              f"{p['launches']:>10}{gib(p['zeroed_grad_bytes']):>12}")  # fmt: skip
         pads = ", ".join(f"{r['tree']} {gib(r.get('padding_bytes', 0))}" for r in rs if "error" not in r)
         lines.append(f"  persistent padding GiB: {pads}")

@@ -450,9 +450,11 @@ def _megatron_message(exc: BaseException) -> str:
     return f"{(f.line or '').strip()} ({where}:{f.lineno})"
 
 
-#: The GPU architecture (major compute capability) validate_args is told. It asks only to decide
-#: whether TP or CP > 1 needs CUDA_DEVICE_MAX_CONNECTIONS=1 in the environment (before 10) and
-#: which streams get high priority: nothing that changes a parameter or a collective.
+#: The GPU architecture (major compute capability) validate_args is told, through megatron's
+#: ``get_device_arch_version`` and ``torch.cuda.get_device_capability``. It asks only to decide
+#: whether TP or CP > 1 needs CUDA_DEVICE_MAX_CONNECTIONS=1 in the environment (before 10),
+#: which streams get high priority, and whether --moe-grouped-gemm has its kernels (8 and
+#: later): nothing that changes a parameter or a collective.
 DEVICE_ARCH = 10
 
 
@@ -461,7 +463,7 @@ def parse_flags(flags, world_size=None, dp=None, validate: bool = True):
     ``flags`` as ``pretrain_gpt.py`` gets them, at ``world_size`` ranks, or at the world that
     gives data-parallel size ``dp`` (TP x PP x CP x ``dp``, as ``validate_args`` derives DP
     from the world size); ``validate=False``: ``parse_args`` only. Megatron's printout is
-    swallowed; its GPU architecture query answers ``DEVICE_ARCH``.
+    swallowed; its GPU architecture queries answer ``DEVICE_ARCH``.
 
     Returns:
         the validated ``argparse.Namespace`` (``data_parallel_size`` set by megatron).
@@ -493,6 +495,7 @@ def parse_flags(flags, world_size=None, dp=None, validate: bool = True):
         world_size = args.tensor_model_parallel_size * args.pipeline_model_parallel_size * args.context_parallel_size * dp
     args.world_size, args.rank = world_size, 0
     arch, arguments.get_device_arch_version = arguments.get_device_arch_version, lambda: DEVICE_ARCH
+    capability, torch.cuda.get_device_capability = torch.cuda.get_device_capability, lambda *a: (DEVICE_ARCH, 0)
     try:
         with contextlib.redirect_stdout(io.StringIO()):
             arguments.validate_args(args)
@@ -500,6 +503,7 @@ def parse_flags(flags, world_size=None, dp=None, validate: bool = True):
         raise FlagsError(f"megatron's validate_args: {_megatron_message(exc)}") from None
     finally:
         arguments.get_device_arch_version = arch
+        torch.cuda.get_device_capability = capability
     return args
 
 
