@@ -18,10 +18,11 @@
    same check on a tree with a deliberate bug (``tests/mutants/``) fails.
 
 4. Your model (``audit_param_sync.py ... -- <pretrain_gpt.py flags>``): the flags of Llama-3-8B
-   TP 1 and of the MoE model give exactly the built-in model's cells of the same run, on a
-   pristine and a series tree of each base (and pristine 0.17.1's published cells); megatron's
-   default Transformer Engine spec gives TE's parameter layout (stand-in); each kind of bad
-   input gets megatron's message, and bad input exits 2 with no traceback and nothing written.
+   TP 1 (0.17.1, pristine and the series, DP 8 and 64) and of the MoE model (pristine 0.19.2,
+   DP 64) give exactly the built-in model's cells of the same run (and pristine 0.17.1's
+   published cells); megatron's default Transformer Engine spec gives TE's parameter layout
+   (stand-in); each kind of bad input gets megatron's message, and bad input exits 2 with no
+   traceback and nothing written.
 
 Nothing here pins a count of the series (only the claimed 0 bytes and 0 zero-size calls):
 rerunning the audit after the series changes must change its numbers, not these tests.
@@ -399,12 +400,10 @@ def test_sync_counter_counts_zeroing_of_grad_data_views():
 # ---------------------------------------------------------------- your model: the flag path
 #: Volatile or flag-path-only keys of a cell record; every other key must be equal.
 FLAGS_ONLY_KEYS = ("model", "wall_s", "init_s", "tree_dir", "flags", "layer_spec", "size")
-#: The flag runs of the built-in models: (model, the trees of the run, DP sizes). Each pairs a
-#: pristine tree with a series tree, and between them both bases' argument parsers and
-#: gpt_builders; the MoE at DP 64 only (expert DP 8: expert buckets gathered; its cells cost
-#: the most).
-FLAGS_RUNS = (("llama3_8b_tp1", ("upstream", "patched"), (8, 64)),
-              (AUDIT_MODEL, ("mcore_0.19_legacy", "patched_0.19"), (64,)))  # fmt: skip
+#: The flag run of a built-in model through the driver: Llama-3-8B TP 1 on 0.17.1, pristine and
+#: the series, at the quick DP sizes. The MoE model's flags run on pristine 0.19.2's parser and
+#: gpt_builder in ``worker_019`` (one process for everything that needs no driver).
+FLAGS_MODEL, FLAGS_TREES = "llama3_8b_tp1", ("upstream", "patched")
 #: Published cells of a pristine tree (they change only with megatron-core itself).
 PUBLISHED = REPO_ROOT / "docs" / "bench" / "real_shapes.json"
 
@@ -426,47 +425,43 @@ def cell_differences(got: dict, want: dict) -> list:
 
 
 @pytest.fixture(scope="module")
-def flags_audits(tmp_path_factory):
-    """{model: (rc, data, stdout)} of the flag path on each of FLAGS_RUNS."""
-    out = {}
-    for model, trees, dps in FLAGS_RUNS:
-        d = tmp_path_factory.mktemp(f"flags_{model}")
-        proc = run_audit_flags(d, real_shapes.MODEL_FLAGS[model], "--trees", ",".join(trees), "--label", model,
-                               "--pp-stage", str(real_shapes.MODELS[model].pp_stage),
-                               "--dp-sizes", ",".join(map(str, dps)))  # fmt: skip
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-        out[model] = (proc.returncode, json.loads((d / "real_shapes.json").read_text()), proc.stdout)
-    return out
+def flags_audit(tmp_path_factory):
+    """(data, stdout) of the driver's flag path on FLAGS_MODEL's flags (FLAGS_TREES, quick DP sizes)."""
+    d = tmp_path_factory.mktemp("flags")
+    proc = run_audit_flags(d, real_shapes.MODEL_FLAGS[FLAGS_MODEL], "--trees", ",".join(FLAGS_TREES),
+                           "--label", FLAGS_MODEL, "--dp-sizes", ",".join(map(str, real_shapes.QUICK_DP_SIZES)))  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads((d / "real_shapes.json").read_text()), proc.stdout
 
 
-def test_flags_reproduce_the_builtin_cells(audit, flags_audits):
-    """The flags of Llama-3-8B TP 1 (DP 8 and 64) and of the MoE model (DP 64)
-    (real_shapes.MODEL_FLAGS), parsed by each tree's own megatron.training.arguments and built
-    by its gpt_builder, give exactly the cells of the built-in model in the same run (every key
-    of every path: buckets, shares, collectives, temporaries, zeroing, padding), on a pristine
-    and a series tree of each base; and pristine 0.17.1's cells equal the published ones."""
+def test_flags_reproduce_the_builtin_cells(audit, flags_audit):
+    """The flags of Llama-3-8B TP 1 (real_shapes.MODEL_FLAGS), parsed by 0.17.1's own
+    megatron.training.arguments and built by its gpt_builder, give exactly the built-in model's
+    cells of the same run (every key of every path: buckets, shares, collectives, temporaries,
+    zeroing, padding) at DP 8 and 64, on pristine 0.17.1 and the series; and pristine's cells
+    equal the published ones."""
     _, _, data = audit
     published = {(c["tree"], c["model"], c["dp"]): c for c in json.loads(PUBLISHED.read_text())["cells"]}
-    for model, trees, dps in FLAGS_RUNS:
-        _, fdata, stdout = flags_audits[model]
-        assert {(c["tree"], c["dp"]) for c in fdata["cells"]} == {(t, dp) for t in trees for dp in dps}
-        for c in fdata["cells"]:
-            assert c["model"] == model and c["layer_spec"] == "local"
-            (want,) = _cells(data, tree=c["tree"], model=model, dp=c["dp"])
-            assert cell_differences(c, want) == [], (c["tree"], c["dp"])
-            if c["tree"] == "upstream":
-                assert cell_differences(c, published[("upstream", model, c["dp"])]) == [], c["dp"]
-        assert fdata["meta"]["checks_failed"] == [] and fdata["meta"]["flags_rejected"] == []
-        assert f"== {model} (pretrain_gpt.py flags)" in stdout
+    fdata, stdout = flags_audit
+    want_cells = {(t, dp) for t in FLAGS_TREES for dp in real_shapes.QUICK_DP_SIZES}
+    assert {(c["tree"], c["dp"]) for c in fdata["cells"]} == want_cells
+    for c in fdata["cells"]:
+        assert c["model"] == FLAGS_MODEL and c["layer_spec"] == "local"
+        (want,) = _cells(data, tree=c["tree"], model=FLAGS_MODEL, dp=c["dp"])
+        assert cell_differences(c, want) == [], (c["tree"], c["dp"])
+        if c["tree"] == "upstream":
+            assert cell_differences(c, published[("upstream", FLAGS_MODEL, c["dp"])]) == [], c["dp"]
+    assert fdata["meta"]["checks_failed"] == [] and fdata["meta"]["flags_rejected"] == []
+    assert f"== {FLAGS_MODEL} (pretrain_gpt.py flags)" in stdout
 
 
-def test_flags_report_the_series_claims_against_pristine(flags_audits):
+def test_flags_report_the_series_claims_against_pristine(flags_audit):
     """The flag path's claims (``series_claims``) on Llama-3-8B: every series cell and path is
     judged against pristine, and holds; judged as if pristine were the series, every cell
     fails, named by the claim it breaks."""
     from harness.bench.real_shapes_report import series_claims
 
-    _, data, stdout = flags_audits["llama3_8b_tp1"]
+    data, stdout = flags_audit
     claims = data["meta"]["series_claims"]
     assert claims == series_claims(data["cells"])
     assert len(claims) == len(real_shapes.QUICK_DP_SIZES) * len(PATHS)
@@ -500,50 +495,77 @@ BAD_FLAGS = {
 }  # fmt: skip
 #: The kinds run at world size 12 (--world-size), the others at DP 8 (--dp-sizes).
 AT_WORLD_12 = ("world not divisible by TP",)
-#: Run in the tree's worker process: each bad kind through run_flags, then Llama-3-8B with
-#: megatron's default --transformer-impl (Transformer Engine, here its stand-in) at DP 8.
-KINDS_SCRIPT = """
+#: What ``worker_019`` runs in one process of pristine 0.19.2 (mcore_0.19_legacy): each bad
+#: kind through run_flags, --world-size 64's DP, Llama-3-8B with megatron's default
+#: --transformer-impl (Transformer Engine, here its stand-in) at DP 8 (async path), and the
+#: MoE model's flags at DP 64 (every path).
+WORKER_019_TREE = "mcore_0.19_legacy"
+WORKER_019_SCRIPT = """
 import json, sys
 from harness.bench import real_shapes, real_shapes_worker as W, sync_worker
 from harness.trees import check_expected_tree
 check_expected_tree()
 sync_worker._fake_all_gather_object(); W._member_groups_only(); mc = W._mc()
 tree = real_shapes.TREES[sys.argv[1]]
+kinds, at_world_12, flags_te, moe = json.loads(sys.argv[2])
 out = {}
-kinds, at_world_12 = json.loads(sys.argv[2])
 for kind, flags in kinds.items():
     size = dict(world_sizes=[12]) if kind in at_world_12 else dict(dp_sizes=[8])
     (rec,) = W.run_flags(mc, tree, dict(label="bad", flags=flags, **size), ["async"])
     out[kind] = rec.get("flags_error")
-out["dp_of_world_64"] = W.FlagsSpec("w", sys.argv[3:], world_size=64).dp
-(out["te"],) = W.run_flags(mc, tree, dict(label="te", flags=sys.argv[3:], dp_sizes=[8]), ["async"])
+out["dp_of_world_64"] = W.FlagsSpec("w", flags_te, world_size=64).dp
+(out["moe"],) = W.run_flags(mc, tree, dict(label=moe, flags=real_shapes.MODEL_FLAGS[moe], dp_sizes=[64]), W.PATHS)
+(out["te"],) = W.run_flags(mc, tree, dict(label="te", flags=flags_te, dp_sizes=[8]), ["async"])
 print("RESULT " + json.dumps(out))
 """
 
 
-def test_bad_flags_of_each_kind_get_megatrons_message():
-    """Each kind of bad input (BAD_FLAGS) on pristine 0.17.1: the cell holds megatron's own
-    message (argparse's, validate_args', TransformerConfig's, the layer's divide) or the
-    audit's own, and no path ran; --world-size 64 at TP 1 is DP 64, as megatron derives it.
-    In the same process, Llama-3-8B with megatron's default
-    Transformer Engine spec: TE's parameters (stand-in, TE not installed) give 630 zero-size
-    operations at DP 8 against the local spec's 629 (pristine: these counts do not change)."""
+@pytest.fixture(scope="module")
+def worker_019():
+    """The output of WORKER_019_SCRIPT (one worker process on pristine 0.19.2)."""
     flags_te = _drop(_drop(_LLAMA, "--transformer-impl"), "--optimizer")
-    env = env_for_tree("upstream")
+    env = env_for_tree(real_shapes.tree_dir(real_shapes.TREES[WORKER_019_TREE]))
     env.update(MEGATRON_CPU_RUNTIME="force", OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    proc = subprocess.run([sys.executable, "-P", "-c", KINDS_SCRIPT, "upstream",
-                           json.dumps([{k: f for k, (f, _) in BAD_FLAGS.items()}, AT_WORLD_12]), *flags_te],
+    job = [{k: f for k, (f, _) in BAD_FLAGS.items()}, AT_WORLD_12, flags_te, AUDIT_MODEL]
+    proc = subprocess.run([sys.executable, "-P", "-c", WORKER_019_SCRIPT, WORKER_019_TREE, json.dumps(job)],
                           cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    out = json.loads(proc.stdout.split("RESULT ", 1)[1])
+    return json.loads(proc.stdout.split("RESULT ", 1)[1])
+
+
+def test_bad_flags_of_each_kind_get_megatrons_message(worker_019):
+    """Each kind of bad input (BAD_FLAGS), on 0.19.2: the cell holds megatron's own message
+    (argparse's, validate_args', TransformerConfig's, the layer's divide) or the audit's own,
+    and no path ran; --world-size 64 at TP 1 is DP 64, as megatron derives it."""
     for kind, (_, message) in BAD_FLAGS.items():
-        assert out[kind] and message in out[kind], (kind, out[kind])
-    assert out["dp_of_world_64"] == 64  # --world-size 64 at TP 1: megatron's DP
-    te = out["te"]
+        assert worker_019[kind] and message in worker_019[kind], (kind, worker_019[kind])
+    assert worker_019["dp_of_world_64"] == 64
+
+
+def test_te_spec_gives_tes_parameter_layout(worker_019):
+    """Llama-3-8B with megatron's default spec (Transformer Engine; its stand-in here, TE not
+    installed) on pristine 0.19.2 at DP 8: 784 NCCL operations, 630 of them zero-size, against
+    the local spec's 629 (pristine: these counts change only with megatron-core); the same
+    8,030,261,248 params."""
+    te = worker_019["te"]
     assert te["layer_spec"].startswith("transformer_engine (stand-in"), te["layer_spec"]
     assert "error" not in te and "flags_error" not in te, te
     assert (te["paths"]["async"]["ops"], te["paths"]["async"]["zero_size_ops"]) == (784, 630)
-    assert te["param_numel"] == 8_030_261_248  # Llama-3-8B, the same with either spec
+    assert te["param_numel"] == 8_030_261_248
+
+
+def test_moe_flags_reproduce_the_builtin_cells(audit, worker_019):
+    """The MoE model's flags on 0.19.2's own parser and gpt_builder at DP 64 (expert DP 8:
+    expert buckets gathered) give exactly the built-in model's cell of the quick audit."""
+    from harness.bench.real_shapes_report import slim
+    from scripts.audit_param_sync import exact_receive_bytes
+
+    _, _, data = audit
+    rec = worker_019["moe"]
+    assert "flags_error" not in rec and rec["layer_spec"] == "local", rec.get("flags_error")
+    rec["exact_receive_bytes"] = exact_receive_bytes(rec)
+    (want,) = _cells(data, tree=WORKER_019_TREE, model=AUDIT_MODEL, dp=64)
+    assert cell_differences(slim(rec), want) == []
 
 
 def test_bad_flags_exit_2_with_no_traceback_and_nothing_written(tmp_path):
