@@ -301,11 +301,12 @@ def reproduce_section(meta: dict) -> List[str]:
         "",
         "`scripts/audit_param_sync.py ... -- FLAGS` audits the model that `pretrain_gpt.py` FLAGS describe: "
         "each tree's own argument parser, `validate_args`, `core_transformer_config_from_args` and "
-        "`gpt_builder` make it (docs/harness.md, \"Your model\"). These flags give each model above, "
-        "cell for cell, on the trees the run names (`--trees`; by default pristine and the series of each "
-        "base, and 0.19.2's layout path, which does not audit VPP) "
-        "(`tests/unit_tests/test_real_shapes_audit.py` checks Llama-3-8B TP 1 and the "
-        "DeepSeek-V2-Lite-like MoE at DP 8 and 64, on a pristine and a series tree of each base). They "
+        "`gpt_builder` make it (docs/harness.md, \"Your model\"), on the trees the run names (`--trees`; "
+        "by default pristine and the series of each base, and 0.19.2's layout path, which does not audit "
+        "VPP). These flags give the models above: all seven on pristine 0.17.1 at DP 8 gave their built-in "
+        "cells key for key when they were written, and `tests/unit_tests/test_real_shapes_audit.py` checks "
+        "Llama-3-8B TP 1 at DP 8 and 64 on 0.17.1, pristine and the series, and the DeepSeek-V2-Lite-like "
+        "MoE at DP 64 on pristine 0.19.2. They "
         "name `--transformer-impl local`, the layer spec of these tables; left out, megatron's default "
         "Transformer Engine spec gives other buckets (Llama-3-8B TP 1 at DP 8 on 0.17.1: 630 zero-size "
         "operations against 629).",
