@@ -516,6 +516,11 @@ for kind, flags in kinds.items():
 out["dp_of_world_64"] = W.FlagsSpec("w", flags_te, world_size=64).dp
 (out["moe"],) = W.run_flags(mc, tree, dict(label=moe, flags=real_shapes.MODEL_FLAGS[moe], dp_sizes=[64]), W.PATHS)
 (out["te"],) = W.run_flags(mc, tree, dict(label="te", flags=flags_te, dp_sizes=[8]), ["async"])
+from harness.bench import te_standin
+def fail():
+    raise ImportError("cannot import name 'X' from 'transformer_engine.pytorch'")
+te_standin.install = fail  # a release the stand-in cannot serve: the local spec, said so
+out["fallback"] = W.layer_spec_for(flags_te)
 print("RESULT " + json.dumps(out))
 """
 
@@ -546,9 +551,13 @@ def test_te_spec_gives_tes_parameter_layout(worker_019):
     """Llama-3-8B with megatron's default spec (Transformer Engine; its stand-in here, TE not
     installed) on pristine 0.19.2 at DP 8: 784 NCCL operations, 630 of them zero-size, against
     the local spec's 629 (pristine: these counts change only with megatron-core); the same
-    8,030,261,248 params."""
+    8,030,261,248 params. Where the stand-in cannot serve a release, the local spec is audited
+    and the layer spec says so, why, and what that changes."""
     te = worker_019["te"]
     assert te["layer_spec"].startswith("transformer_engine (stand-in"), te["layer_spec"]
+    spec, more = worker_019["fallback"]  # where the stand-in fails: the local spec, and why, and what changes
+    assert spec.startswith("local in place of transformer_engine") and "cannot import name 'X'" in spec
+    assert "629" in spec and more == ["--transformer-impl", "local"]
     assert "error" not in te and "flags_error" not in te, te
     assert (te["paths"]["async"]["ops"], te["paths"]["async"]["zero_size_ops"]) == (784, 630)
     assert te["param_numel"] == 8_030_261_248
