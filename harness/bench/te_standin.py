@@ -18,7 +18,7 @@ shape, dtype, the tensor-parallel attributes of TE's ``reset_parameters``), and 
 nothing; then it re-executes megatron's TE extension and the spec modules that bind it
 (``importlib.reload``), so that megatron's wrappers (their TP and expert splitting, their
 ``allreduce`` attributes) and megatron's spec functions run unchanged on top. Modules that
-megatron imported before keep seeing no TE, so DDP, the optimizers and fp8 helpers take the
+megatron imported before keep seeing no TE, so DDP, the optimizers and fp8 utilities take the
 same code paths as without TE.
 
 What TE does, as read from its source (``transformer_engine/pytorch/module/``), mirrored here:
