@@ -6,6 +6,21 @@ Usage (from the repo root, after scripts/setup.sh):
     .venv/bin/python scripts/audit_param_sync.py --quick      # 2 models x DP 8, 64 (the unit test's run)
     .venv/bin/python scripts/audit_param_sync.py --publish    # also docs/bench/real_shapes.{md,json,png}
     .venv/bin/python scripts/audit_param_sync.py --trees upstream,patched --models llama3_8b_tp1 --dp-sizes 64
+    .venv/bin/python scripts/audit_param_sync.py --dp-sizes 8,64 --label mine -- <pretrain_gpt.py flags>
+
+Your model: after ``--``, the flags of your ``pretrain_gpt.py`` run. Each tree's own
+``megatron.training.arguments`` parses and validates them and ``core_transformer_config_from_args``
+makes the config; the model is what that tree's ``gpt_builder`` builds from them (the layer
+spec the flags choose; Transformer Engine's parameters through harness/bench/te_standin.py
+where TE is not installed). TP, PP, VPP and EP come from the flags; the DP sizes from
+``--dp-sizes``, or from ``--world-size`` (DP = world / (TP x PP x CP), megatron's own
+derivation). ``--label`` names the model in the outputs; ``--pp-stage`` picks the pipeline
+stage audited (default 0). Default trees: ``FLAGS_TREES`` (pristine and the series on both
+bases, and 0.19.2's layout path unless the flags say ``--no-use-layer-wise-param-layout``).
+Flags one tree refuses and another accepts are reported per tree; flags that every tree
+refuses exit 2 with megatron's message and write nothing. Besides the outputs below, a short
+table goes to stdout: per DP, path and tree, the temporaries, NCCL operations and launches,
+zeroing and padding, then whether the series' claims hold against pristine on each cell.
 
 Models, trees and DP sizes are in harness/bench/real_shapes.py. One worker process per
 tree (harness/bench/real_shapes_worker.py, that tree first on PYTHONPATH) runs every cell
@@ -20,7 +35,9 @@ real_shapes.md (a table per model), real_shapes.png, and raw/<tree>.json (the wo
 full records, per-rank shares included).
 
 Exit status: 0 when every cell ran and the structural checks hold (``checks()``); 1 when
-a check fails (outputs are written either way); 2 when a worker process fails.
+a check fails (outputs are written either way); 2 when a worker process fails, or on bad
+input (unknown options, flags that every tree refuses, a DP size no tree accepts): then a
+message and no traceback, and nothing is written.
 """
 
 from __future__ import annotations
@@ -29,11 +46,13 @@ import argparse
 import json
 import os
 import platform
+import re
 import shlex
 import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -74,6 +93,22 @@ METHOD = (
     "and `_foreach_zero_` ops on `grad_data` storage, padding from DDP's buffers (elements of `grad_data`, and of "
     "`param_data` where the tree allocates it, that hold no param)."
 )
+#: METHOD's model sentence, and what the flag path says in its place.
+_BUILTIN_MODEL = (
+    "The model is megatron's `GPTModel` with the local layer spec (`get_gpt_decoder_block_spec(..., "
+    "use_transformer_engine=False)`), bf16 params, vocab padded by megatron (`vocab_size_with_padding`, "
+    "128 x TP), wrapped in the tree's DDP (fp32 `grad_data` as with `--accumulate-allreduce-grads-in-fp32`, "
+    "`--overlap-grad-reduce`, megatron's default bucket size max(40M, 1M x DP) elements, one bucket after "
+    "PP stage 0)"
+)
+_FLAGS_MODEL = (
+    "The model is what the tree's `gpt_builder` (its Megatron-LM checkout's, as `pretrain_gpt.py` calls it) "
+    "builds from the flags, after megatron's `parse_args`, `validate_args` and "
+    "`core_transformer_config_from_args`: the layer spec the flags choose (the model's notes name it), bf16 "
+    "params, `--vocab-size` padded by megatron, wrapped in the tree's DDP (`grad_data` dtype, bucket size "
+    "and bucket padding from the flags as `get_model` passes them, `--overlap-grad-reduce` on; megatron's "
+    "default bucket size max(40M, 1M x DP) elements, one bucket after PP stage 0)"
+)
 COLUMNS = (
     "*buckets* = DDP buckets on this rank (dense+expert-DP); *gather forms* = c10d calls per form "
     "in one async-path sync (list≠: `all_gather` of unequal sizes = one NCCL group of DP "
@@ -106,6 +141,16 @@ class WorkerError(RuntimeError):
     """A worker process failed; the message holds its command and output tail."""
 
 
+class FlagsRejected(ValueError):
+    """The pretrain_gpt.py flags describe no cell any tree can audit; the message says why,
+    per tree, in megatron's words."""
+
+
+#: Default trees of the flag path: pristine and the series on each base, and 0.19.2's layout
+#: path (dropped when the flags say --no-use-layer-wise-param-layout).
+FLAGS_TREES = ("upstream", "patched", "mcore_0.19_legacy", "patched_0.19", "mcore_0.19_layout")
+
+
 def audited(tree: str, model: str) -> bool:
     """Whether the audit runs ``model`` on ``tree``: every pair but VPP models on a layout
     tree (not audited there; see real_shapes.MODELS)."""
@@ -119,11 +164,13 @@ def build_cells(models, dp_sizes, tree: str) -> str:
 
 
 def worker_command(label: str, cells: str, out: Path, detail: bool = False):
-    """(argv, env) of the worker for tree ``label`` (harness.trees.env_for_tree of its tree)."""
+    """(argv, env) of the worker for tree ``label`` (harness.trees.env_for_tree of its tree).
+    ``cells``: the worker's --cells, or a Path: its --flags job file (``flags_job``)."""
     spec = real_shapes.TREES[label]
     env = env_for_tree(real_shapes.tree_dir(spec))
     env.update(MEGATRON_CPU_RUNTIME="force", OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", PYTHONUNBUFFERED="1")
-    argv = [sys.executable, str(WORKER), "--tree", label, "--cells", cells, "--out", str(out)]
+    what = ["--flags", str(cells)] if isinstance(cells, Path) else ["--cells", cells]
+    argv = [sys.executable, str(WORKER), "--tree", label, *what, "--out", str(out)]
     return argv + (["--bucket-detail"] if detail else []), env
 
 
@@ -226,20 +273,117 @@ def model_summary(spec, records: list) -> str:
             f"fp32 grad_data {report.gib(2 * r['param_bytes'])} GiB); padded vocab {r.get('padded_vocab_size')}.")  # fmt: skip
 
 
+def split_flags(argv):
+    """(the audit's own arguments, the pretrain_gpt.py flags after the first ``--`` or None)."""
+    argv = list(argv)
+    if "--" not in argv:
+        return argv, None
+    i = argv.index("--")
+    return argv[:i], argv[i + 1 :]
+
+
+def positive_ints(text: str):
+    """argparse type: '8,64' -> [8, 64] (each >= 1)."""
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated integers, e.g. 8,64") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected integers >= 1")
+    return values
+
+
+def flags_job(label: str, flags, dp_sizes, world_sizes, pp_stage: int) -> dict:
+    """The workers' --flags job (harness/bench/real_shapes_worker.py ``run_flags``)."""
+    return dict(label=label, flags=list(flags), dp_sizes=list(dp_sizes or []),
+                world_sizes=list(world_sizes or []), pp_stage=pp_stage)  # fmt: skip
+
+
+def sort_flags_results(results: dict, sizes) -> tuple:
+    """Split the workers' flag-path records into (cells that ran, rejections).
+
+    Args:
+        results: {tree: [records]} of ``run_workers`` on a flags job (each with ``size``).
+        sizes: the requested sizes, [("dp" | "world", n)].
+
+    Returns:
+        (records that ran, [{"tree", "size", "message"}] of those megatron refused).
+
+    Raises:
+        FlagsRejected: every tree refused every size, or some size is refused by every tree
+            (the messages, per tree and size).
+    """
+    ran, rejected = [], []
+    for tree, recs in results.items():
+        for r in recs:
+            if "flags_error" in r:
+                rejected.append(dict(tree=tree, size=_size_text(*r["size"]), message=r["flags_error"]))
+            else:
+                ran.append(r)
+    refused_everywhere = [_size_text(kind, n) for kind, n in sizes
+                          if all(any(x["tree"] == t and x["size"] == _size_text(kind, n) for x in rejected)
+                                 for t in results)]  # fmt: skip
+    if not ran or refused_everywhere:
+        lines = [f"  {x['tree']} ({x['size']}): {x['message']}" for x in rejected
+                 if not ran or x["size"] in refused_everywhere]  # fmt: skip
+        raise FlagsRejected("megatron refuses the flags" + (f" at {', '.join(refused_everywhere)}" if ran else "")
+                            + " on every tree:\n" + "\n".join(lines))  # fmt: skip
+    return ran, rejected
+
+
+def _size_text(kind: str, n: int) -> str:
+    return f"DP {n}" if kind == "dp" else f"world size {n}"
+
+
+def flags_model_meta(label: str, flags, records: list) -> dict:
+    """meta["models"][label] of a flag-path run: title, notes (the flags, the layer spec per
+    tree) and the one-line summary (``model_summary``'s, from a record that ran)."""
+    specs = {r["tree"]: r.get("layer_spec", "?") for r in records}
+    notes = "From pretrain_gpt.py flags: `" + shlex.join(flags) + "`. Layer spec: " + "; ".join(
+        f"{t}: {s}" for t, s in specs.items()) + "."  # fmt: skip
+    if any("stand-in" in s for s in specs.values()):
+        notes += (" Transformer Engine is not installed: its modules' parameters (names, registration order, "
+                  "shapes) come from harness/bench/te_standin.py under megatron's own TE wrappers and spec.")  # fmt: skip
+    ok = [r for r in records if "param_bytes" in r and not real_shapes.TREES[r["tree"]].layout] or [
+        r for r in records if "param_bytes" in r]  # fmt: skip
+    summary = ""
+    if ok:
+        r = ok[0]
+        f = r.get("flags", {})
+        vpp = f", VPP {r['vpp']} (one DDP per model chunk)" if r.get("vpp", 1) > 1 else ""
+        grad = 4 if f.get("grad_reduce_in_fp32", True) else 2
+        summary = (f"TP {r['tp']}, PP {r['pp']}{vpp}, EP {r['ep']}; stage {r['pp_stage']}; {f.get('num_layers')} layers "
+                   f"in all; {r['param_numel'] / 1e9:.2f} B params per rank ({report.gib(r['param_bytes'])} GiB bf16, "
+                   f"{'fp32' if grad == 4 else 'bf16'} grad_data {report.gib(r['param_bytes'] // 2 * grad)} GiB); "
+                   f"padded vocab {r.get('padded_vocab_size')}.")  # fmt: skip
+    return dict(title=f"{label} (pretrain_gpt.py flags)", notes=notes, summary=summary)
+
+
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    argv, flags = split_flags(sys.argv[1:] if argv is None else argv)
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                 usage="%(prog)s [options] [-- <pretrain_gpt.py flags>]")  # fmt: skip
     ap.add_argument("--quick", action="store_true", help="models " + ",".join(real_shapes.QUICK_MODELS)
                     + " at DP " + ",".join(map(str, real_shapes.QUICK_DP_SIZES)))
-    ap.add_argument("--trees", default=",".join(real_shapes.TREES))
+    ap.add_argument("--trees", default="", help="comma list (harness/bench/real_shapes.py TREES); default: "
+                    "every tree, or FLAGS_TREES with flags")
     ap.add_argument("--models", default="", help="comma list (harness/bench/real_shapes.py MODELS)")
-    ap.add_argument("--dp-sizes", default="", help="comma list of DP sizes")
+    ap.add_argument("--dp-sizes", type=positive_ints, default=None, help="comma list of DP sizes")
+    ap.add_argument("--world-size", type=positive_ints, default=None,
+                    help="with flags: comma list of world sizes; DP = world / (TP x PP x CP), as megatron derives it")
+    ap.add_argument("--label", default="my_model", help="with flags: the model's name in the outputs")
+    ap.add_argument("--pp-stage", type=int, default=0, help="with flags: the pipeline stage audited")
     ap.add_argument("--jobs", type=int, default=2, help="worker processes at once")
     ap.add_argument("--out-dir", default=str(REPO_ROOT / "build" / "audit"))
     ap.add_argument("--publish", action="store_true", help="copy JSON, MD and PNG to docs/bench/")
     args = ap.parse_args(argv)
     # SIGTERM ends the run like Ctrl-C: run_workers' cleanup kills the worker sessions.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    trees = [t for t in args.trees.split(",") if t]
+    if flags is not None:
+        return main_flags(ap, args, flags, argv)
+    if args.world_size or args.label != "my_model" or args.pp_stage:
+        ap.error("--world-size, --label and --pp-stage go with pretrain_gpt.py flags after --")
+    trees = [t for t in args.trees.split(",") if t] or list(real_shapes.TREES)
     unknown = [t for t in trees if t not in real_shapes.TREES]
     if unknown:
         ap.error(f"unknown trees {unknown}; known: {sorted(real_shapes.TREES)}")
@@ -248,8 +392,7 @@ def main(argv=None) -> int:
     bad = [m for m in models if m not in real_shapes.ALL_MODELS]
     if bad:
         ap.error(f"unknown models {bad}; known: {sorted(real_shapes.ALL_MODELS)}")
-    dps = [int(x) for x in args.dp_sizes.split(",")] if args.dp_sizes else list(
-        real_shapes.QUICK_DP_SIZES if args.quick else real_shapes.DP_SIZES)  # fmt: skip
+    dps = args.dp_sizes or list(real_shapes.QUICK_DP_SIZES if args.quick else real_shapes.DP_SIZES)
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
@@ -265,10 +408,29 @@ def main(argv=None) -> int:
         for rec in results[label]:
             rec["exact_receive_bytes"] = exact_receive_bytes(rec)
             cells.append(report.slim(rec))
+    command = shlex.join([".venv/bin/python", "scripts/audit_param_sync.py", *argv])
+    meta = run_meta(command, wall, trees, results)
+    meta.update(
+        models={m: dict(title=real_shapes.ALL_MODELS[m].title, notes=real_shapes.ALL_MODELS[m].notes,
+                        summary=model_summary(real_shapes.ALL_MODELS[m], [c for c in cells if c["model"] == m]))
+                for m in models},  # fmt: skip
+        dp_sizes=dps,
+    )
+    fails = checks(cells, {(t, m, dp) for t in trees for m in models if audited(t, m) for dp in dps})
+    meta["checks_failed"] = fails
+    write_outputs({"meta": meta, "cells": cells}, out_dir, args.publish)
+    print(f"[audit] {len(cells)} cells, {wall:.0f} s; outputs in {out_dir}", flush=True)
+    for f in fails:
+        print(f"[audit] CHECK FAILED: {f}", file=sys.stderr)
+    return 1 if fails else 0
+
+
+def run_meta(command: str, wall: float, trees, results: dict) -> dict:
+    """The run's meta block: command, date, versions, wall time, method and column texts,
+    the trees (title, layout, directory)."""
     import torch
 
-    command = shlex.join([".venv/bin/python", "scripts/audit_param_sync.py", *(argv if argv is not None else sys.argv[1:])])
-    meta = dict(
+    return dict(
         command=command,
         date=datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         torch=torch.__version__,
@@ -283,22 +445,80 @@ def main(argv=None) -> int:
                        if results[t] and results[t][0].get("tree_dir", "").startswith(str(REPO_ROOT))
                        else results[t][0].get("tree_dir", "") if results[t] else "")
                for t in trees},  # fmt: skip
-        models={m: dict(title=real_shapes.ALL_MODELS[m].title, notes=real_shapes.ALL_MODELS[m].notes,
-                        summary=model_summary(real_shapes.ALL_MODELS[m], [c for c in cells if c["model"] == m]))
-                for m in models},  # fmt: skip
-        dp_sizes=dps,
     )
-    fails = checks(cells, {(t, m, dp) for t in trees for m in models if audited(t, m) for dp in dps})
-    meta["checks_failed"] = fails
-    data = {"meta": meta, "cells": cells}
+
+
+def write_outputs(data: dict, out_dir: Path, publish: bool = False) -> None:
+    """real_shapes.{json,md,png} in ``out_dir``; with ``publish``, copies in docs/bench/."""
+    out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "real_shapes.json").write_text(dump_json(data))
     report.write_markdown(data, out_dir / "real_shapes.md")
     report.write_plot(data, out_dir / "real_shapes.png")
-    if args.publish:
+    if publish:
         DOCS.mkdir(parents=True, exist_ok=True)
         for name in ("real_shapes.json", "real_shapes.md", "real_shapes.png"):
             shutil.copy(out_dir / name, DOCS / name)
-    print(f"[audit] {len(cells)} cells, {wall:.0f} s; outputs in {out_dir}", flush=True)
+
+
+def main_flags(ap, args, flags, argv) -> int:
+    """The flag path of ``main`` (module docstring): one model from pretrain_gpt.py ``flags``.
+
+    Returns the exit status: 0, 1 (a structural check failed) or 2 (bad input or a worker
+    failure; nothing written)."""
+    if args.quick or args.models or args.publish:
+        ap.error("--quick, --models and --publish do not go with pretrain_gpt.py flags")
+    if not flags:
+        ap.error("no pretrain_gpt.py flags after --")
+    if bool(args.dp_sizes) == bool(args.world_size):
+        ap.error("give the DP sizes (--dp-sizes 8,64) or the world sizes (--world-size 64), one of the two")
+    if not re.fullmatch(r"[A-Za-z0-9_.-]+", args.label):
+        ap.error(f"--label {args.label!r}: letters, digits, '_', '.', '-' only")
+    if args.pp_stage < 0:
+        ap.error("--pp-stage: expected a stage >= 0")
+    trees = [t for t in args.trees.split(",") if t] or [
+        t for t in FLAGS_TREES if not (real_shapes.TREES[t].layout and "--no-use-layer-wise-param-layout" in flags)]
+    unknown = [t for t in trees if t not in real_shapes.TREES]
+    if unknown:
+        ap.error(f"unknown trees {unknown}; known: {sorted(real_shapes.TREES)}")
+    sizes = [("dp", n) for n in args.dp_sizes or []] + [("world", n) for n in args.world_size or []]
+    job = flags_job(args.label, flags, args.dp_sizes, args.world_size, args.pp_stage)
+    t0 = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="audit-flags-") as tmp:
+        job_file = Path(tmp) / "job.json"
+        job_file.write_text(json.dumps(job))
+        try:
+            results = run_workers(trees, {t: job_file for t in trees}, Path(tmp) / "raw", max(1, args.jobs))
+            ran, rejected = sort_flags_results(results, sizes)
+        except FlagsRejected as exc:
+            print(f"[audit] {exc}", file=sys.stderr)
+            return 2
+        except WorkerError as exc:
+            print(f"[audit] {exc}", file=sys.stderr)
+            return 2
+        wall = time.monotonic() - t0
+        out_dir = Path(args.out_dir)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        shutil.copytree(Path(tmp) / "raw", out_dir / "raw", dirs_exist_ok=True)
+    cells = []
+    for rec in ran:
+        rec["exact_receive_bytes"] = exact_receive_bytes(rec)
+        cells.append(report.slim(rec))
+    trees_ran = [t for t in trees if any(c["tree"] == t for c in cells)]
+    command = shlex.join([".venv/bin/python", "scripts/audit_param_sync.py", *argv, "--", *flags])
+    meta = run_meta(command, wall, trees_ran, {t: results[t] for t in trees_ran})
+    meta["method"] = METHOD.replace(_BUILTIN_MODEL, _FLAGS_MODEL)
+    dps = sorted({c["dp"] for c in cells})
+    meta.update(models={args.label: flags_model_meta(args.label, flags, ran)}, dp_sizes=dps,
+                flags=list(flags), flags_rejected=rejected)  # fmt: skip
+    fails = checks(cells, {(c["tree"], c["model"], c["dp"]) for c in cells})
+    meta["checks_failed"] = fails
+    meta["series_claims"] = report.series_claims(cells)
+    write_outputs({"meta": meta, "cells": cells}, out_dir)
+    print(report.flags_text({"meta": meta, "cells": cells}), flush=True)
+    per_cell = [c["wall_s"] for c in cells if "wall_s" in c]
+    print(f"[audit] {len(cells)} cells, {wall:.0f} s wall; per cell (worker time, model build and every path) "
+          f"mean {sum(per_cell) / max(1, len(per_cell)):.1f} s, max {max(per_cell, default=0):.1f} s; "
+          f"outputs in {out_dir}", flush=True)  # fmt: skip
     for f in fails:
         print(f"[audit] CHECK FAILED: {f}", file=sys.stderr)
     return 1 if fails else 0

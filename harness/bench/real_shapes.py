@@ -9,8 +9,9 @@ gather: the buckets come from the tree's ``_ParamAndGradBuffer`` / DDP, the shar
 ``compute_full_param_layout``), the collectives from running its bucket groups'
 ``start_param_sync()`` / ``finish_param_sync()`` and ``allgather_params()``.
 
-This module is data: the model configs (``MODELS``, real published shapes), the trees
-(``TREES``) and the DP sizes. It imports neither torch nor megatron, so the driver can
+This module is data: the model configs (``MODELS``, real published shapes), the
+``pretrain_gpt.py`` flags that describe them (``MODEL_FLAGS``, for the audit's flag path), the
+trees (``TREES``, ``SERIES_PAIRS``) and the DP sizes. It imports neither torch nor megatron, so the driver can
 read it under any Python.
 """
 
@@ -53,6 +54,8 @@ class ModelSpec:
         bucket_size: DDP bucket size in elements; None: megatron's default
             (``default_bucket_size``). Only the small check models set it.
         notes: caveats for the report.
+        grad_reduce_in_fp32: fp32 ``grad_data`` (``--accumulate-allreduce-grads-in-fp32``);
+            False: ``grad_data`` in the params' dtype (bf16).
     """
 
     label: str
@@ -70,6 +73,17 @@ class ModelSpec:
     pp_stage: int = 0
     bucket_size: Optional[int] = None
     notes: str = ""
+    grad_reduce_in_fp32: bool = True
+
+    @property
+    def ddp_extra(self) -> Dict:
+        """More ``DistributedDataParallelConfig`` keywords (none: its defaults)."""
+        return {}
+
+    @property
+    def etp(self) -> Optional[int]:
+        """Expert tensor-parallel size; None: megatron's default (TP)."""
+        return None
 
     @property
     def model_parallel(self) -> int:
@@ -152,6 +166,52 @@ MODELS: Dict[str, ModelSpec] = {
 }
 QUICK_MODELS: Tuple[str, ...] = ("llama3_8b_tp1", "dsv2_lite_ep8")
 
+_LLAMA3_FLAGS = (
+    "--group-query-attention", "--num-query-groups", "8", "--kv-channels", "128", "--normalization", "RMSNorm",
+    "--disable-bias-linear", "--swiglu", "--untie-embeddings-and-output-weights", "--position-embedding-type",
+    "rope", "--vocab-size", "128256",
+)  # fmt: skip
+_LLAMA3_8B_FLAGS = ("--num-layers", "32", "--hidden-size", "4096", "--ffn-hidden-size", "14336",
+                    "--num-attention-heads", "32", *_LLAMA3_FLAGS, "--seq-length", "8192",
+                    "--max-position-embeddings", "8192")  # fmt: skip
+_LLAMA3_70B_FLAGS = ("--num-layers", "80", "--hidden-size", "8192", "--ffn-hidden-size", "28672",
+                     "--num-attention-heads", "64", *_LLAMA3_FLAGS, "--seq-length", "8192",
+                     "--max-position-embeddings", "8192")  # fmt: skip
+#: What every built-in model assumes of a run: bf16 params, fp32 grad_data, megatron's local
+#: layer spec (the audit's built-in models use it), the layer-wise optimizer.
+_RUN_FLAGS = ("--bf16", "--accumulate-allreduce-grads-in-fp32", "--transformer-impl", "local",
+              "--optimizer", "dist_muon", "--micro-batch-size", "1")  # fmt: skip
+#: pretrain_gpt.py flags that describe each built-in model (``scripts/audit_param_sync.py
+#: --pp-stage STAGE --dp-sizes ... -- FLAGS`` reproduces its cells; STAGE = ``pp_stage``).
+MODEL_FLAGS: Dict[str, Tuple[str, ...]] = {
+    "llama3_8b_tp1": (*_LLAMA3_8B_FLAGS, "--tensor-model-parallel-size", "1", *_RUN_FLAGS),
+    "llama3_8b_tp2": (*_LLAMA3_8B_FLAGS, "--tensor-model-parallel-size", "2", *_RUN_FLAGS),
+    "llama3_70b_tp8": (*_LLAMA3_70B_FLAGS, "--tensor-model-parallel-size", "8", *_RUN_FLAGS),
+    "llama3_70b_tp4_pp4_vpp5": (*_LLAMA3_70B_FLAGS, "--tensor-model-parallel-size", "4",
+                                "--pipeline-model-parallel-size", "4", "--num-layers-per-virtual-pipeline-stage",
+                                "4", *_RUN_FLAGS),  # fmt: skip
+    "gpt3_175b_tp8_pp8": (
+        "--num-layers", "96", "--hidden-size", "12288", "--ffn-hidden-size", "49152", "--num-attention-heads", "96",
+        "--normalization", "LayerNorm", "--position-embedding-type", "learned_absolute", "--vocab-size", "50257",
+        "--seq-length", "2048", "--max-position-embeddings", "2048", "--tensor-model-parallel-size", "8",
+        "--pipeline-model-parallel-size", "8", *_RUN_FLAGS,
+    ),  # fmt: skip
+    "mixtral_8x7b_ep8": (
+        "--num-layers", "32", "--hidden-size", "4096", "--ffn-hidden-size", "14336", "--num-attention-heads", "32",
+        *_LLAMA3_FLAGS[:-1], "32000", "--seq-length", "4096", "--max-position-embeddings", "4096",
+        "--num-experts", "8", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "14336",
+        "--expert-model-parallel-size", "8", *_RUN_FLAGS,
+    ),  # fmt: skip
+    "dsv2_lite_ep8": (
+        "--num-layers", "27", "--hidden-size", "2048", "--ffn-hidden-size", "10944", "--num-attention-heads", "16",
+        "--kv-channels", "128", "--normalization", "RMSNorm", "--disable-bias-linear", "--swiglu",
+        "--untie-embeddings-and-output-weights", "--position-embedding-type", "rope", "--vocab-size", "102400",
+        "--seq-length", "4096", "--max-position-embeddings", "4096", "--num-experts", "64", "--moe-router-topk", "6",
+        "--moe-ffn-hidden-size", "1408", "--moe-shared-expert-intermediate-size", "2816",
+        "--moe-layer-freq", "([0]+[1]*26)", "--expert-model-parallel-size", "8", *_RUN_FLAGS,
+    ),  # fmt: skip
+}
+
 #: Small configs for the check against allocated megatron objects on real gloo ranks
 #: (tests/unit_tests/test_real_shapes_audit.py): the same code paths (dense and expert-DP
 #: buckets, several buckets, uneven shares) at a size that trains on CPU.
@@ -211,6 +271,10 @@ TREES: Dict[str, TreeSpec] = {
         TreeSpec("patched_0.19", "0.19.2 + its series (patches/0.19/), legacy path", "build/patched-0.19"),
     )
 }
+
+
+#: Each series tree and the pristine tree it patches (the claims compare them cell by cell).
+SERIES_PAIRS: Dict[str, str] = {"patched": "upstream", "patched_0.19": "mcore_0.19_legacy"}
 
 
 def tree_dir(spec: TreeSpec):

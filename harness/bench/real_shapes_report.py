@@ -239,7 +239,8 @@ FINDINGS = Path(__file__).with_name("real_shapes_findings.md")
 def write_markdown(data: dict, path: Path, plot_name: str = "real_shapes.png") -> None:
     """docs/bench/real_shapes.md from the published JSON ``data`` ({"meta", "cells"}) and
     ``FINDINGS``; ``scripts/audit_param_sync.py`` calls it, and so can anyone with the JSON:
-    the Markdown needs no new audit run.
+    the Markdown needs no new audit run. A flag run's (``meta["flags"]``) leaves out
+    ``FINDINGS`` and the flags of the built-in models.
 
     Raises:
         OSError: ``FINDINGS`` is missing."""
@@ -265,7 +266,8 @@ def write_markdown(data: dict, path: Path, plot_name: str = "real_shapes.png") -
     ]
     out += [f"- `{t}`: {m['title']} (`{m['dir']}`)" for t, m in meta["trees"].items()]
     out += ["", "Columns: " + meta["columns"], ""]
-    out += ["## What the tables show, by release", "", FINDINGS.read_text().rstrip(), ""]
+    if "flags" not in meta:  # the reading of the built-in models' tables; not of a flag run's
+        out += ["## What the tables show, by release", "", FINDINGS.read_text().rstrip(), ""]
     for label, spec in meta["models"].items():
         recs = [c for c in cells if c["model"] == label]
         if not recs:
@@ -274,11 +276,48 @@ def write_markdown(data: dict, path: Path, plot_name: str = "real_shapes.png") -
         if spec.get("notes"):
             out += [spec["notes"], ""]
         out += [model_table(recs, trees), ""]
+    out += reproduce_section(meta)
     if layout:
         out += ["## Memory: the layout path's padding against the legacy transients", "", meta["memory_note"], ""]
         out += [memory_table(memory_rows(cells, layout[0], legacy), legacy, layout[0]), ""]
     out += [f"![param-sync memory and launches vs DP]({plot_name})", ""]
     Path(path).write_text("\n".join(out))
+
+
+def reproduce_section(meta: dict) -> List[str]:
+    """Markdown lines: how to audit each built-in model of ``meta["models"]`` from
+    ``pretrain_gpt.py`` flags (``real_shapes.MODEL_FLAGS``), at the run's DP sizes; none for
+    a flag run (``meta["flags"]``)."""
+    import shlex
+
+    from harness.bench.real_shapes import MODEL_FLAGS, MODELS
+
+    models = [m for m in meta["models"] if m in MODEL_FLAGS]
+    if not models or "flags" in meta:
+        return []
+    dps = ",".join(map(str, meta.get("dp_sizes", [])))
+    out = [
+        "## Reproduce a built-in model from pretrain_gpt.py flags",
+        "",
+        "`scripts/audit_param_sync.py ... -- FLAGS` audits the model that `pretrain_gpt.py` FLAGS describe: "
+        "each tree's own argument parser, `validate_args`, `core_transformer_config_from_args` and "
+        "`gpt_builder` make it (docs/harness.md, \"Your model\"), on the trees the run names (`--trees`; "
+        "by default pristine and the series of each base, and 0.19.2's layout path, which does not audit "
+        "VPP). These flags give the models above: all seven on pristine 0.17.1 at DP 8 gave their built-in "
+        "cells key for key when they were written, and `tests/unit_tests/test_real_shapes_audit.py` checks "
+        "Llama-3-8B TP 1 at DP 8 and 64 on 0.17.1, pristine and the series, and the DeepSeek-V2-Lite-like "
+        "MoE at DP 64 on pristine 0.19.2. They "
+        "name `--transformer-impl local`, the layer spec of these tables; left out, megatron's default "
+        "Transformer Engine spec gives other buckets (Llama-3-8B TP 1 at DP 8 on 0.17.1: 630 zero-size "
+        "operations against 629).",
+        "",
+    ]
+    for m in models:
+        stage = MODELS[m].pp_stage if m in MODELS else 0
+        cmd = [".venv/bin/python", "scripts/audit_param_sync.py", "--label", m, "--dp-sizes", dps]
+        cmd += ["--pp-stage", str(stage)] if stage else []
+        out += [f"- {meta['models'][m]['title']}: `{shlex.join([*cmd, '--', *MODEL_FLAGS[m]])}`"]
+    return out + [""]
 
 
 def write_plot(data: dict, path: Path) -> None:
@@ -340,3 +379,103 @@ def write_plot(data: dict, path: Path) -> None:
     fig.tight_layout(rect=(0, 0.05, 1, 0.97))
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+# ---------------------------------------------------------------- the flag path's summary
+#: What the series claims per cell and path (README): these are 0.
+ZERO_KEYS = ("megatron_temporary_bytes", "megatron_peak_bytes", "nccl_temporary_bytes", "nccl_peak_bytes",
+             "zero_size_ops")  # fmt: skip
+
+
+def series_claims(cells: List[dict], pairs: Optional[Dict[str, str]] = None) -> List[dict]:
+    """The series' claims on each series cell and path, against its pristine tree's same cell.
+
+    Args:
+        cells: slim records (any trees; ``model`` and ``dp`` match the pairs).
+        pairs: series tree -> pristine tree (default ``real_shapes.SERIES_PAIRS``).
+
+    Returns:
+        per series cell and path, ``{"tree", "pristine", "model", "dp", "path", "holds": bool,
+        "why": str}``: ``holds`` when megatron and NCCL temporaries (bytes, peaks) and zero-size
+        operations are 0 and the NCCL operations and group launches are at most pristine's;
+        ``why`` names each failed claim, or says what was not compared (pristine crashed
+        there, or is not in the run).
+    """
+    if pairs is None:
+        from harness.bench.real_shapes import SERIES_PAIRS as pairs
+    by = {(c["tree"], c["model"], c["dp"]): c for c in cells}
+    out = []
+    for c in cells:
+        base = pairs.get(c["tree"])
+        if base is None:
+            continue
+        u = by.get((base, c["model"], c["dp"]))
+        for path in PATHS:
+            r = c.get("paths", {}).get(path)
+            if r is None:
+                continue
+            row = dict(tree=c["tree"], pristine=base, model=c["model"], dp=c["dp"], path=path, holds=True, why="")
+            why = []
+            if "error" in r:
+                why.append(f"the series raised: {error_line(r)}")
+            else:
+                why += [f"{k} {r[k]}, claimed 0" for k in ZERO_KEYS if r.get(k)]
+                ur = (u or {}).get("paths", {}).get(path)
+                if u is None:
+                    row["why"] = f"ops and launches not compared: {base} is not in the run"
+                elif ur is None or "error" in ur:
+                    row["why"] = (f"ops and launches not compared: {base} raised there"
+                                  + (f" ({error_line(ur)})" if ur else ""))  # fmt: skip
+                else:
+                    why += [f"{k} {r[k]} > {base}'s {ur[k]}" for k in ("ops", "launches") if r[k] > ur[k]]
+            if why:
+                row.update(holds=False, why="; ".join(why))
+            out.append(row)
+    return out
+
+
+def flags_text(data: dict) -> str:
+    """The flag path's short table (stdout): per DP and path, per tree, megatron's temporaries
+    (bytes allocated, peak), NCCL's (peak), NCCL operations (zero-size ones), group launches
+    and bytes zeroed in ``grad_data``; per tree the persistent padding; then the series' claims
+    (``series_claims``, from ``data["meta"]["series_claims"]``) and the trees that refused the
+    flags. GiB = 2^30 bytes; counts per step (async, optimizer) or per forced sync."""
+    meta, cells = data["meta"], data["cells"]
+    trees = list(meta["trees"])
+    lines = []
+    for label, m in meta["models"].items():
+        lines += [f"== {m['title']}", f"   {m['summary']}", f"   {m['notes']}"]
+    head = f"  {'path':<10}{'tree':<20}{'megatron temp. GiB: all (peak)':>31}{'NCCL temp. GiB':>16}" \
+           f"{'ops (0-size)':>16}{'launches':>10}{'zeroed GiB':>12}"
+    for dp in sorted({c["dp"] for c in cells}):
+        rs = _ordered([c for c in cells if c["dp"] == dp], trees)
+        edp = f", expert DP {rs[0]['expert_dp']}" if rs[0].get("ep", 1) > 1 and "expert_dp" in rs[0] else ""
+        lines += ["", f"DP {dp}{edp}", head]
+        lines += [f"  {'(cell)':<10}{r['tree']:<20}  crash: {error_line(r)[:90]}" for r in rs if "error" in r]
+        for path, name in (("async", "async"), ("optimizer", "optimizer"), ("forced", "forced")):
+            for r in rs:
+                p = r.get("paths", {}).get(path)
+                if p is None:
+                    continue
+                if "error" in p:
+                    lines.append(f"  {name:<10}{r['tree']:<20}  crash: {error_line(p)[:90]}")
+                    continue
+                temp = f"{gib(p['megatron_temporary_bytes'])} ({gib(p['megatron_peak_bytes'])})"
+                ops = f"{p['ops']} ({p['zero_size_ops']})"
+                lines.append(f"  {name:<10}{r['tree']:<20}{temp:>31}{gib(nccl_peak(p)):>16}{ops:>16}"
+                             f"{p['launches']:>10}{gib(p['zeroed_grad_bytes']):>12}")  # fmt: skip
+        pads = ", ".join(f"{r['tree']} {gib(r.get('padding_bytes', 0))}" for r in rs if "error" not in r)
+        lines.append(f"  persistent padding GiB: {pads}")
+    claims = meta.get("series_claims") or []
+    if claims:
+        lines += ["", "series' claims per cell and path (0 temporaries in megatron and NCCL, no zero-size operation, "
+                  "ops and launches <= pristine's):"]  # fmt: skip
+        for tree in dict.fromkeys(c["tree"] for c in claims):
+            mine = [c for c in claims if c["tree"] == tree]
+            held = sum(c["holds"] for c in mine)
+            lines.append(f"  {tree} vs {mine[0]['pristine']}: holds on {held} of {len(mine)}")
+            lines += [f"    DP {c['dp']} {c['path']}: {'' if c['holds'] else 'FAILS: '}{c['why']}" for c in mine
+                      if not c["holds"] or c["why"]]  # fmt: skip
+    for x in meta.get("flags_rejected") or []:
+        lines.append(f"refused by {x['tree']} ({x['size']}): {x['message']}")
+    return "\n".join(lines)

@@ -45,6 +45,12 @@ params, per-rank shares from the optimizer's ``dp_cp_params_list`` / ``expt_dp_p
 non-empty shares) and the persistent padding of DDP's buffers.
 
 A cell or path that raises records ``{"error": "Type: message"}``: a tree's crash is data.
+
+``--flags JOB`` audits the model that ``pretrain_gpt.py`` flags describe instead of
+``--cells`` (``run_flags``, ``FlagsSpec``): the tree's own argument parser, ``validate_args``,
+``core_transformer_config_from_args`` and its checkout's ``gpt_builder`` make the config and
+the model; a cell whose flags megatron refuses records ``{"flags_error": message}`` (bad
+input, not data).
 """
 
 from __future__ import annotations
@@ -231,7 +237,12 @@ def build_module(mc, spec: real_shapes.ModelSpec, vp_stage=None):
 
     Returns:
         (config, module, padded_vocab_size).
+
+    Raises:
+        FlagsError: ``spec`` is a ``FlagsSpec`` whose model megatron refuses to build.
     """
+    if isinstance(spec, FlagsSpec):
+        return spec.build_module(mc, vp_stage)
     cfg = dict(spec.config)
     mla = cfg.pop("mla", None)
     cls = mc.MLATransformerConfig if mla else mc.TransformerConfig
@@ -311,9 +322,9 @@ class LegacySetup(sync_worker.Setup):
 
     def __init__(self, mc, spec, overlap: bool):
         # bucket_size None: DDP's own default, max(40M, 1M x DP), one bucket after PP stage 0.
-        ddp_config = mc.DDPConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=True,
+        ddp_config = mc.DDPConfig(grad_reduce_in_fp32=spec.grad_reduce_in_fp32, overlap_grad_reduce=True,
                                   overlap_param_gather=overlap, use_distributed_optimizer=False,
-                                  bucket_size=spec.bucket_size)  # fmt: skip
+                                  bucket_size=spec.bucket_size, **spec.ddp_extra)  # fmt: skip
         chunks = []
         for vp_stage in range(spec.vpp) if spec.vpp > 1 else [None]:
             self.config, module, self.vocab = build_module(mc, spec, vp_stage)
@@ -370,9 +381,9 @@ class LayoutSetup(LegacySetup):
         dp = ps.get_data_parallel_world_size(with_context_parallel=True)
         ddp_bucket = spec.bucket_size or real_shapes.default_bucket_size(dp)
         bucket_size = None if ps.get_pipeline_model_parallel_rank() > 0 else ddp_bucket
-        ddp_config = mc.DDPConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=True,
+        ddp_config = mc.DDPConfig(grad_reduce_in_fp32=spec.grad_reduce_in_fp32, overlap_grad_reduce=True,
                                   overlap_param_gather=overlap, use_distributed_optimizer=True,
-                                  bucket_size=ddp_bucket)  # fmt: skip
+                                  bucket_size=ddp_bucket, **spec.ddp_extra)  # fmt: skip
         tag_params_for_buffer_routing([module])
         layout = LayerWiseDistributedOptimizer.compute_full_param_layout(
             [p for p in module.parameters() if p.requires_grad], bucket_size, dp, ddp_config,
@@ -398,6 +409,265 @@ class LayoutSetup(LegacySetup):
 
             return run
         return super().sync_fn(path)
+
+
+# ---------------------------------------------------------------- the flag path
+class FlagsError(Exception):
+    """The pretrain_gpt.py flags describe no model this tree builds: megatron's own message
+    (its argument parser, ``validate_args``, ``TransformerConfig`` or the model's layers), or
+    one of the audit's limits (``FlagsSpec``)."""
+
+
+#: Kernel fusions whose config checks need CUDA or Transformer Engine and that change no
+#: parameter: the flag path turns them off before ``core_transformer_config_from_args``.
+NO_KERNEL_FUSIONS = ("apply_rope_fusion", "bias_swiglu_fusion", "bias_gelu_fusion", "masked_softmax_fusion",
+                     "gradient_accumulation_fusion", "bias_dropout_fusion", "persist_layer_norm",
+                     "cross_entropy_loss_fusion")  # fmt: skip
+#: The same on the config (``build_module`` sets them so for the built-in models).
+CONFIG_KERNEL_FUSIONS = ("persist_layer_norm", "bias_dropout_fusion", "bias_activation_fusion", "apply_rope_fusion",
+                         "masked_softmax_fusion", "gradient_accumulation_fusion")  # fmt: skip
+#: Megatron-LM checkout whose gpt_builders.py builds the model, per megatron-core (MAJOR, MINOR)
+#: of the tree (scripts/setup.sh builds them; the series touches neither file).
+CHECKOUTS = {(0, 17): "core_v0.17.1", (0, 18): "core_v0.18.2", (0, 19): "core_v0.19.0"}
+
+
+def _last_line(text: str) -> str:
+    lines = [ln for ln in text.strip().splitlines() if ln.strip()]
+    return lines[-1] if lines else ""
+
+
+def _megatron_message(exc: BaseException) -> str:
+    """``exc``'s message; for a bare ``assert`` (no message), the failing line of megatron's
+    source, e.g. "assert not args.bf16 (megatron/training/arguments.py:984)"."""
+    text = str(exc).strip()
+    if text:
+        return text
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if "/megatron/" in f.filename]
+    if not frames:
+        return type(exc).__name__
+    f = frames[-1]
+    where = f.filename[f.filename.rindex("/megatron/") + 1 :]
+    return f"{(f.line or '').strip()} ({where}:{f.lineno})"
+
+
+#: The GPU architecture (major compute capability) validate_args is told, through megatron's
+#: ``get_device_arch_version`` and ``torch.cuda.get_device_capability``. It asks only to decide
+#: whether TP or CP > 1 needs CUDA_DEVICE_MAX_CONNECTIONS=1 in the environment (before 10),
+#: which streams get high priority, and whether --moe-grouped-gemm has its kernels (8 and
+#: later): nothing that changes a parameter or a collective.
+DEVICE_ARCH = 10
+
+
+def parse_flags(flags, world_size=None, dp=None, validate: bool = True):
+    """megatron's ``parse_args`` and ``validate_args`` (``megatron.training.arguments``) on
+    ``flags`` as ``pretrain_gpt.py`` gets them, at ``world_size`` ranks, or at the world that
+    gives data-parallel size ``dp`` (TP x PP x CP x ``dp``, as ``validate_args`` derives DP
+    from the world size); ``validate=False``: ``parse_args`` only. Megatron's printout is
+    swallowed; its GPU architecture queries answer ``DEVICE_ARCH``.
+
+    Returns:
+        the validated ``argparse.Namespace`` (``data_parallel_size`` set by megatron).
+
+    Raises:
+        FlagsError: argparse's error line (unknown flag, bad value) or the message of what
+            ``validate_args`` raised (contradictory flags, a world not divisible by TP x PP x CP).
+    """
+    import contextlib
+    import io
+
+    from megatron.training import arguments
+
+    def parse():
+        argv, sys.argv = sys.argv, ["pretrain_gpt.py", *flags]
+        err = io.StringIO()
+        try:
+            with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
+                return arguments.parse_args()
+        except SystemExit:
+            raise FlagsError(_last_line(err.getvalue()) or "megatron's argument parser refused the flags") from None
+        finally:
+            sys.argv = argv
+
+    args = parse()
+    if not validate:
+        return args
+    if dp is not None:
+        world_size = args.tensor_model_parallel_size * args.pipeline_model_parallel_size * args.context_parallel_size * dp
+    args.world_size, args.rank = world_size, 0
+    arch, arguments.get_device_arch_version = arguments.get_device_arch_version, lambda: DEVICE_ARCH
+    capability, torch.cuda.get_device_capability = torch.cuda.get_device_capability, lambda *a: (DEVICE_ARCH, 0)
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):
+            arguments.validate_args(args)
+    except (AssertionError, ValueError, TypeError, RuntimeError, KeyError) as exc:
+        raise FlagsError(f"megatron's validate_args: {_megatron_message(exc)}") from None
+    finally:
+        arguments.get_device_arch_version = arch
+        torch.cuda.get_device_capability = capability
+    return args
+
+
+class FlagsSpec:
+    """A model described by ``pretrain_gpt.py`` flags, in the shape of ``real_shapes.ModelSpec``
+    (``tp``, ``pp``, ``ep``, ``etp``, ``vpp``, ``pp_stage``, ``bucket_size``,
+    ``grad_reduce_in_fp32``, ``ddp_extra``, ``world_size(dp)``), built by megatron's own code:
+
+    * the config: ``megatron.training.arguments.core_transformer_config_from_args`` of the
+      tree, after ``parse_flags``; then only what the audit's meta tensors need and changes no
+      parameter (``use_cpu_initialization``, no init, the kernel fusions ``NO_KERNEL_FUSIONS``
+      off, ``sequence_parallel`` off: it changes no shape, and the local spec's norms refuse it);
+    * the model: ``gpt_builder`` of the tree's Megatron-LM checkout (``CHECKOUTS``), what
+      ``pretrain_gpt.py``'s model provider calls: the layer spec the flags choose
+      (``--transformer-impl``, ``--num-experts``, ``--moe-grouped-gemm``, ``--spec``, ...),
+      ``--untie-embeddings-and-output-weights``, ``--position-embedding-type``, MTP layers;
+      ``--transformer-impl transformer_engine`` without Transformer Engine installed runs on
+      ``harness.bench.te_standin`` (TE's parameters, megatron's TE wrappers and spec;
+      ``layer_spec_for``);
+    * the vocabulary: ``--vocab-size`` padded by megatron (``vocab_size_with_padding``:
+      ``--make-vocab-size-divisible-by`` x TP); ``--tokenizer-type NullTokenizer`` through
+      megatron's tokenizer (it adds the EOD token);
+    * DDP: ``--accumulate-allreduce-grads-in-fp32``, ``--ddp-bucket-size`` and
+      ``--ddp-pad-buckets-for-high-nccl-busbw`` as ``megatron.training.training.get_model``
+      passes them; ``--overlap-grad-reduce`` is on in every cell (``--overlap-param-gather``
+      needs it; the optimizer path runs with it too). ``--optimizer`` is not read: every cell
+      runs the tree's layer-wise Muon optimizer.
+
+    Raises (``__init__``, ``build_module``):
+        FlagsError: as ``parse_flags``; no ``--bf16`` (the audit counts bf16 params); CP > 1 or
+            ``--ddp-num-buckets`` (not modelled); no ``--vocab-size`` for a tokenizer read from
+            files; megatron refuses the model (e.g. a size not divisible by TP).
+    """
+
+    def __init__(self, label: str, flags, dp: int = None, world_size: int = None, pp_stage: int = 0):
+        from megatron.training import arguments
+
+        self.label, self.flags, self.pp_stage = label, list(flags), pp_stage
+        self.args = args = parse_flags(self.flags, world_size=world_size, dp=dp)
+        self.dp = args.data_parallel_size
+        if args.context_parallel_size != 1:
+            raise FlagsError("--context-parallel-size > 1: the audit models CP 1 only")
+        if not args.bf16:
+            raise FlagsError("the audit counts bf16 params: add --bf16")
+        self.tp, self.pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+        self.ep = args.expert_model_parallel_size
+        self.etp = args.expert_tensor_parallel_size
+        self.vpp = args.virtual_pipeline_model_parallel_size or 1
+        if not 0 <= pp_stage < self.pp:
+            raise FlagsError(f"--pp-stage {pp_stage}: the flags give pipeline stages 0..{self.pp - 1}")
+        self.grad_reduce_in_fp32 = bool(args.accumulate_allreduce_grads_in_fp32)
+        if getattr(args, "ddp_num_buckets", None) is not None:
+            raise FlagsError("--ddp-num-buckets is not modelled: give --ddp-bucket-size (elements) instead")
+        self.bucket_size = args.ddp_bucket_size
+        self.ddp_extra = dict(pad_buckets_for_high_nccl_busbw=bool(getattr(args, "ddp_pad_buckets_for_high_nccl_busbw", False)))
+        for name in NO_KERNEL_FUSIONS:
+            if hasattr(args, name):
+                setattr(args, name, False)
+        try:
+            self.config = arguments.core_transformer_config_from_args(args)
+        except (AssertionError, ValueError, TypeError, RuntimeError) as exc:
+            raise FlagsError(f"megatron's TransformerConfig: {_megatron_message(exc)}") from None
+        self.config.use_cpu_initialization = True
+        self.config.perform_initialization = False
+        self.config.sequence_parallel = False
+        for name in CONFIG_KERNEL_FUSIONS:
+            if hasattr(self.config, name):
+                setattr(self.config, name, False)
+        self.padded_vocab = self._padded_vocab()
+        self.transformer_impl = getattr(args, "transformer_impl", "local")
+        self.layer_spec = "local" if self.transformer_impl == "local" else self.transformer_impl
+
+    def world_size(self, dp: int) -> int:
+        return self.tp * self.pp * dp
+
+    def _padded_vocab(self) -> int:
+        args = self.args
+        if getattr(args, "tokenizer_type", None) == "NullTokenizer":
+            from megatron.core.tokenizers.utils.build_tokenizer import build_tokenizer
+
+            build_tokenizer(args)  # sets args.padded_vocab_size: --vocab-size + 1 (EOD), padded
+            return args.padded_vocab_size
+        if args.vocab_size is None:
+            raise FlagsError("the audit reads no tokenizer files: add --vocab-size N, your tokenizer's "
+                             "vocabulary before padding (Llama-3: 128256)")  # fmt: skip
+        from megatron.core.tokenizers.utils.build_tokenizer import vocab_size_with_padding
+
+        args.padded_vocab_size = vocab_size_with_padding(args.vocab_size, args)
+        return args.padded_vocab_size
+
+    def builder(self):
+        """``gpt_builders.gpt_builder`` of the tree's checkout (imported once per process).
+
+        Raises:
+            FlagsError: no checkout for this megatron-core release (run scripts/setup.sh)."""
+        from megatron.core import package_info
+
+        key = (int(package_info.MAJOR), int(package_info.MINOR))
+        checkout = Path(__file__).resolve().parents[2] / "build" / "megatron-lm" / CHECKOUTS.get(key, "?")
+        if not (checkout / "gpt_builders.py").is_file():
+            raise FlagsError(f"no Megatron-LM checkout for megatron-core {key[0]}.{key[1]} at {checkout}: run scripts/setup.sh")
+        if str(checkout) not in sys.path:
+            sys.path.append(str(checkout))  # after the tree: megatron itself still comes from it
+        import gpt_builders
+
+        return gpt_builders.gpt_builder
+
+    def build_module(self, mc, vp_stage=None):
+        """This stage's GPTModel (chunk ``vp_stage`` with VPP) from ``gpt_builder``;
+        (config, module in bf16, padded vocab)."""
+        args = self.args
+        builder = self.builder()
+        pre = mc.ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
+        post = mc.ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
+        try:
+            module = builder(args, pre, post, vp_stage=vp_stage, config=self.config)
+        except (AssertionError, ValueError, TypeError, RuntimeError, ZeroDivisionError, ImportError) as exc:
+            raise FlagsError(f"megatron cannot build the model: {type(exc).__name__}: {_megatron_message(exc)}") from None
+        return self.config, module.to(dtype=PARAM_DTYPE), self.padded_vocab
+
+    def describe(self) -> dict:
+        """What a record says about the flags' model (the report's per-model line)."""
+        a = self.args
+        return dict(flags=self.flags, layer_spec=self.layer_spec, num_layers=a.num_layers,
+                    hidden_size=a.hidden_size, num_experts=a.num_experts, etp=self.etp,
+                    grad_reduce_in_fp32=self.grad_reduce_in_fp32, optimizer=a.optimizer,
+                    overlap_param_gather=bool(a.overlap_param_gather),
+                    layer_wise_param_layout=getattr(a, "use_layer_wise_param_layout", None))  # fmt: skip
+
+
+#: What auditing the local spec in place of TE's changes (the report prints it with the fallback).
+LOCAL_FOR_TE = ("the local spec registers a separate input_layernorm / pre_mlp_layernorm before each "
+                "linear instead of TE's fused layer_norm_weight inside linear_qkv / linear_fc1, so DDP's "
+                "bucket order and the optimizer's ping-pong deal differ from a TE run (Llama-3-8B TP 1 at "
+                "DP 8: 629 zero-size operations on pristine 0.17.1 against 630, 2.94 GiB zeroed by the "
+                "series against 2.61 GiB); parameter count and bytes are the same")  # fmt: skip
+
+
+def layer_spec_for(flags) -> tuple:
+    """Prepare the layer spec the flags choose: with ``--transformer-impl transformer_engine``
+    (megatron's default) and Transformer Engine not installed, install
+    ``harness.bench.te_standin`` (TE's parameters under megatron's own TE wrappers and spec).
+
+    Returns:
+        (the spec as reports name it, flags to append): ("local", ()), ("transformer_engine",
+        ()) with TE installed, ("transformer_engine (stand-in: ...)", ()), or, where the
+        stand-in cannot serve this megatron release, ("local in place of transformer_engine
+        (...why, and what that changes)", ("--transformer-impl", "local")).
+    Raises:
+        FlagsError: as ``parse_flags``.
+    """
+    from harness.bench import te_standin
+
+    impl = parse_flags(flags, validate=False).transformer_impl
+    if impl != "transformer_engine":
+        return impl, ()
+    if te_standin.te_installed():
+        return "transformer_engine", ()
+    try:
+        te_standin.install()
+    except (ImportError, AttributeError, TypeError, RuntimeError) as exc:
+        why = f"Transformer Engine is not installed and its stand-in failed ({type(exc).__name__}: {exc})"
+        return f"local in place of transformer_engine: {why}; {LOCAL_FOR_TE}", ("--transformer-impl", "local")
+    return f"transformer_engine (stand-in: TE {te_standin.TE_VERSION}'s parameters; TE not installed)", ()
 
 
 # ---------------------------------------------------------------- what one cell reports
@@ -539,6 +809,7 @@ def run_cell(mc, tree: real_shapes.TreeSpec, spec, dp: int, dp_rank: int, paths,
     try:
         mc.ps.initialize_model_parallel(spec.tp, spec.pp, spec.vpp if spec.vpp > 1 else None,
                                         expert_model_parallel_size=spec.ep,
+                                        expert_tensor_parallel_size=spec.etp,
                                         create_gloo_process_groups=False)  # fmt: skip
         got = (mc.ps.get_tensor_model_parallel_rank(), mc.ps.get_pipeline_model_parallel_rank(),
                mc.ps.get_data_parallel_rank(), mc.ps.get_data_parallel_world_size())  # fmt: skip
@@ -556,6 +827,10 @@ def run_cell(mc, tree: real_shapes.TreeSpec, spec, dp: int, dp_rank: int, paths,
             try:
                 with MetaDeviceMode(), LayoutLog() as layout_log:
                     s = cls(mc, spec, overlap)
+            except FlagsError as exc:  # the flags' model: bad input, not the tree's crash
+                rec["flags_error"] = str(exc)
+                rec.pop("paths")
+                break
             except Exception as exc:  # noqa: BLE001 - a tree's crash is data
                 for p in mine:
                     rec["paths"][p] = _error(exc)
@@ -625,14 +900,48 @@ def parse_cells(text: str) -> list:
     return cells
 
 
+def run_flags(mc, tree: real_shapes.TreeSpec, job: dict, paths, detail: bool = False) -> list:
+    """The cells of the flags' model (``job``: see ``--flags``) on ``tree``, DP rank 0 each:
+    per DP size (or world size) a ``run_cell`` record with ``size`` (["dp" | "world", n], as
+    requested), ``flags`` (``FlagsSpec.describe``) and ``layer_spec``, or ``{"tree", "model",
+    "size", "flags_error": message}`` where megatron refuses the flags."""
+    label, flags = job["label"], job["flags"]
+    sizes = [("dp", n) for n in job.get("dp_sizes") or []] + [("world", n) for n in job.get("world_sizes") or []]
+    base = dict(tree=tree.label, model=label)
+    try:
+        layer_spec, more = layer_spec_for(flags)
+    except FlagsError as exc:
+        return [dict(base, size=[kind, n], flags_error=str(exc)) for kind, n in sizes]
+    if more:
+        print(f"[real_shapes_worker] {tree.label}: layer spec {layer_spec}", flush=True)
+    flags = [*flags, *more]
+    records = []
+    for kind, n in sizes:
+        t0 = time.perf_counter()
+        try:
+            spec = FlagsSpec(label, flags, pp_stage=job.get("pp_stage", 0), **{("dp" if kind == "dp" else "world_size"): n})
+        except FlagsError as exc:
+            records.append(dict(base, size=[kind, n], flags_error=str(exc)))
+            continue
+        rec = run_cell(mc, tree, spec, spec.dp, 0, paths, detail)
+        rec.update(size=[kind, n], flags=spec.describe(), layer_spec=layer_spec)
+        records.append(rec)
+        print(f"[real_shapes_worker] {tree.label} {label} dp={spec.dp} {time.perf_counter() - t0:.1f} s"
+              + (f" FLAGS {rec['flags_error'][:200]}" if "flags_error" in rec else "")
+              + (f" ERROR {rec['error'][:200]}" if "error" in rec else ""), flush=True)  # fmt: skip
+    return records
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tree", required=True, choices=sorted(real_shapes.TREES))
-    ap.add_argument("--cells", required=True, help="model:dp[:dp_rank],... (harness/bench/real_shapes.py MODELS)")
+    ap.add_argument("--cells", default="", help="model:dp[:dp_rank],... (harness/bench/real_shapes.py MODELS)")
     ap.add_argument("--paths", default=",".join(PATHS))
     ap.add_argument("--out", required=True, help="JSON list of cell records")
     ap.add_argument("--bucket-detail", action="store_true",
                     help="also the param names of every bucket and per-rank share (small models)")
+    ap.add_argument("--flags", help='JSON file {"label", "flags": [pretrain_gpt.py flags], "dp_sizes" or '
+                    '"world_sizes", "pp_stage"}: audit that model (FlagsSpec) instead of --cells')
     args = ap.parse_args(argv)
     tree_dir = check_expected_tree()
     tree = real_shapes.TREES[args.tree]
@@ -640,6 +949,12 @@ def main(argv=None) -> int:
     sync_worker._fake_all_gather_object()
     _member_groups_only()
     mc = _mc()
+    if args.flags:
+        records = run_flags(mc, tree, json.loads(Path(args.flags).read_text()), args.paths.split(","), args.bucket_detail)
+        for rec in records:
+            rec["tree_dir"] = tree_dir
+        Path(args.out).write_text(json.dumps(records, indent=1))
+        return 0
     records = []
     for spec, dp, rank in parse_cells(args.cells):
         rec = run_cell(mc, tree, spec, dp, rank, args.paths.split(","), args.bucket_detail)

@@ -17,6 +17,13 @@
    runs, and exactly the other ranks' shares on the wire (``series_claim_failures``). The
    same check on a tree with a deliberate bug (``tests/mutants/``) fails.
 
+4. Your model (``audit_param_sync.py ... -- <pretrain_gpt.py flags>``): the flags of Llama-3-8B
+   TP 1 (0.17.1, pristine and the series, DP 8 and 64) and of the MoE model (pristine 0.19.2,
+   DP 64) give exactly the built-in model's cells of the same run (and pristine 0.17.1's
+   published cells); megatron's default Transformer Engine spec gives TE's parameter layout
+   (stand-in); each kind of bad input gets megatron's message, and bad input exits 2 with no
+   traceback and nothing written.
+
 Nothing here pins a count of the series (only the claimed 0 bytes and 0 zero-size calls):
 rerunning the audit after the series changes must change its numbers, not these tests.
 """
@@ -407,3 +414,231 @@ def test_sync_counter_counts_zeroing_of_grad_data_views():
     assert c.zeroed_grad_bytes == 4 * 4 + 10 * 2 + 10 * 4
     assert c.zeroed_other_bytes == 10 * 2
     assert (c.temporary_bytes, c.peak_extra_bytes, kept.is_meta) == (28, 28, True)
+
+
+# ---------------------------------------------------------------- your model: the flag path
+#: Volatile or flag-path-only keys of a cell record; every other key must be equal.
+FLAGS_ONLY_KEYS = ("model", "wall_s", "init_s", "tree_dir", "flags", "layer_spec", "size")
+#: The flag run of a built-in model through the driver: Llama-3-8B TP 1 on 0.17.1, pristine and
+#: the series, at the quick DP sizes. The MoE model's flags run on pristine 0.19.2's parser and
+#: gpt_builder in ``worker_019`` (one process for everything that needs no driver).
+FLAGS_MODEL, FLAGS_TREES = "llama3_8b_tp1", ("upstream", "patched")
+#: Published cells of a pristine tree (they change only with megatron-core itself).
+PUBLISHED = REPO_ROOT / "docs" / "bench" / "real_shapes.json"
+
+
+def run_audit_flags(out: Path, flags, *options) -> subprocess.CompletedProcess:
+    """``audit_param_sync.py OPTIONS --out-dir OUT -- FLAGS``."""
+    return subprocess.run([sys.executable, str(SCRIPT), *options, "--out-dir", str(out), "--", *flags],
+                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=TIMEOUT_S)  # fmt: skip
+
+
+def cell_differences(got: dict, want: dict) -> list:
+    """Keys (``path.key`` inside paths) whose values differ, flag-path-only keys left out."""
+    keys = (set(got) | set(want)) - set(FLAGS_ONLY_KEYS) - {"paths"}
+    diff = [k for k in sorted(keys) if got.get(k) != want.get(k)]
+    for path in sorted(set(got.get("paths", {})) | set(want.get("paths", {}))):
+        g, w = got.get("paths", {}).get(path, {}), want.get("paths", {}).get(path, {})
+        diff += [f"{path}.{k}" for k in sorted(set(g) | set(w)) if g.get(k) != w.get(k)]
+    return diff
+
+
+@pytest.fixture(scope="module")
+def flags_audit(tmp_path_factory):
+    """(data, stdout) of the driver's flag path on FLAGS_MODEL's flags (FLAGS_TREES, quick DP sizes)."""
+    d = tmp_path_factory.mktemp("flags")
+    proc = run_audit_flags(d, real_shapes.MODEL_FLAGS[FLAGS_MODEL], "--trees", ",".join(FLAGS_TREES),
+                           "--label", FLAGS_MODEL, "--dp-sizes", ",".join(map(str, real_shapes.QUICK_DP_SIZES)))  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads((d / "real_shapes.json").read_text()), proc.stdout
+
+
+def test_flags_reproduce_the_builtin_cells(audit, flags_audit):
+    """The flags of Llama-3-8B TP 1 (real_shapes.MODEL_FLAGS), parsed by 0.17.1's own
+    megatron.training.arguments and built by its gpt_builder, give exactly the built-in model's
+    cells of the same run (every key of every path: buckets, shares, collectives, temporaries,
+    zeroing, padding) at DP 8 and 64, on pristine 0.17.1 and the series; and pristine's cells
+    equal the published ones."""
+    _, _, data = audit
+    published = {(c["tree"], c["model"], c["dp"]): c for c in json.loads(PUBLISHED.read_text())["cells"]}
+    fdata, stdout = flags_audit
+    want_cells = {(t, dp) for t in FLAGS_TREES for dp in real_shapes.QUICK_DP_SIZES}
+    assert {(c["tree"], c["dp"]) for c in fdata["cells"]} == want_cells
+    for c in fdata["cells"]:
+        assert c["model"] == FLAGS_MODEL and c["layer_spec"] == "local"
+        (want,) = _cells(data, tree=c["tree"], model=FLAGS_MODEL, dp=c["dp"])
+        assert cell_differences(c, want) == [], (c["tree"], c["dp"])
+        if c["tree"] == "upstream":
+            assert cell_differences(c, published[("upstream", FLAGS_MODEL, c["dp"])]) == [], c["dp"]
+    assert fdata["meta"]["checks_failed"] == [] and fdata["meta"]["flags_rejected"] == []
+    assert f"== {FLAGS_MODEL} (pretrain_gpt.py flags)" in stdout
+
+
+def test_flags_report_the_series_claims_against_pristine(flags_audit):
+    """The flag path's claims (``series_claims``) on Llama-3-8B: every series cell and path is
+    judged against pristine, and holds; judged as if pristine were the series, every cell
+    fails, named by the claim it breaks."""
+    from harness.bench.real_shapes_report import series_claims
+
+    data, stdout = flags_audit
+    claims = data["meta"]["series_claims"]
+    assert claims == series_claims(data["cells"])
+    assert len(claims) == len(real_shapes.QUICK_DP_SIZES) * len(PATHS)
+    assert all(c["holds"] for c in claims), claims
+    assert "patched vs upstream: holds on 6 of 6" in stdout
+    # A claim that fails is named: the pristine cell as the "series" one.
+    pristine_as_series = series_claims(data["cells"], pairs={"upstream": "patched"})
+    assert pristine_as_series and not any(c["holds"] for c in pristine_as_series)
+    assert all("megatron_temporary_bytes" in c["why"] for c in pristine_as_series)
+
+
+def _drop(flags, name: str, values: int = 1) -> list:
+    i = flags.index(name)
+    return [*flags[:i], *flags[i + 1 + values :]]
+
+
+#: Bad flags, one per kind, and what megatron (or the audit) says of each.
+_LLAMA = list(real_shapes.MODEL_FLAGS["llama3_8b_tp1"])
+BAD_FLAGS = {
+    "unknown": (_LLAMA + ["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+    "contradictory": (_LLAMA + ["--fp16"], "assert not args.bf16"),
+    "contradictory sizes": (_LLAMA + ["--seq-length", "16384"], "must be greater than or equal to seq_length"),
+    "heads not divisible by TP": (_LLAMA + ["--tensor-model-parallel-size", "3"],
+                                  "must be a multiple of tensor_model_parallel_size"),
+    "FFN not divisible by TP": (_drop(_LLAMA, "--ffn-hidden-size") + ["--ffn-hidden-size", "14337",
+                                "--tensor-model-parallel-size", "2"], "14337 is not divisible by 2"),
+    "no vocabulary": (_drop(_LLAMA, "--vocab-size") + ["--tokenizer-type", "HuggingFaceTokenizer"], "add --vocab-size"),
+    "not bf16": (_drop(_LLAMA, "--bf16", 0), "add --bf16"),
+    "world not divisible by TP": (_LLAMA + ["--tensor-model-parallel-size", "8"],
+                                  "world size (12) is not divisible by total_model_size"),
+}  # fmt: skip
+#: The kinds run at world size 12 (--world-size), the others at DP 8 (--dp-sizes).
+AT_WORLD_12 = ("world not divisible by TP",)
+#: What ``worker_019`` runs in one process of pristine 0.19.2 (mcore_0.19_legacy): each bad
+#: kind through run_flags, --world-size 64's DP, Llama-3-8B with megatron's default
+#: --transformer-impl (Transformer Engine, here its stand-in) at DP 8 (async path), and the
+#: MoE model's flags at DP 64 (every path).
+WORKER_019_TREE = "mcore_0.19_legacy"
+WORKER_019_SCRIPT = """
+import json, sys
+from harness.bench import real_shapes, real_shapes_worker as W, sync_worker
+from harness.trees import check_expected_tree
+check_expected_tree()
+sync_worker._fake_all_gather_object(); W._member_groups_only(); mc = W._mc()
+tree = real_shapes.TREES[sys.argv[1]]
+kinds, at_world_12, flags_te, moe = json.loads(sys.argv[2])
+out = {}
+for kind, flags in kinds.items():
+    size = dict(world_sizes=[12]) if kind in at_world_12 else dict(dp_sizes=[8])
+    (rec,) = W.run_flags(mc, tree, dict(label="bad", flags=flags, **size), ["async"])
+    out[kind] = rec.get("flags_error")
+out["dp_of_world_64"] = W.FlagsSpec("w", flags_te, world_size=64).dp
+(out["moe"],) = W.run_flags(mc, tree, dict(label=moe, flags=real_shapes.MODEL_FLAGS[moe], dp_sizes=[64]), W.PATHS)
+(out["te"],) = W.run_flags(mc, tree, dict(label="te", flags=flags_te, dp_sizes=[8]), ["async"])
+from harness.bench import te_standin
+def fail():
+    raise ImportError("cannot import name 'X' from 'transformer_engine.pytorch'")
+te_standin.install = fail  # a release the stand-in cannot serve: the local spec, said so
+out["fallback"] = W.layer_spec_for(flags_te)
+print("RESULT " + json.dumps(out))
+"""
+
+
+@pytest.fixture(scope="module")
+def worker_019():
+    """The output of WORKER_019_SCRIPT (one worker process on pristine 0.19.2)."""
+    flags_te = _drop(_drop(_LLAMA, "--transformer-impl"), "--optimizer")
+    env = env_for_tree(real_shapes.tree_dir(real_shapes.TREES[WORKER_019_TREE]))
+    env.update(MEGATRON_CPU_RUNTIME="force", OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    job = [{k: f for k, (f, _) in BAD_FLAGS.items()}, AT_WORLD_12, flags_te, AUDIT_MODEL]
+    proc = subprocess.run([sys.executable, "-P", "-c", WORKER_019_SCRIPT, WORKER_019_TREE, json.dumps(job)],
+                          cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads(proc.stdout.split("RESULT ", 1)[1])
+
+
+def test_bad_flags_of_each_kind_get_megatrons_message(worker_019):
+    """Each kind of bad input (BAD_FLAGS), on 0.19.2: the cell holds megatron's own message
+    (argparse's, validate_args', TransformerConfig's, the layer's divide) or the audit's own,
+    and no path ran; --world-size 64 at TP 1 is DP 64, as megatron derives it."""
+    for kind, (_, message) in BAD_FLAGS.items():
+        assert worker_019[kind] and message in worker_019[kind], (kind, worker_019[kind])
+    assert worker_019["dp_of_world_64"] == 64
+
+
+def test_te_spec_gives_tes_parameter_layout(worker_019):
+    """Llama-3-8B with megatron's default spec (Transformer Engine; its stand-in here, TE not
+    installed) on pristine 0.19.2 at DP 8: 784 NCCL operations, 630 of them zero-size, against
+    the local spec's 629 (pristine: these counts change only with megatron-core); the same
+    8,030,261,248 params. Where the stand-in cannot serve a release, the local spec is audited
+    and the layer spec says so, why, and what that changes."""
+    te = worker_019["te"]
+    assert te["layer_spec"].startswith("transformer_engine (stand-in"), te["layer_spec"]
+    spec, more = worker_019["fallback"]  # where the stand-in fails: the local spec, and why, and what changes
+    assert spec.startswith("local in place of transformer_engine") and "cannot import name 'X'" in spec
+    assert "629" in spec and more == ["--transformer-impl", "local"]
+    assert "error" not in te and "flags_error" not in te, te
+    assert (te["paths"]["async"]["ops"], te["paths"]["async"]["zero_size_ops"]) == (784, 630)
+    assert te["param_numel"] == 8_030_261_248
+
+
+def test_moe_flags_reproduce_the_builtin_cells(audit, worker_019):
+    """The MoE model's flags on 0.19.2's own parser and gpt_builder at DP 64 (expert DP 8:
+    expert buckets gathered) give exactly the built-in model's cell of the quick audit."""
+    from harness.bench.real_shapes_report import slim
+    from scripts.audit_param_sync import exact_receive_bytes
+
+    _, _, data = audit
+    rec = worker_019["moe"]
+    assert "flags_error" not in rec and rec["layer_spec"] == "local", rec.get("flags_error")
+    rec["exact_receive_bytes"] = exact_receive_bytes(rec)
+    (want,) = _cells(data, tree=WORKER_019_TREE, model=AUDIT_MODEL, dp=64)
+    assert cell_differences(slim(rec), want) == []
+
+
+def test_bad_flags_exit_2_with_no_traceback_and_nothing_written(tmp_path):
+    """End to end: flags every tree refuses exit 2 with megatron's message per tree, no
+    traceback, and no output directory."""
+    out = tmp_path / "out"
+    proc = run_audit_flags(out, BAD_FLAGS["unknown"][0], "--trees", "upstream", "--dp-sizes", "8")
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "upstream (DP 8): pretrain_gpt.py: error: unrecognized arguments: --no-such-flag" in proc.stderr
+    assert "Traceback" not in proc.stdout + proc.stderr
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("options, message", [
+    ([], "no pretrain_gpt.py flags after --"),
+    (["--dp-sizes", "8", "--world-size", "64"], "one of the two"),
+    (["--dp-sizes", "8,x"], "expected comma-separated integers"),
+    (["--dp-sizes", "0"], "expected integers >= 1"),
+    (["--dp-sizes", "8", "--label", "my model"], "letters, digits"),
+    (["--dp-sizes", "8", "--quick"], "do not go with pretrain_gpt.py flags"),
+    (["--dp-sizes", "8", "--trees", "nope"], "unknown trees"),
+])  # fmt: skip
+def test_bad_audit_options_exit_2(options, message, capsys, tmp_path):
+    """The audit's own options, with flags: argparse's exit 2 and message, before any worker."""
+    from scripts.audit_param_sync import main
+
+    flags = [] if not options else ["--num-layers", "2"]
+    with pytest.raises(SystemExit) as exc:
+        main([*options, "--out-dir", str(tmp_path / "out"), "--", *flags])
+    assert exc.value.code == 2 and message in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+def test_flags_refused_by_one_base_are_reported_per_tree():
+    """sort_flags_results: a tree that refuses the flags is listed with megatron's message while
+    the others' cells stand; a size every tree refuses, or flags no tree takes, are bad input."""
+    from scripts.audit_param_sync import FlagsRejected, sort_flags_results
+
+    ok = dict(tree="mcore_0.19_legacy", model="m", dp=8, size=["dp", 8], paths={})
+    refused = dict(tree="upstream", model="m", size=["dp", 8], flags_error="pretrain_gpt.py: error: unrecognized")
+    ran, rejected = sort_flags_results({"upstream": [refused], "mcore_0.19_legacy": [ok]}, [("dp", 8)])
+    assert ran == [ok] and rejected == [dict(tree="upstream", size="DP 8", message=refused["flags_error"])]
+    with pytest.raises(FlagsRejected, match="upstream \\(DP 8\\): pretrain_gpt.py: error"):
+        sort_flags_results({"upstream": [refused]}, [("dp", 8)])
+    big = dict(refused, tree="mcore_0.19_legacy", size=["dp", 16], flags_error="validate_args: no")
+    with pytest.raises(FlagsRejected, match="at DP 16 on every tree"):
+        sort_flags_results({"upstream": [dict(refused, size=["dp", 16])], "mcore_0.19_legacy": [ok, big]},
+                           [("dp", 8), ("dp", 16)])  # fmt: skip
