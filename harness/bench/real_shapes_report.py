@@ -396,8 +396,12 @@ def series_claims(cells: List[dict], pairs: Optional[Dict[str, str]] = None) -> 
 
     Returns:
         per series cell and path, ``{"tree", "pristine", "model", "dp", "path", "holds": bool,
-        "why": str}``: ``holds`` when megatron and NCCL temporaries (bytes, peaks) and zero-size
-        operations are 0 and the NCCL operations and group launches are at most pristine's;
+        "why": str}``: ``holds`` when NCCL temporaries (bytes, peaks) and zero-size operations
+        are 0 and the group launches at most pristine's; on the async and optimizer paths
+        megatron's temporaries are 0 too; the NCCL operations are at most pristine's on the
+        async and forced paths and one per sharded param on the optimizer path; the forced
+        sync's megatron peak is at most the largest layer-wise bucket's params (one bucket's
+        temporary at a time, as 0.17.1);
         ``why`` names each failed claim, or says what was not compared (pristine crashed
         there, or is not in the run).
     """
@@ -419,7 +423,19 @@ def series_claims(cells: List[dict], pairs: Optional[Dict[str, str]] = None) -> 
             if "error" in r:
                 why.append(f"the series raised: {error_line(r)}")
             else:
-                why += [f"{k} {r[k]}, claimed 0" for k in ZERO_KEYS if r.get(k)]
+                # The forced sync takes one bucket's temporary at a time (as 0.17.1): megatron's
+                # peak at most the largest layer-wise bucket's params; the optimizer's gather
+                # broadcasts each sharded param in place: one NCCL operation per param.
+                zero = [k for k in ZERO_KEYS if not (path == "forced" and k.startswith("megatron_"))]
+                why += [f"{k} {r[k]}, claimed 0" for k in zero if r.get(k)]
+                layerwise = [b for b in c.get("buckets", []) if b.get("layerwise")]
+                if path == "forced" and layerwise:
+                    largest = max(b["param_numel"] for b in layerwise) * c["param_bytes"] // c["param_numel"]
+                    if r.get("megatron_peak_bytes", 0) > largest:
+                        why.append(f"megatron_peak_bytes {r['megatron_peak_bytes']} > the largest bucket's {largest}")
+                sharded = sum(b["params"] for b in layerwise if b.get("ranks", 1) > 1)
+                if path == "optimizer" and layerwise and r["ops"] != sharded:
+                    why.append(f"ops {r['ops']}, claimed one per sharded param ({sharded})")
                 ur = (u or {}).get("paths", {}).get(path)
                 if u is None:
                     row["why"] = f"ops and launches not compared: {base} is not in the run"
@@ -427,7 +443,8 @@ def series_claims(cells: List[dict], pairs: Optional[Dict[str, str]] = None) -> 
                     row["why"] = (f"ops and launches not compared: {base} raised there"
                                   + (f" ({error_line(ur)})" if ur else ""))  # fmt: skip
                 else:
-                    why += [f"{k} {r[k]} > {base}'s {ur[k]}" for k in ("ops", "launches") if r[k] > ur[k]]
+                    keys = ("launches",) if path == "optimizer" else ("ops", "launches")
+                    why += [f"{k} {r[k]} > {base}'s {ur[k]}" for k in keys if r[k] > ur[k]]
             if why:
                 row.update(holds=False, why="; ".join(why))
             out.append(row)

@@ -94,8 +94,8 @@ MUTANTS.update({
     "guards/start_grad_sync_leaves_gather_pending": (
         "start_grad_sync() does not complete a pending layer-wise gather: the grad reduce of a\n"
         "bucket group that got no grads reads what the gather writes into its grad_data.",
-        PGB, [("            self.finish_param_sync(skip_next_bucket_dispatch=True)  # it may write grad_data\n",
-               "            pass\n")]),
+        PGB, [("        self.finish_layerwise_param_gather()\n        self.grad_data_idle = False\n",
+               "        self.grad_data_idle = False\n")]),
     "guards/backward_hook_does_not_raise": (
         "DDP's backward hook lets a grad land while its bucket group's gather into grad_data\n"
         "is in flight (the RuntimeError dropped).",
@@ -109,8 +109,7 @@ MUTANTS.update({
     "guards/step_leaves_gather_pending": (
         "The optimizer step does not complete a pending gather before it clears the dispatch\n"
         "mark: the next forward's pre-hook starts another gather over it (0.17.1's assertion).",
-        LWO, [("                bucket_group.finish_param_sync(skip_next_bucket_dispatch=True)\n",
-               "                pass\n")]),
+        LWO, [("            bucket_group.finish_layerwise_param_gather()\n", "            pass\n")]),
 })
 
 # The real-shape audit's teeth (tests/unit_tests/test_real_shapes_audit.py), in audit/.
