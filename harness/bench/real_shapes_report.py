@@ -433,7 +433,7 @@ def series_claims(cells: List[dict], pairs: Optional[Dict[str, str]] = None) -> 
                     largest = max(b["param_numel"] for b in layerwise) * c["param_bytes"] // c["param_numel"]
                     if r.get("megatron_peak_bytes", 0) > largest:
                         why.append(f"megatron_peak_bytes {r['megatron_peak_bytes']} > the largest bucket's {largest}")
-                sharded = sum(b["params"] for b in layerwise if b.get("ranks", 1) > 1)
+                sharded = sum(b["params"] for b in layerwise if b.get("ranks", c["expert_dp"] if b["expert"] else c["dp"]) > 1)
                 if path == "optimizer" and layerwise and r["ops"] != sharded:
                     why.append(f"ops {r['ops']}, claimed one per sharded param ({sharded})")
                 ur = (u or {}).get("paths", {}).get(path)

@@ -104,6 +104,22 @@ class TransformerEngineBaseModule(torch.nn.Module):
         raise RuntimeError("Transformer Engine stand-in: parameter layout only, no compute")
 
 
+def _parallel_dims_of(module, in_features, out_features, tp_group, tp_size, parallel_mode, bias, sequence_parallel):
+    """Set TE's tensor-parallel attributes of a Linear-like module: its group and size, this
+    rank's in/out features (column: out split by TP; row: in split), bias and sequence
+    parallelism, as TE's Linear and GroupedLinear do."""
+    module.parallel_mode = parallel_mode
+    module.tp_size = _tp_size(tp_group, tp_size)
+    module.set_tensor_parallel_group(tp_group)
+    module.in_features, module.out_features = in_features, out_features
+    if parallel_mode == "column":
+        module.out_features = _divide(out_features, module.tp_size, "out_features")
+    elif parallel_mode == "row":
+        module.in_features = _divide(in_features, module.tp_size, "in_features")
+    module.use_bias = bias
+    module.sequence_parallel = module.tp_size > 1 and sequence_parallel
+
+
 class Linear(TransformerEngineBaseModule):
     """``transformer_engine.pytorch.Linear``'s parameters: ``weight`` [out, in] then ``bias``."""
 
@@ -111,16 +127,7 @@ class Linear(TransformerEngineBaseModule):
                  tp_group=None, tp_size=1, get_rng_state_tracker=None, init_method=None, bias=True,
                  return_bias=False, params_dtype=None, parallel_mode=None, device="cuda", **_kwargs):  # fmt: skip
         super().__init__()
-        self.parallel_mode = parallel_mode
-        self.tp_size = _tp_size(tp_group, tp_size)
-        self.set_tensor_parallel_group(tp_group)
-        self.in_features, self.out_features = in_features, out_features
-        if parallel_mode == "column":
-            self.out_features = _divide(out_features, self.tp_size, "out_features")
-        elif parallel_mode == "row":
-            self.in_features = _divide(in_features, self.tp_size, "in_features")
-        self.use_bias = bias
-        self.sequence_parallel = self.tp_size > 1 and sequence_parallel
+        _parallel_dims_of(self, in_features, out_features, tp_group, tp_size, parallel_mode, bias, sequence_parallel)
         dtype = params_dtype or torch.get_default_dtype()
         self._linear_params(dtype, device)
 
@@ -179,16 +186,7 @@ class GroupedLinear(TransformerEngineBaseModule):
                  bias=True, return_bias=False, params_dtype=None, parallel_mode=None, device="cuda", **_kwargs):  # fmt: skip
         super().__init__()
         self.num_gemms = num_gemms
-        self.parallel_mode = parallel_mode
-        self.tp_size = _tp_size(tp_group, tp_size)
-        self.set_tensor_parallel_group(tp_group)
-        self.in_features, self.out_features = in_features, out_features
-        if parallel_mode == "column":
-            self.out_features = _divide(out_features, self.tp_size, "out_features")
-        elif parallel_mode == "row":
-            self.in_features = _divide(in_features, self.tp_size, "in_features")
-        self.use_bias = bias
-        self.sequence_parallel = self.tp_size > 1 and sequence_parallel
+        _parallel_dims_of(self, in_features, out_features, tp_group, tp_size, parallel_mode, bias, sequence_parallel)
         dtype = params_dtype or torch.get_default_dtype()
         for i in range(num_gemms):
             w = torch.nn.Parameter(torch.empty(self.out_features, self.in_features, device=device, dtype=dtype))

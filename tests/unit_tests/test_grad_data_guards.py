@@ -735,12 +735,16 @@ GUARD_MUTANT_MUST_FAIL = {
     # The backward hook lets grads land in a pending gather's receive slots: the bypassed
     # layer trains on silently.
     "backward_hook_does_not_raise": {"bypass_prehook", "bypass_prehook_moe", "forced_bypass"},
-    # The step leaves the dispatch mark of a forced sync before it: stale params next step.
+    # The step leaves the dispatch mark of a param sync between finish_grad_sync() and it
+    # (forced, or an async one the step completes): stale params next step.
     "step_keeps_dispatch_mark": {
         "forced_before_step",
         "forced_before_step_no_ogr",
         "forced_before_step_moe",
         "forced_before_step_two_dtypes",
+        "gather_then_forced_before_step",
+        "hookless_forced_before_step_no_ogr",
+        "hookless_gather_before_step_no_ogr",
     },
     # The step clears the dispatch mark of a gather still pending: the next pre-hook starts
     # another gather over it (0.17.1's assertion).

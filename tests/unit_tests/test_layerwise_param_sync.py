@@ -242,8 +242,8 @@ def test_zero_temporaries_in_layerwise_param_sync(runs, world, config):
     """Patched: 0 bytes and 0 allocator calls on the async (pre-hook, idle grad_data) and
     optimizer paths, NCCL's modelled temporaries included. The forced sync never receives
     into grad_data (a grad may be there): by design exactly one temporary per gathered
-    bucket, of its shares' bytes (what pristine 0.17.1's megatron allocates there; no NCCL
-    temporary), at most pristine's bytes. The CPU runtime layer's uneven all_gather alone
+    bucket, of its shares' bytes (pristine 0.17.1 allocates the others' shares and its flat
+    local copy there; no NCCL temporary). The CPU runtime layer's uneven all_gather alone
     allocates 0 bytes (control). Pristine: exactly megatron's theoretical temporaries plus
     the collective model's NCCL temporaries (the flat output of an equal-shape list
     all_gather)."""
@@ -263,7 +263,9 @@ def test_zero_temporaries_in_layerwise_param_sync(runs, world, config):
         assert u[f"{path}_bytes"] == u["theory_upstream_bytes"] + nccl, (path, u)
     nccl = u["optimizer_step"]["nccl_temporary_bytes"]
     assert u["optimizer_bytes"] == u["theory_upstream_optimizer_bytes"] + nccl > 0, u
-    assert p["forced_bytes"] <= u["forced_bytes"], (p["forced_bytes"], u["forced_bytes"])
+    # (Pristine's forced temporaries are the other ranks' shares plus its flattened copy of
+    # its own, a view of 0 bytes where it owns one param: the series' one temporary per
+    # bucket can exceed them by this rank's share.)
 
 
 def expected_pristine(shares, itemsize):
@@ -638,8 +640,9 @@ MUTANT_MUST_FAIL = {
     "forced_sync_into_grad_data": {"forced_sync.idle_grad_data_untouched"}
     | _calls(_MODELS, ("forced",), ("in_recv",))
     | {"collectives.mixed_forced_packed"},
-    # zero_grad_buffer() wipes received data before the copy-out: params get zeros.
-    # (test_grad_data_guards.py catches it in training too.)
+    # zero_grad_buffer() wipes received data before the copy-out: params get zeros. (Only
+    # here: test_grad_data_guards.py's gathers pending at zero_grad_buffer() started after a
+    # step, into temporaries, which zeroing grad_data cannot reach.)
     "zero_grad_buffer_under_pending_gather": {
         "zero_grad_buffer.params_synced",
         "zero_grad_buffer.params_synced_after_forward",
@@ -651,13 +654,25 @@ MUTANT_MUST_FAIL = {
 }
 
 
+#: The mutants that run on the 0.19 series too: those of the rules whose code replaced
+#: 0.19.2's own (the receive buffer and its zeroing, 0003; completion before
+#: zero_grad_buffer(), 0003; the optimizer's gather, 0006). The others mutate
+#: _layerwise_all_gather() and the copy-out, byte for byte the 0.17.1 series' code there
+#: (tests/mutants/0.19/ holds them all; one pass per base would not fit the suite's time).
+MUTANTS_ON_019 = (
+    "no_zeroing",
+    "zeroes_all_of_grad_data",
+    "gather_into_busy_grad_data",
+    "forced_sync_into_grad_data",
+    "zero_grad_buffer_under_pending_gather",
+    "optimizer_broadcast_from_wrong_owner",
+)
 #: Base -> mutant -> the checks it must fail. 0.19: the same checks, measured mutant by
 #: mutant (its series has the same code at every mutated line, and MUTANT_SCENARIOS and
-#: MUTANT_CONFIGS, bf16, run there); no mutant is skipped on 0.19. Kept per base so that
-#: either can change alone.
+#: MUTANT_CONFIGS, bf16, run there). Kept per base so that either can change alone.
 MUTANT_MUST_FAIL_BY_BASE = {
     "0.17.1": MUTANT_MUST_FAIL,
-    "0.19": {mutant: set(checks) for mutant, checks in MUTANT_MUST_FAIL.items()},
+    "0.19": {mutant: set(MUTANT_MUST_FAIL[mutant]) for mutant in MUTANTS_ON_019},
 }
 MUTANT_CASES = [(b, m) for b in BASES for m in sorted(MUTANT_MUST_FAIL_BY_BASE[b])]
 
@@ -699,9 +714,9 @@ def assert_mutant_fails_exactly(runs, tree, must_fail):
 
 @pytest.mark.parametrize("base", BASES)
 def test_every_mutant_has_its_checks(base):
-    must_fail = MUTANT_MUST_FAIL_BY_BASE[base]
-    assert set(must_fail) == {p.stem for p in MUTANT_DIRS[base].glob("*.patch")}
-    assert all(must_fail.values())
+    assert set(MUTANT_MUST_FAIL) == {p.stem for p in MUTANT_DIRS[base].glob("*.patch")}
+    assert set(MUTANT_MUST_FAIL_BY_BASE[base]) <= set(MUTANT_MUST_FAIL)
+    assert all(MUTANT_MUST_FAIL_BY_BASE[base].values())
 
 
 def test_every_mutant_has_a_019_counterpart():
@@ -779,7 +794,8 @@ def test_019_series_passes_every_check_and_trains_like_pristine(runs):
             assert result(r, c, "training")[key] == result(u, c, "training")[key], (c, key)
         a, ua = result(r, c, "alloc"), result(u, c, "alloc")
         assert a["async_bytes"] == a["optimizer_bytes"] == 0, a
-        assert a["forced_bytes"] == a["gathered_bytes"] <= ua["forced_bytes"], (a, ua)
+        # (pristine 0.19.2's forced sync receives into grad_data: only its flattened copy)
+        assert a["forced_bytes"] == a["gathered_bytes"] > 0, (a, ua)
         assert ua["async_bytes"] > 0 and ua["optimizer_bytes"] > 0, ua
     bad = {f.split("/", 1)[1].split(".")[0].split(":")[0] for f in _failed_checks(u)}
     assert {"forced_sync", "free_overlap_buffers", "zero_grad_buffer", "offload"} <= bad, bad
