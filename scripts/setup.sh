@@ -479,7 +479,7 @@ place_helpers "$MLM/$MLM_TAG" build/upstream "$MAKEFILE17"
 place_helpers "$PC" build/upstream "$MAKEFILE17"
 place_helpers build/upstream-0.19 build/upstream-0.19 "$MAKEFILE19"
 place_helpers build/patched-0.19 build/upstream-0.19 "$MAKEFILE19"
-for t in "$MLM/$MLM_019_TAG" "$PC19" "$MLM/$MLM_NEXT_TAG"; do
+for t in "$MLM/$MLM_019_TAG" "$PC19" "$MLM/$MLM_NEXT_TAG" "$MLM/$MLM_MAIN_NAME"; do
     if [[ -d "$t/.git" ]]; then place_helpers "$t" build/upstream-0.19 "$MAKEFILE19"; fi
 done
 log "ready: .venv, build/upstream/megatron (pristine), megatron/ (patched), build/upstream-0.19/megatron (pristine $MCORE19_VERSION), build/patched-0.19/megatron, $MLM/{$MLM_TAG,patched$([[ -d "$MLM/$MLM_NEXT_TAG/.git" ]] && echo ",$MLM_NEXT_TAG")$([[ -d "$MLM/$MLM_019_TAG/.git" ]] && echo ",$MLM_019_TAG,patched-0.19")$([[ -d "$MLM/$MLM_MAIN_NAME/.git" ]] && echo ",$MLM_MAIN_NAME")}"

@@ -38,7 +38,10 @@ MUTANTS_DIR = REPO_ROOT / "tests" / "mutants"
 # case never runs; zero_grad_buffer_under_pending_gather needs a gather pending at
 # zero_grad_buffer(), which the training loop never leaves; optimizer_broadcast_from_wrong_owner
 # mutates the optimizer path, which the default case (--overlap-param-gather) does not take
-# (MORE_MUTANT_CASES trains it on the sync case). The unit tests
+# (MORE_MUTANT_CASES trains it on the sync case); slots_out_of_rank_order is wrong only for
+# equal shares (all_gather_into_tensor's chunks come in rank order; broadcasts from reversed
+# slots are read back from the same slots), which the default case's buckets do not have
+# (measured: it trains identically). The unit tests
 # (tests/unit_tests/test_layerwise_param_sync.py, test_grad_data_guards.py) check each directly.
 INVISIBLE_TO_TRAINING = {
     "zeroing_only_in_pre_hooks",
@@ -47,6 +50,7 @@ INVISIBLE_TO_TRAINING = {
     "forced_sync_into_grad_data",
     "zero_grad_buffer_under_pending_gather",
     "optimizer_broadcast_from_wrong_owner",
+    "slots_out_of_rank_order",
 }
 # Mutants that may stop the run instead of only diverging (a failure during training).
 CRASHES_IN_TRAINING: set = set()
@@ -130,14 +134,15 @@ def test_default_case_learns(case_results):
 
 @pytest.mark.parametrize("case", [c for c in rc.all_cases() if records_memory(c) and c != LAYOUT_CASE_019])
 def test_series_param_sync_allocates_nothing(case_results, case):
-    """The memory block printed next to the verdict, asserted: in every training step and
-    every forced sync between steps, on every rank, the series' layer-wise param sync
-    allocates 0 bytes of megatron tensors and 0 bytes of NCCL temporaries (collective model),
-    while it really gathers; 0.17.1, counted the same way in the same run, allocates some."""
+    """The memory block printed next to the verdict, asserted: in every training step, on
+    every rank, the series' layer-wise param sync allocates 0 bytes of megatron tensors and
+    0 bytes of NCCL temporaries (collective model), while it really gathers; the forced
+    syncs between steps allocate no NCCL temporary and, by design (series v6: grad_data may
+    hold grads there), megatron temporaries (0.17.1 allocates some in the steps too)."""
     memory = case_results(case)["memory"]
     patched, upstream = memory["patched"], memory["upstream"]
     got = memory_report.step_maxima(patched)
-    keys = ("megatron_bytes", "nccl_temporary_bytes", "between_megatron_bytes", "between_nccl_temporary_bytes")
+    keys = ("megatron_bytes", "nccl_temporary_bytes", "between_nccl_temporary_bytes")
     assert {k: got[k] for k in keys} == dict.fromkeys(keys, 0), memory_report.format_memory(memory)
     assert patched["kinds"] and all(k["calls"] > 0 and k["wire_bytes"] > 0 for k in patched["kinds"].values()), patched["kinds"]
     assert memory_report.step_maxima(upstream)["megatron_bytes"] > 0, memory_report.format_memory(memory)
