@@ -133,7 +133,10 @@ def test_patched_bucket_syncs_record_zero_bytes_and_still_gather(worker_runs):
         assert expected["params_synced_step_1"] and expected["params_synced_step_2"]
         for section, step, kind, got, exp in _cells(record, expected):
             where = f"rank {rank} {section} {step} {kind}"
-            assert got["megatron_bytes"] == 0 and got["megatron_alloc_calls"] == 0, (where, got)
+            if section == "steps":
+                assert got["megatron_bytes"] == 0 and got["megatron_alloc_calls"] == 0, (where, got)
+            else:  # the forced sync at eval receives into a temporary per bucket (series v6)
+                assert got["megatron_bytes"] > 0, (where, got)
             assert got["nccl_temporary_bytes"] == 0, (where, got)
             assert got["entry_calls"] == exp["entry_calls"][kind], (where, got, exp)
             assert got["calls"] > 0 and got["wire_bytes"] > 0, (where, got)
