@@ -155,17 +155,8 @@ class LayerNormLinear(Linear):
                  normalization="LayerNorm", return_bias=False, params_dtype=None, parallel_mode=None,
                  device="cuda", **_kwargs):  # fmt: skip
         TransformerEngineBaseModule.__init__(self)
-        self.parallel_mode = parallel_mode
-        self.tp_size = _tp_size(tp_group, tp_size)
-        self.set_tensor_parallel_group(tp_group)
-        self.in_features, self.out_features = in_features, out_features
-        if parallel_mode == "column":
-            self.out_features = _divide(out_features, self.tp_size, "out_features")
-        elif parallel_mode == "row":
-            self.in_features = _divide(in_features, self.tp_size, "in_features")
-        self.use_bias = bias
+        _parallel_dims_of(self, in_features, out_features, tp_group, tp_size, parallel_mode, bias, sequence_parallel)
         self.normalization = normalization
-        self.sequence_parallel = self.tp_size > 1 and sequence_parallel
         dtype = params_dtype or torch.get_default_dtype()
         self.register_parameter("layer_norm_weight", torch.nn.Parameter(torch.empty(in_features, device=device, dtype=dtype)))
         self.layer_norm_weight.sequence_parallel = self.sequence_parallel
