@@ -316,11 +316,13 @@ def timing_table(timing: dict, labels) -> list:
     return rows
 
 
-def run_step_memory(trees: dict, cfg: dict, device: str, raw: Path, timeout_s: float = WORKER_TIMEOUT_S) -> list:
+def run_step_memory(trees: dict, cfg: dict, device: str, raw: Path, timeout_s: float = WORKER_TIMEOUT_S,
+                    small: bool = False) -> list:
     """harness/bench/step_memory.py under torchrun, for each DP in cfg["step_memory"] (comma
     list) and each tree (memory does not drift with load, so one after the other).
 
-    Each run gets ``timeout_s`` seconds (about 15 s on 2 idle cores at DP 2); its ranks
+    ``small``: the worker's ``--small`` model (a quick check; the bench's figures use the
+    default one). Each run gets ``timeout_s`` seconds; its ranks
     print every thread's stack and exit 10 s before that (``--watchdog-s``), and the whole
     process group is killed at the deadline, so that no rank outlives a failed run.
 
@@ -332,7 +334,8 @@ def run_step_memory(trees: dict, cfg: dict, device: str, raw: Path, timeout_s: f
         out = raw / f"{label}-step-memory-dp{dp}.json"
         log = raw / f"{label}-step-memory-dp{dp}.log"
         argv, env = torchrun_command(STEP_WORKER, ["--out", str(out), "--tree", label,
-                                                   "--watchdog-s", str(max(timeout_s - 10, 1))],
+                                                   "--watchdog-s", str(max(timeout_s - 10, 1))]
+                                     + (["--small"] if small else []),
                                      nproc=dp, tree=tree, cpu=device == "cpu", preload=CORE_PRELOAD)  # fmt: skip
         print(f"[bench] {label}: step memory, DP={dp}", flush=True)
         t0 = time.perf_counter()
