@@ -3,12 +3,20 @@
 # on 2 pytest-xdist workers that each take whole test files (--dist loadfile: a file's
 # module-scoped runs stay on one worker). On 2 cores that fills the core a single pytest
 # leaves idle while a rank launcher imports or a test parses and plots: 1078 s -> 791 s.
-# Usage: scripts/test.sh [PYTEST_ARGS...]     e.g. scripts/test.sh tests/unit_tests -k patch
+# Two tiers (pytest.ini's `extended` marker):
+#   scripts/test.sh          every test but the sweeps: what CI runs, about 15 min on 2 cores
+#   scripts/test.sh --all    the sweeps too: every prefix of each series, every mutant, every
+#                            functional case, ... (about 50 min on 2 cores); run it before
+#                            changing patches/ or the harness they are checked with
+# Usage: scripts/test.sh [--all] [PYTEST_ARGS...]   e.g. scripts/test.sh tests/unit_tests -k patch
 #        scripts/test.sh -n 0 ...             one process, no workers (-n N: N workers)
+#        scripts/test.sh -m extended ...      the sweeps alone
 # Exit:  pytest's exit code (non-zero on any failure, or when no test ran).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 scripts/setup.sh
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
-exec .venv/bin/python -m pytest -n 2 --dist loadfile "$@"
+tier=()
+if [[ "${1:-}" == "--all" ]]; then shift; tier=(-m "extended or not extended"); fi
+exec .venv/bin/python -m pytest -n 2 --dist loadfile "${tier[@]}" "$@"

@@ -25,6 +25,7 @@ from harness import param_sync_trace
 from harness.trees import REPO_ROOT, make_mutant_tree
 from tests.functional_tests.python_test_utils import memory_report, tensorboard_reader
 from tests.functional_tests.python_test_utils import run_case as rc
+from tests.tiers import tiered
 
 MUTANTS_DIR = REPO_ROOT / "tests" / "mutants"
 # Mutants that cannot change the default case's numerics in megatron.training, whose
@@ -75,6 +76,19 @@ MUTANT_RUNS = [(rc.DEFAULT_CASE, m) for m in MUTANTS if m not in INVISIBLE_TO_TR
 # step by step over the steps it has, and a divergence there is the verdict.
 MUTANT_STEPS = 8
 
+#: The cases the default run trains (CI): each base's default case, the evaluation case (the
+#: forced syncs) and the one with an empty slot; the rest, and every test that reads them, are
+#: `extended` (scripts/test.sh --all). Of the mutants, the default run keeps no_zeroing on the
+#: default case (#3751's bug); the others run in the extended tier.
+DEFAULT_RUN_CASES = {
+    rc.DEFAULT_CASE,
+    DEFAULT_CASE_019,
+    "gpt_dp2_bf16_fp32grad_overlap_layerwise_eval",
+    "gpt_dp4_bf16_fp32grad_overlap_layerwise_empty_slot",
+}
+DEFAULT_RUN_MUTANTS = {(rc.DEFAULT_CASE, "no_zeroing")}
+
+
 pytestmark = [pytest.mark.slow, pytest.mark.gloo]
 
 
@@ -109,7 +123,7 @@ def case_results():
     return get
 
 
-@pytest.mark.parametrize("case", rc.all_cases())
+@pytest.mark.parametrize("case", tiered(rc.all_cases(), DEFAULT_RUN_CASES.__contains__))
 def test_case_identical_and_within_golden(case_results, case):
     comparison = case_results(case)
     out = rc.OUT_ROOT / case
@@ -132,7 +146,9 @@ def test_default_case_learns(case_results):
     assert last < 0.9 * first, (first, last)
 
 
-@pytest.mark.parametrize("case", [c for c in rc.all_cases() if records_memory(c) and c != LAYOUT_CASE_019])
+@pytest.mark.parametrize(
+    "case", tiered([c for c in rc.all_cases() if records_memory(c) and c != LAYOUT_CASE_019], DEFAULT_RUN_CASES.__contains__)
+)
 def test_series_param_sync_allocates_nothing(case_results, case):
     """The memory block printed next to the verdict, asserted: in every training step, on
     every rank, the series' layer-wise param sync allocates 0 bytes of megatron tensors and
@@ -198,6 +214,7 @@ def test_readme_example_is_the_main_jobs_output(case_results):
     assert _in_order(no_time(sections["summary"]), summary) == [], "\n".join(summary)
 
 
+@pytest.mark.extended
 def test_019_layout_case_trains_the_layout_path(case_results):
     """The 0.19 layout case really gathers the layer-wise param layout's way, on both trees:
     one all_gather_into_tensor per call, in place (no zero-size op, no megatron tensor), where
@@ -213,6 +230,7 @@ def test_019_layout_case_trains_the_layout_path(case_results):
     assert legacy["upstream"]["kinds"]["dense"]["zero_size_ops"] > 0
 
 
+@pytest.mark.extended
 def test_019_pretrain_gpt_trains_the_legacy_path_whatever_the_layout_flag(case_results, tmp_path):
     """core_v0.19.0's pretrain_gpt.py builds the model from a model config
     (``builder.build_distributed_models``, ``megatron/training/models/dist_utils.py``), which
@@ -235,6 +253,7 @@ def test_019_pretrain_gpt_trains_the_legacy_path_whatever_the_layout_flag(case_r
     assert res.memory["kinds"] == with_flag["memory"]["upstream"]["kinds"]
 
 
+@pytest.mark.extended
 @pytest.mark.parametrize("vpp_case", VPP_CASES)
 def test_vpp_case_gathers_every_chunk_through_the_schedule(case_results, vpp_case):
     """The interleaved case really chains the param gathers across model chunks.
@@ -278,7 +297,7 @@ def test_every_mutant_is_classified():
     assert len(MUTANTS) >= 4
 
 
-@pytest.mark.parametrize("case,mutant", MUTANT_RUNS)
+@pytest.mark.parametrize("case,mutant", tiered(MUTANT_RUNS, DEFAULT_RUN_MUTANTS.__contains__))
 def test_mutant_is_caught(case_results, tmp_path, case, mutant):
     """The case with a mutant as the "patched" side must not be "identical".
 

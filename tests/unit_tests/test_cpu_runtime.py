@@ -235,7 +235,8 @@ def _run_gloo_workers(world: int, out_dir: Path, timeout_s: int = 240) -> List[D
     return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(world)]
 
 
-@pytest.fixture(scope="module", params=[2, 4], ids=lambda w: f"world{w}")
+# World 4 (about 30 s of gloo ranks) in the extended tier (scripts/test.sh --all).
+@pytest.fixture(scope="module", params=[2, pytest.param(4, marks=pytest.mark.extended)], ids=lambda w: f"world{w}")
 def gloo_facts(request, tmp_path_factory) -> List[Dict]:
     return _run_gloo_workers(request.param, tmp_path_factory.mktemp(f"gloo{request.param}"))
 

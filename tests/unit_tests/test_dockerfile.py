@@ -211,6 +211,7 @@ def built(df, tmp_path_factory):
     return where, env
 
 
+@pytest.mark.extended
 def test_the_build_runs_green_from_the_build_context_alone(built):
     where, env = built
     harness, clone = Path(env["HARNESS"]), Path(env["MEGATRON_LM"])
@@ -228,6 +229,7 @@ def test_the_build_runs_green_from_the_build_context_alone(built):
     assert [made["dataset"][k] for k in (".bin", ".idx")] == [golden["dataset"][k] for k in (".bin", ".idx")]
 
 
+@pytest.mark.extended
 def test_a_file_the_build_needs_excluded_from_the_context_fails_it(df, tmp_path):
     """The wheel step reads the lock; excluded from the context, the build stops there."""
     with pytest.raises(BuildFailed, match=r"requirements/megatron-core.lock has no MCORE_VERSION"):
@@ -235,7 +237,7 @@ def test_a_file_the_build_needs_excluded_from_the_context_fails_it(df, tmp_path)
                     offline_env())
 
 
-@pytest.mark.parametrize("commit, ok", [(None, True), ("0" * 40, False)], ids=["locked", "moved"])
+@pytest.mark.parametrize("commit, ok", [(None, True), pytest.param("0" * 40, False, marks=pytest.mark.extended)], ids=["locked", "moved"])
 def test_the_clone_is_checked_against_the_locked_commit(tmp_path, commit, ok):
     env = {**os.environ, **offline_env(), "MEGATRON_LM": str(tmp_path / "clone")}
     if commit:

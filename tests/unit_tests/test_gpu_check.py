@@ -487,6 +487,7 @@ def test_shared_gpu_collectives_on_two_gloo_ranks(tmp_path):
         "coalesced_sum": True, "sync_block": True, "uneven_gather": True, "gather_in_block": True}
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 @pytest.mark.gloo
 def test_memory_worker_on_cpu_ranks_gives_equal_losses_on_both_trees(tmp_path):
@@ -640,6 +641,7 @@ def test_the_equal_shares_run_requires_an_equal_bucket_and_all_gather_into_tenso
         assert not run["ok"] and problem in " ".join(run["problems"])
 
 
+@pytest.mark.extended
 @pytest.mark.gloo
 def test_memory_workers_start_from_the_same_weights_whatever_their_cpu_generator_was(tmp_path):
     """Two memory-worker processes whose CPU generators were in different states before the
@@ -797,6 +799,7 @@ def test_a_base_that_is_not_set_up_is_planned_as_skipped(tmp_path, monkeypatch):
     assert "skipped: no checkout for gpt019_dp2_bf16_fp32grad_overlap_legacy" in plan_mod.format_plan(plan)
 
 
+@pytest.mark.extended
 @pytest.mark.gloo
 def test_the_memory_workers_llama_model_has_the_audits_buckets_and_shares(tmp_path):
     """The memory worker builds its Llama-shaped configs as the audit does: on 2 CPU ranks, the

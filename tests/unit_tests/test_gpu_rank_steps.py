@@ -52,6 +52,7 @@ def built_trees():
     return out
 
 
+@pytest.mark.extended
 def test_every_tree_passes_the_dataset_helper_step_of_a_gpu_rank(tmp_path):
     trees = built_trees()
     labels = [label for label, _ in trees]

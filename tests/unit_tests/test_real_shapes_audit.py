@@ -358,6 +358,7 @@ def test_series_claims_fail_on_a_mutant(audit, tmp_path):
 VPP_MODEL = "llama3_70b_tp4_pp4_vpp5"
 
 
+@pytest.mark.extended
 def test_series_claims_hold_with_vpp(tmp_path):
     """The interleaved-pipeline cell (VPP_MODEL at DP 64: 5 model chunks, one DDP each,
     one layer-wise optimizer) on 0.17.1 and the series: the series' claims hold there
@@ -453,6 +454,7 @@ def flags_audit(tmp_path_factory):
     return json.loads((d / "real_shapes.json").read_text()), proc.stdout
 
 
+@pytest.mark.extended
 def test_flags_reproduce_the_builtin_cells(audit, flags_audit):
     """The flags of Llama-3-8B TP 1 (real_shapes.MODEL_FLAGS), parsed by 0.17.1's own
     megatron.training.arguments and built by its gpt_builder, give exactly the built-in model's
@@ -474,6 +476,7 @@ def test_flags_reproduce_the_builtin_cells(audit, flags_audit):
     assert f"== {FLAGS_MODEL} (pretrain_gpt.py flags)" in stdout
 
 
+@pytest.mark.extended
 def test_flags_report_the_series_claims_against_pristine(flags_audit):
     """The flag path's claims (``series_claims``) on Llama-3-8B: every series cell and path is
     judged against pristine, and holds; judged as if pristine were the series, every cell
@@ -560,6 +563,7 @@ def worker_019():
     return json.loads(proc.stdout.split("RESULT ", 1)[1])
 
 
+@pytest.mark.extended
 def test_bad_flags_of_each_kind_get_megatrons_message(worker_019):
     """Each kind of bad input (BAD_FLAGS), on 0.19.2: the cell holds megatron's own message
     (argparse's, validate_args', TransformerConfig's, the layer's divide) or the audit's own,
@@ -569,6 +573,7 @@ def test_bad_flags_of_each_kind_get_megatrons_message(worker_019):
     assert worker_019["dp_of_world_64"] == 64
 
 
+@pytest.mark.extended
 def test_te_spec_gives_tes_parameter_layout(worker_019):
     """Llama-3-8B with megatron's default spec (Transformer Engine; its stand-in here, TE not
     installed) on pristine 0.19.2 at DP 8: 784 NCCL operations, 630 of them zero-size, against
@@ -585,6 +590,7 @@ def test_te_spec_gives_tes_parameter_layout(worker_019):
     assert te["param_numel"] == 8_030_261_248
 
 
+@pytest.mark.extended
 def test_moe_flags_reproduce_the_builtin_cells(audit, worker_019):
     """The MoE model's flags on 0.19.2's own parser and gpt_builder at DP 64 (expert DP 8:
     expert buckets gathered) give exactly the built-in model's cell of the quick audit."""

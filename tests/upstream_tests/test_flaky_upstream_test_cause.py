@@ -43,6 +43,7 @@ def sweep(tmp_path, *options):
     return json.loads((out / "summary.json").read_text())["trees"]
 
 
+@pytest.mark.extended
 def test_seed_264_fails_alike_on_both_trees_and_passes_with_one_grad_norm(tmp_path):
     trees = sweep(tmp_path)
     for tree, got in trees.items():
