@@ -6,11 +6,12 @@
 # Two tiers (pytest.ini's `extended` marker):
 #   scripts/test.sh          every test but the sweeps: what CI runs, about 15 min on 2 cores
 #   scripts/test.sh --all    the sweeps too: every prefix of each series, every mutant, every
-#                            functional case, ... (about 50 min on 2 cores); run it before
-#                            changing patches/ or the harness they are checked with
+#                            functional case, ... (about 50 min on 2 cores)
+#   scripts/test.sh -m extended   the sweeps alone (about 35 min)
+# A run of all of either that passes writes docs/full_run.json (tests/tiers.py); the default
+# run fails while that record's series or mutants differ from the commit's (test_tiers.py).
 # Usage: scripts/test.sh [--all] [PYTEST_ARGS...]   e.g. scripts/test.sh tests/unit_tests -k patch
 #        scripts/test.sh -n 0 ...             one process, no workers (-n N: N workers)
-#        scripts/test.sh -m extended ...      the sweeps alone
 # Exit:  pytest's exit code (non-zero on any failure, or when no test ran).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
