@@ -76,16 +76,11 @@ MUTANT_RUNS = [(rc.DEFAULT_CASE, m) for m in MUTANTS if m not in INVISIBLE_TO_TR
 # step by step over the steps it has, and a divergence there is the verdict.
 MUTANT_STEPS = 8
 
-#: The cases the default run trains (CI): each base's default case, the evaluation case (the
-#: forced syncs) and the one with an empty slot; the rest, and every test that reads them, are
-#: `extended` (scripts/test.sh --all). Of the mutants, the default run keeps no_zeroing on the
-#: default case (#3751's bug); the others run in the extended tier.
-DEFAULT_RUN_CASES = {
-    rc.DEFAULT_CASE,
-    DEFAULT_CASE_019,
-    "gpt_dp2_bf16_fp32grad_overlap_layerwise_eval",
-    "gpt_dp4_bf16_fp32grad_overlap_layerwise_empty_slot",
-}
+#: The cases the default run trains (CI): each base's default case and the evaluation case
+#: (the forced syncs); the rest, and every test that reads them, are `extended`
+#: (scripts/test.sh --all). Of the mutants, the default run keeps no_zeroing on the default
+#: case (#3751's bug); the others run in the extended tier.
+DEFAULT_RUN_CASES = {rc.DEFAULT_CASE, DEFAULT_CASE_019, "gpt_dp2_bf16_fp32grad_overlap_layerwise_eval"}
 DEFAULT_RUN_MUTANTS = {(rc.DEFAULT_CASE, "no_zeroing")}
 
 

@@ -340,6 +340,7 @@ def test_cmd_is_an_exec_form_command_that_exists(df):
     assert shutil.which(argv[0]) or (ROOT / argv[0]).is_file(), argv
 
 
+@pytest.mark.extended
 def test_gpu_check_in_the_image_plans_without_a_gpu(built, tmp_path):
     """What a build (no GPU) can run of the shipped check: its dry run, from the image's files."""
     _, env = built

@@ -27,6 +27,7 @@ def _ranks(out: Path, launcher: str, *mode: str, timeout_s: float = 120):
     return proc, facts
 
 
+@pytest.mark.extended
 def test_forked_ranks_see_what_torchrun_ranks_see(tmp_path):
     """Same torchrun variables, argv, sys.path[0] and __main__ on every rank, and a gloo group
     from the environment that all ranks join (all_reduce of 1+2+3)."""

@@ -146,6 +146,7 @@ def test_one_gpu_runs_every_rank_on_cuda0_on_both_bases_within_8_minutes(one_gpu
     assert runs["functional_nccl"]["golden_file"] == "golden_values_h200_nccl_1gpu.json"
 
 
+@pytest.mark.extended
 def test_one_gpu_nccl_launches_pass_megatrons_parser_on_their_base(one_gpu):
     """The flags of the 1-GPU NCCL launches of both bases, through each base's own parser."""
     from harness.trees import tree_parent

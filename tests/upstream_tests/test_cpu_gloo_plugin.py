@@ -74,6 +74,7 @@ def test_2_after():
 '''
 
 
+@pytest.mark.extended
 def test_a_gloo_connect_failure_stops_the_run_and_the_rest_runs_again(checkout, tmp_path, monkeypatch):
     test_file = tmp_path / "test_connect.py"
     test_file.write_text(CONNECT)
