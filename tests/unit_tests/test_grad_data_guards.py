@@ -654,7 +654,7 @@ PREFIX_HAZARDS = {
 }
 #: Every prefix but the whole series (whose tree the tests above run): the extended tier
 #: (scripts/test.sh --all; 10 worker runs, about 3 min on 2 cores).
-PREFIX_CASES = tiered([(b, k) for b in BASES for k in range(1, len(series_patches(base=b)))], lambda bk: False)
+PREFIX_CASES = [(b, k) for b in BASES for k in range(1, len(series_patches(base=b)))]
 
 
 def _same_error(got, want):
@@ -674,6 +674,7 @@ def _bitwise(got, want):
     return True
 
 
+@pytest.mark.extended
 @pytest.mark.parametrize("base,k", PREFIX_CASES)
 def test_every_prefix_is_as_safe_as_pristine(runs, tmp_path, base, k):
     """Pristine + the first k patches of the base's series (the whole series: the tests

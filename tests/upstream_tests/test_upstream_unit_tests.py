@@ -21,6 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from tests.tiers import tiered
 from tests.upstream_tests import upstream_runner as ur
 
 pytestmark = [pytest.mark.slow, pytest.mark.gloo]
@@ -37,7 +38,7 @@ PARTS = {
     "2-more": (2, tuple(f for f in ur.FILES_BY_NPROC[2] if f not in _TOUCHED)),
     "4": (4, ur.FILES_BY_NPROC[4]),
 }
-PART_PARAMS = ["2", pytest.param("2-more", marks=pytest.mark.extended), pytest.param("4", marks=pytest.mark.extended)]
+PART_PARAMS = tiered(PARTS, lambda part: part == "2")
 
 
 def _run_side_by_side(trees, nproc: int, files=None, key=None) -> None:
