@@ -59,16 +59,21 @@ RECORDED = {ALL_MARKEXPR: "scripts/test.sh --all", "extended": "scripts/test.sh 
 
 def record_full_run(session, exitstatus: int) -> None:
     """At the end of a run of every test of ``tests/`` selected by one of RECORDED (no path or
-    ``-k``) that passed, write RECORD: the command, the fingerprint, the outcome counts, the
-    wall time (s) and the UTC date. Called by conftest.py's ``pytest_sessionfinish`` in the
-    controlling process."""
+    ``-k``, not ``--collect-only``) that passed, write RECORD: the command, the fingerprint,
+    the outcome counts, the wall time (s) and the UTC date. A run in which no test passed
+    (``--collect-only`` exits 0 having run none) leaves RECORD as it is. Called by
+    conftest.py's ``pytest_sessionfinish`` in the controlling process."""
     config = session.config
     if exitstatus != 0 or config.option.markexpr not in RECORDED or config.option.keyword:
+        return
+    if config.option.collectonly:
         return
     if [Path(a).resolve() for a in config.args] != [Path(config.rootpath, "tests").resolve()]:
         return
     stats = config.pluginmanager.get_plugin("terminalreporter").stats
     count = {k: len([r for r in stats.get(k, []) if getattr(r, "when", "call") == "call"]) for k in ("passed", "skipped")}
+    if count["passed"] == 0:
+        return
     started = getattr(session, "_full_run_started", None)
     data = {
         "command": RECORDED[config.option.markexpr],

@@ -38,12 +38,12 @@ def test_the_fingerprint_changes_with_a_patch_byte(tmp_path):
     assert series_fingerprint(tmp_path)["series"] != before["series"]
 
 
-def _session(root, markexpr, args=("tests",), keyword="", passed=3):
+def _session(root, markexpr, args=("tests",), keyword="", passed=3, collectonly=False):
     from types import SimpleNamespace
 
     reporter = SimpleNamespace(stats={"passed": [SimpleNamespace(when="call")] * passed, "skipped": []})
     config = SimpleNamespace(
-        option=SimpleNamespace(markexpr=markexpr, keyword=keyword),
+        option=SimpleNamespace(markexpr=markexpr, keyword=keyword, collectonly=collectonly),
         args=[str(root / a) for a in args],
         rootpath=root,
         pluginmanager=SimpleNamespace(get_plugin=lambda name: reporter),
@@ -53,7 +53,8 @@ def _session(root, markexpr, args=("tests",), keyword="", passed=3):
 
 def test_only_a_whole_run_of_the_sweeps_that_passed_is_recorded(tmp_path, monkeypatch):
     """record_full_run writes the record for a passing run of all of tests/ under --all's or
-    -m extended's selection, and for nothing else: a failure, a path, -k, the default run."""
+    -m extended's selection, and for nothing else: a failure, a path, -k, the default run,
+    --collect-only, a run in which no test passed."""
     from tests import tiers
 
     (tmp_path / "patches/0.17.1").mkdir(parents=True)
@@ -65,6 +66,8 @@ def test_only_a_whole_run_of_the_sweeps_that_passed_is_recorded(tmp_path, monkey
         (_session(tmp_path, tiers.ALL_MARKEXPR, args=("tests/unit_tests",)), 0),
         (_session(tmp_path, tiers.ALL_MARKEXPR, keyword="patch"), 0),
         (_session(tmp_path, "not extended"), 0),
+        (_session(tmp_path, "extended", passed=0, collectonly=True), 0),
+        (_session(tmp_path, "extended", passed=0), 0),
     ]:
         tiers.record_full_run(session, status)
         assert not record.exists()
