@@ -103,10 +103,18 @@ def check_expected_tree() -> str:
     return str(got)
 
 
+def megatron_part(patch_text: str) -> str:
+    """The part of a git patch's text that a megatron/ tree takes: the message and the diffs of
+    files outside tests/ (a patch's own tests, tests/unit_tests/..., go to checkouts only, as
+    scripts/apply_patches.sh leaves them out of any tree that is not a Megatron-LM checkout)."""
+    parts = re.split(r"^(?=diff --git )", patch_text, flags=re.M)
+    return "".join(p for p in parts if not p.startswith("diff --git a/tests/"))
+
+
 def _tree_with_patches(base: Path, patches: list, dest: Path) -> Path:
-    """Copy base/megatron to dest/megatron and apply `patches` in order with
-    ``patch -p1 --fuzz=0``. On failure dest is removed and RuntimeError names the patch
-    and quotes patch's output."""
+    """Copy base/megatron to dest/megatron and apply the megatron/ part (megatron_part) of
+    `patches` in order with ``patch -p1 --fuzz=0``. On failure dest is removed and RuntimeError
+    names the patch and quotes patch's output."""
     dest = Path(dest)
     if dest.exists():
         shutil.rmtree(dest)
@@ -117,7 +125,8 @@ def _tree_with_patches(base: Path, patches: list, dest: Path) -> Path:
     for patch in patches:
         patch = Path(patch).resolve()
         proc = subprocess.run(
-            ["patch", "-p1", "--fuzz=0", "--no-backup-if-mismatch", "-i", str(patch)],
+            ["patch", "-p1", "--fuzz=0", "--no-backup-if-mismatch"],
+            input=megatron_part(patch.read_text()),
             cwd=dest,
             capture_output=True,
             text=True,

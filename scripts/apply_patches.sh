@@ -27,9 +27,10 @@
 #   TARGET   a Megatron-LM git checkout (at tag core_v0.17.1), or any directory that holds
 #            megatron/core (e.g. .../site-packages of an env with megatron-core==0.17.1).
 #            Not the megatron/ package itself: pass the directory above it.
-#            A patch that touches only tests/unit_tests/ (upstream's own tests, updated for
-#            the series) applies only to a Megatron-LM checkout (TARGET has pretrain_gpt.py
-#            and tests/unit_tests/); for any other TARGET it is skipped, with a note.
+#            The series' tests/unit_tests/ parts (each patch's own tests) apply only to a
+#            Megatron-LM checkout (TARGET has pretrain_gpt.py and tests/unit_tests/); any
+#            other TARGET gets the megatron/ parts alone, and a patch that touches only
+#            tests/unit_tests/ is skipped there, with a note.
 #   (none)     apply the whole series. On a git checkout whose top level is TARGET and that
 #              tracks megatron/: one commit per patch (git am, your identity as committer).
 #              Anywhere else: the files are rewritten in place (mode and owner kept).
@@ -220,21 +221,25 @@ if [[ "$HAVE" != "$BASE" && $NEXT == 0 ]]; then
     fi
 fi
 
-# Checkout-only patches (tests/unit_tests/) apply only to a Megatron-LM checkout.
-SKIPPED=() NOTE=""
+# The tests/unit_tests/ parts of the series (each patch's own tests, upstream's tests updated)
+# apply only to a Megatron-LM checkout: elsewhere (site-packages, a copy of megatron/) every
+# git apply / git am leaves them out (XCL), their files are not checked, and a patch with
+# nothing else (checkout-only) is skipped.
+SKIPPED=() NOTE="" XCL=()
 # The state/result line, then the note about skipped checkout-only patches, if any.
 report() { echo "$*"; [[ -z "$NOTE" ]] || echo "$NOTE"; }
 if [[ ! -d "$T/tests/unit_tests" || ! -f "$T/pretrain_gpt.py" ]]; then
+    XCL=(--exclude='tests/*')
     keep=()
     for p in "${PATCHES[@]}"; do if checkout_only "$p"; then SKIPPED+=("$p"); else keep+=("$p"); fi; done
     PATCHES=("${keep[@]}")
+    kf=() kpri=() kpat=()
+    for i in "${!FILES[@]}"; do
+        [[ "${FILES[$i]}" == tests/unit_tests/* ]] && continue
+        kf+=("${FILES[$i]}"); kpri+=("${PRI[$i]}"); kpat+=("${PAT[$i]}")
+    done
+    FILES=("${kf[@]}") PRI=("${kpri[@]}") PAT=("${kpat[@]}")
     if [[ ${#SKIPPED[@]} -gt 0 ]]; then
-        kf=() kpri=() kpat=()
-        for i in "${!FILES[@]}"; do
-            [[ "${FILES[$i]}" == tests/unit_tests/* ]] && continue
-            kf+=("${FILES[$i]}"); kpri+=("${PRI[$i]}"); kpat+=("${PAT[$i]}")
-        done
-        FILES=("${kf[@]}") PRI=("${kpri[@]}") PAT=("${kpat[@]}")
         NOTE="note: skipped ${SKIPPED[*]}: it updates upstream's tests/unit_tests/, and '$TARGET' is not a Megatron-LM checkout (no pretrain_gpt.py and tests/unit_tests/)"
     fi
 fi
@@ -412,7 +417,7 @@ if [[ $THREEWAY == 1 ]]; then
     done
     for p in "${PATCHES[@]}"; do
         (cd "$W" && GIT_CEILING_DIRECTORIES="$SCRATCH" GIT_CONFIG_NOSYSTEM=1 GIT_CONFIG_GLOBAL=/dev/null \
-            git apply --whitespace=nowarn -- "$PD/$p") >/dev/null 2>&1 \
+            git apply --whitespace=nowarn "${XCL[@]}" -- "$PD/$p") >/dev/null 2>&1 \
             || die 1 "the series does not apply to megatron-core $BASE's own files ($p); restore patches/ from git; nothing was changed"
         while read -r f; do [[ -f "$W/$f" ]] && sg hash-object -w -- "$W/$f" >/dev/null; done \
             < <(sed -n 's#^diff --git a/.* b/\(.*\)$#\1#p' "$PD/$p")
@@ -432,14 +437,14 @@ if [[ $THREEWAY == 1 ]]; then
     else
         i=0
         for p in "${PATCHES[@]}"; do
-            if out="$(sg apply --check -v -- "$PD/$p" 2>&1)"; then
+            if out="$(sg apply --check -v "${XCL[@]}" -- "$PD/$p" 2>&1)"; then
                 grep -qi 'offset' <<<"$out" && how="applies at shifted lines" || how="applies"
                 failed=""
             else
                 how="merges three-way"
                 failed="$(sed -n 's/^error: patch failed: //p' <<<"$out" | head -n1)"
             fi
-            if ! out="$(sg am -q -3 --keep-cr --no-scissors --whitespace=nowarn -- "$PD/$p" 2>&1)"; then
+            if ! out="$(sg am -q -3 --keep-cr --no-scissors --whitespace=nowarn "${XCL[@]}" -- "$PD/$p" 2>&1)"; then
                 cf="$(sed -n 's/^CONFLICT ([^)]*): Merge conflict in //p' <<<"$out" | head -n1)"
                 [[ -n "$cf" ]] || cf="${failed%:*}"
                 line="${failed##*:}"; [[ "${failed%:*}" == "$cf" ]] || line=""
@@ -516,7 +521,7 @@ if [[ $MODE == reverse ]]; then
     for ((i = N - 1; i >= 0; i--)); do ORDER+=("${PATCHES[$i]}"); done
 fi
 for p in "${ORDER[@]}"; do
-    if ! out="$(cd "$SCRATCH/work" && gscratch apply -v --whitespace=nowarn "${RFLAG[@]}" -- "$PD/$p" 2>&1)"; then
+    if ! out="$(cd "$SCRATCH/work" && gscratch apply -v --whitespace=nowarn "${RFLAG[@]}" "${XCL[@]}" -- "$PD/$p" 2>&1)"; then
         why="$(grep -m1 -E '^(error|fatal):' <<<"$out" | sed -E 's/^(error|fatal): //; s/\.+$//' || true)"
         die 1 "dry run: $p does not apply${RFLAG:+ in reverse} to '$TARGET' (git apply: ${why:-failed}); nothing was changed. Restore the patch files from git, or check that TARGET is megatron-core $BASE"
     fi
@@ -623,15 +628,15 @@ trap 'restore_git; die 130 "interrupted; '"'"'$TARGET'"'"' was reset to its orig
 if [[ $MODE == apply ]]; then
     paths=()
     for p in "${PATCHES[@]}"; do paths+=("$PD/$p"); done
-    if ! out="$(git -C "$T" am --quiet --keep-cr --no-3way --no-scissors --whitespace=nowarn -- "${paths[@]}" 2>&1)"; then
+    if ! out="$(git -C "$T" am --quiet --keep-cr --no-3way --no-scissors --whitespace=nowarn "${XCL[@]}" -- "${paths[@]}" 2>&1)"; then
         fail_git "git am failed ($(grep -m1 -vE '^\s*$' <<<"$out" || echo unknown))"
     fi
     verify_final || fail_git "after git am the touched files do not have the expected sha256 (a filter or eol setting?)"
     report "applied $N patches to git checkout '$TARGET' as $N commits ($(git -C "$T" rev-parse --short "$ORIG_HEAD")..$(git -C "$T" rev-parse --short HEAD))"
 else
     for p in "${ORDER[@]}"; do
-        mapfile -t ppaths < <(sed -n 's#^diff --git a/\(.*\) b/.*$#\1#p' "$PD/$p")
-        out="$(git -C "$T" apply --index --whitespace=nowarn -R -- "$PD/$p" 2>&1)" \
+        mapfile -t ppaths < <(sed -n 's#^diff --git a/\(.*\) b/.*$#\1#p' "$PD/$p" | { if [[ ${#XCL[@]} -gt 0 ]]; then grep -v '^tests/'; else cat; fi; })
+        out="$(git -C "$T" apply --index --whitespace=nowarn -R "${XCL[@]}" -- "$PD/$p" 2>&1)" \
             || fail_git "git apply -R --index $p failed ($(head -n1 <<<"$out"))"
         subj="$(subject_of "$PD/$p")"
         out="$(git -C "$T" commit -q -m "Revert \"$subj\"" \

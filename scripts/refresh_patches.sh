@@ -106,6 +106,16 @@ mapfile -t names < <(cd "$tmp/out" && LC_ALL=C ls -1 -- *.patch 2>/dev/null || t
 CG="${CHECKOUT_GIT:-$(dirname "$SG")/megatron-lm/patched}"
 gc() { GIT_CONFIG_NOSYSTEM=1 GIT_CONFIG_GLOBAL=/dev/null LC_ALL=C git -C "$CG" "$@"; }
 only_tests() { ! gc diff-tree --no-commit-id --name-only -r "$1" | grep -qvE '^tests/unit_tests/'; }
+# A patch of $PD that touches only tests/unit_tests/ (a checkout-only patch; the series' other
+# patches may carry tests/unit_tests/ files beside their megatron/ ones).
+has_checkout_only() {
+    local f
+    for f in "$PD"/[0-9]*.patch; do
+        [[ -f "$f" ]] && grep -qE '^diff --git a/' "$f" \
+            && ! grep -E '^diff --git a/' "$f" | grep -qvE '^diff --git a/tests/unit_tests/' && return 0
+    done
+    return 1
+}
 test_commits=()
 if [[ -d "$CG/.git" ]]; then
     base_tag="${CHECKOUT_TAG:-core_v$major.$minor.$patchv}"
@@ -116,8 +126,8 @@ if [[ -d "$CG/.git" ]]; then
     mapfile -t range < <(gc rev-list "$base_tag..HEAD")
     for c in "${range[@]}"; do only_tests "$c" && test_commits=("$c" "${test_commits[@]}") || break; done
     for c in "${range[@]:${#test_commits[@]}}"; do
-        gc diff-tree --no-commit-id --name-only -r "$c" | grep -q '^tests/' \
-            && die "commit $(gc log -1 --format='%h %s' "$c") in $CG touches tests/ but is below a megatron/ commit; checkout-only patches must come last (git rebase -i $base_tag)"
+        only_tests "$c" \
+            && die "commit $(gc log -1 --format='%h %s' "$c") in $CG touches only tests/unit_tests/ but is below a megatron/ commit; checkout-only patches must come last (git rebase -i $base_tag)"
     done
     if [[ ${#test_commits[@]} -gt 0 ]]; then
         gc -c core.quotePath=true -c diff.noprefix=false -c diff.mnemonicPrefix=false \
@@ -129,7 +139,7 @@ if [[ -d "$CG/.git" ]]; then
             || die "git format-patch failed in $CG (see above)"
         mapfile -t names < <(cd "$tmp/out" && LC_ALL=C ls -1 -- *.patch 2>/dev/null || true)
     fi
-elif [[ -f "$PD/series" ]] && grep -lE '^diff --git a/tests/unit_tests/' "$PD"/*.patch >/dev/null 2>&1; then
+elif [[ -f "$PD/series" ]] && has_checkout_only; then
     die "$PD has checkout-only patches (tests/unit_tests/) but there is no checkout $CG to regenerate them from; run scripts/setup.sh"
 fi
 

@@ -204,6 +204,8 @@ build_series() {
             || { git -C "$sg.tmp" am --abort 2>/dev/null || true; rm -rf "$sg.tmp"; die "$series/$p does not apply to megatron-core $version (git am failed). $out/megatron left as it was."; }
     done < <(grep -vE '^\s*(#|$)' "$series/series")
     rm -rf "$out/megatron.tmp" && mkdir -p "$out/megatron.tmp"
+    # The patched tree is megatron/ alone: each patch's own tests (tests/unit_tests/) stay in $sg
+    # and go to the Megatron-LM checkouts (scripts/apply_patches.sh).
     git -C "$sg.tmp" archive HEAD megatron | tar -x -C "$out/megatron.tmp"
     # The prebuilt extension is not text; git keeps it byte-exact but archive drops nothing else.
     rm -rf "$sg" && mv "$sg.tmp" "$sg"

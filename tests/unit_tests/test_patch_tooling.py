@@ -322,6 +322,8 @@ def test_apply_check_reverse_plain_dir(series, tmp_path):
     assert proc.returncode == NOT_APPLIED and "not applied" in proc.stdout
     proc = run(APPLY, target, env=env)
     assert proc.returncode == OK, proc.stderr
+    # The patches' own tests (tests/unit_tests/) go to Megatron-LM checkouts only.
+    assert not (target / "tests").exists()
     for f, (_, patched_sha) in read_manifest(pd).items():
         assert sha256(target / f) == patched_sha
     if pd == REAL_PATCHES:  # the patched tree equals the generated megatron/
@@ -358,6 +360,7 @@ def test_apply_on_git_checkout_makes_one_commit_per_patch(series, tmp_path):
     pristine = tree_hashes(repo)
     proc = run(APPLY, repo, env=env)
     assert proc.returncode == OK, proc.stderr
+    assert not (repo / "tests").exists()  # a git repo of megatron/ alone: no checkout's tests
     names = read_series(pd)
     subjects = git(repo, "log", "--format=%s", f"{base}..HEAD").splitlines()[::-1]
     assert len(subjects) == len(names)
