@@ -23,6 +23,7 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -38,17 +39,40 @@ PLACEHOLDER_MAIL = re.compile(
 )
 
 
-def touched_files(base="0.17.1"):
+def touched_files(base="0.17.1", part="megatron/"):
+    """The files the series of ``base`` touches under ``part`` (megatron/: the code; tests/: the
+    patches' own tests, which only Megatron-LM checkouts get)."""
     files = set()
     for patch in series_patches(base=base):
         files.update(re.findall(r"^\+\+\+ b/(\S+)", patch.read_text(), flags=re.M))
-    return sorted(files)
+    return sorted(f for f in files if f.startswith(part))
 
 
 @pytest.mark.parametrize("base", BASES)
 def test_series_touches_python_files(base):
-    files = touched_files(base)
-    assert files and all(f.startswith("megatron/core/") and f.endswith(".py") for f in files)
+    files = touched_files(base, part="")
+    code, tests = touched_files(base), touched_files(base, part="tests/")
+    assert code and all(f.startswith("megatron/core/") and f.endswith(".py") for f in code)
+    assert tests == ["tests/unit_tests/distributed/test_layer_wise_param_gather.py"]
+    assert sorted(code + tests) == files
+
+
+@pytest.mark.parametrize("base,checkout", [("0.17.1", "patched"), ("0.19", "patched-0.19")])
+@pytest.mark.parametrize("tool", ["black", "isort"])
+def test_patch_tests_keep_upstream_format(base, checkout, tool, tmp_path):
+    """The patches' own tests, as the patched checkout has them: black and isort with the
+    settings above, megatron first-party as upstream's pyproject.toml says (run on copies, away
+    from the checkout's pyproject.toml, whose black required_version pins another black)."""
+    tree = REPO_ROOT / "build" / "megatron-lm" / checkout
+    if not (tree / ".git").is_dir():
+        pytest.skip(f"{tree} missing (scripts/setup.sh)")
+    copies = []
+    for i, f in enumerate(touched_files(base, part="tests/")):
+        copies.append(f"{i}_{Path(f).name}")
+        (tmp_path / copies[-1]).write_bytes((tree / f).read_bytes())
+    cmd = BLACK if tool == "black" else ISORT + ["-p", "megatron", "-p", "tests"]
+    proc = subprocess.run(cmd + copies, cwd=tmp_path, capture_output=True, text=True)
+    assert proc.returncode == 0, f"{tool} rejects {tree}'s test files:\n{proc.stdout}{proc.stderr}"
 
 
 @pytest.mark.parametrize("base", BASES)
