@@ -121,8 +121,9 @@ def test_019_upstream_tests_ran(tree):
 
 
 def test_019_patched_passes_every_test_that_pristine_passes():
-    """Upstream's tests at core_v0.19.0, unchanged (the 0.19 series has no test patch):
-    every test that passes on 0.19 passes on 0.19 + the series, and none is new."""
+    """Upstream's tests at core_v0.19.0, unchanged (the series adds its own tests in a file of
+    its own, test_series_own_tests.py): every test that passes on 0.19 passes on 0.19 + the
+    series, and none is new."""
     pristine, patched = _run_019("pristine-0.19"), _run_019("patched-0.19")
     assert not ur.regressions(pristine, patched), (ur.regressions(pristine, patched), patched.log)
     assert set(patched.results) == set(pristine.results)

@@ -1,0 +1,153 @@
+"""Each patch's own tests, on every prefix of each series, in checkout form.
+
+Every patch of ``patches/<base>/`` adds its tests to one upstream-style file,
+``tests/unit_tests/distributed/test_layer_wise_param_gather.py`` (built like upstream's
+``tests/unit_tests/test_layer_wise_optimizer.py``: ``Utils``, DDP without the distributed
+optimizer, the layer-wise Muon optimizer). A *prefix* k of a series is the base plus its first k
+patches. Here the file runs on 2 CPU gloo ranks (``upstream_runner``, ``cpu_gloo_plugin``) in a
+clone of the patched Megatron-LM checkout (``scripts/setup.sh``: the base's tag + one commit per
+patch, by ``scripts/apply_patches.sh``) at that prefix, and it is asserted that:
+
+* at prefix k the file holds exactly the tests that patches 1..k add (read from the patches'
+  ``+def test_`` lines), and every one passes: each patch stands alone with its tests;
+* patch k's tests, run on prefix k-1 (the file as patch k leaves it, the code without patch k),
+  fail: they test what patch k changes. The exceptions are named in ``ALREADY_ON_BASE``, with
+  why the base already passes them.
+
+The default run (CI) checks the whole series of each base (k = N); the other prefixes are
+``extended`` (``scripts/test.sh --all``): about 40 s of wall time per run on 2 cores.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from harness.trees import series_patches
+from tests.tiers import tiered
+from tests.upstream_tests import upstream_runner as ur
+
+pytestmark = [pytest.mark.slow, pytest.mark.gloo]
+
+OWN_FILE = "tests/unit_tests/distributed/test_layer_wise_param_gather.py"
+#: base -> (the pristine checkout's label, the patched checkout's label) in ``ur.CHECKOUTS``.
+CHECKOUT_OF = {"0.17.1": ("pristine", "patched"), "0.19": ("pristine-0.19", "patched-0.19")}
+#: Tests a patch adds that its base passes already (node names): they pin down behaviour the
+#: patch must keep, not behaviour it adds.
+ALREADY_ON_BASE = {
+    "0.19": {
+        # 0.19.2 receives the forward's gather into grad_data (upstream #3751); patch 0003 keeps
+        # that for a gather started while grad_data is idle and adds the rest of its tests.
+        "test_forward_gather_receives_into_idle_grad_data",
+        # 0.19.2 skips the gather at DP size 1 (upstream #4138); patch 0002 fixes the expert
+        # buckets ([expert]).
+        "test_dp_size_one_builds_and_trains[dense]",
+    },
+}
+_RUNS: dict = {}
+
+
+def added_tests(patch: Path) -> list:
+    """The test functions ``patch`` adds to OWN_FILE (its ``+def test_`` lines there), in order."""
+    text = patch.read_text()
+    sections = re.split(r"^diff --git ", text, flags=re.M)[1:]
+    own = [s for s in sections if s.startswith(f"a/{OWN_FILE} ")]
+    return re.findall(r"^\+def (test_\w+)\(", own[0], flags=re.M) if own else []
+
+
+def _n(base: str) -> int:
+    return len(series_patches(checkout=True, base=base))
+
+
+def prefix_checkout(base: str, k: int, tests_of: int, dest: Path) -> Path:
+    """A clone of the patched checkout of ``base`` at prefix ``k`` (its tag + the first k
+    commits), with OWN_FILE as prefix ``tests_of`` has it (absent where that is 0).
+
+    Raises:
+        AssertionError: the checkout's commits are not the series' patches (rerun setup.sh).
+    """
+    pristine, patched = (ur.CHECKOUTS[t] for t in CHECKOUT_OF[base])
+    if not (patched / ".git").is_dir():
+        pytest.skip(f"{patched} missing (scripts/setup.sh found no source of its base)")
+    git = ["git", "-c", "advice.detachedHead=false"]
+    subprocess.run([*git, "clone", "-q", "--shared", "--no-checkout", str(patched), str(dest)], check=True)
+    tag = pristine.name
+    commits = subprocess.run([*git, "-C", str(dest), "rev-list", "--reverse", f"{tag}..HEAD"],
+                             check=True, capture_output=True, text=True).stdout.split()
+    assert len(commits) == _n(base), f"{patched} has {len(commits)} commits over {tag}, the series {_n(base)}; rerun scripts/setup.sh"
+    at = [tag, *commits]
+    subprocess.run([*git, "-C", str(dest), "checkout", "-q", "--detach", at[k]], check=True)
+    target = dest / OWN_FILE
+    if tests_of != k:
+        target.unlink(missing_ok=True)
+        if tests_of:
+            blob = subprocess.run([*git, "-C", str(dest), "show", f"{at[tests_of]}:{OWN_FILE}"],
+                                  check=True, capture_output=True).stdout
+            target.write_bytes(blob)
+    return dest
+
+
+def _runs(base: str, k: int, tmp_root: Path) -> dict:
+    """{"own": OWN_FILE of prefix k on prefix k, "before": on prefix k-1}, one run each per
+    session, side by side."""
+    if (base, k) not in _RUNS:
+        forms = {"own": (k, k), "before": (k - 1, k)}
+
+        def one(form):
+            tree_k, tests_of = forms[form]
+            dest = tmp_root / f"{base}-{form}-{k}"
+            checkout = prefix_checkout(base, tree_k, tests_of, dest)
+            return ur.run(CHECKOUT_OF[base][1], 2, [OWN_FILE], timeout_s=600, checkout=checkout,
+                          out_dir=ur.RESULTS_DIR / f"own-{base}-prefix{k}-{form}")
+
+        with ThreadPoolExecutor(2) as pool:
+            _RUNS[(base, k)] = dict(zip(forms, pool.map(one, forms)))
+    return _RUNS[(base, k)]
+
+
+def _name(nodeid: str) -> str:
+    return nodeid.split("::")[-1]
+
+
+PREFIXES = [(b, k) for b in CHECKOUT_OF for k in range(1, _n(b) + 1)]
+
+
+def test_every_patch_adds_tests():
+    """Each patch of each base carries its own tests (and no test is added twice)."""
+    for base in CHECKOUT_OF:
+        added = [added_tests(p) for p in series_patches(checkout=True, base=base)]
+        assert all(added), f"{base}: patches without tests: {[i + 1 for i, a in enumerate(added) if not a]}"
+        flat = [t for a in added for t in a]
+        assert len(flat) == len(set(flat)), f"{base}: a test added twice: {flat}"
+
+
+@pytest.mark.parametrize("base,k", tiered(PREFIXES, lambda v: v[1] == _n(v[0])))
+def test_prefix_passes_the_tests_of_its_patches(base, k, tmp_path_factory):
+    run = _runs(base, k, tmp_path_factory.mktemp("own"))["own"]
+    want = {t for p in series_patches(checkout=True, base=base)[:k] for t in added_tests(p)}
+    got = {_name(n).split("[")[0] for n in run.results}
+    assert got == want, f"prefix {k} of {base}: tests {sorted(got)}, its patches add {sorted(want)}; see {run.log}"
+    bad = {_name(n): run.fail_reasons.get(n, v) for n, v in run.results.items() if v != "passed"}
+    assert not bad, f"prefix {k} of {base}: {bad}; see {run.log}"
+
+
+@pytest.mark.parametrize("base,k", tiered(PREFIXES, lambda v: v[1] == _n(v[0])))
+def test_patch_tests_fail_without_the_patch(base, k, tmp_path_factory):
+    run = _runs(base, k, tmp_path_factory.mktemp("own"))["before"]
+    patches = series_patches(checkout=True, base=base)
+    earlier = {t for p in patches[: k - 1] for t in added_tests(p)}
+    new = set(added_tests(patches[k - 1]))
+    assert {_name(n).split("[")[0] for n in run.results} == earlier | new, run.log
+    known = ALREADY_ON_BASE.get(base, set())
+    for nodeid, outcome in run.results.items():
+        name = _name(nodeid)
+        if name.split("[")[0] in earlier:
+            assert outcome == "passed", f"{name} (an earlier patch's) {outcome} on prefix {k - 1}; see {run.log}"
+        elif name in known:
+            assert outcome == "passed", f"{name} is in ALREADY_ON_BASE but {outcome} on prefix {k - 1}; see {run.log}"
+        else:
+            assert outcome == "failed", f"{name} of patch {k} {outcome} without it (prefix {k - 1} of {base}); see {run.log}"
