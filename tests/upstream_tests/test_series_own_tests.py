@@ -33,7 +33,7 @@ from tests.upstream_tests import upstream_runner as ur
 
 pytestmark = [pytest.mark.slow, pytest.mark.gloo]
 
-OWN_FILE = "tests/unit_tests/distributed/test_layer_wise_param_gather.py"
+OWN_FILE = ur.SERIES_TESTS
 #: base -> (the pristine checkout's label, the patched checkout's label) in ``ur.CHECKOUTS``.
 CHECKOUT_OF = {"0.17.1": ("pristine", "patched"), "0.19": ("pristine-0.19", "patched-0.19")}
 #: Tests a patch adds that its base passes already (node names): they pin down behaviour the

@@ -120,6 +120,9 @@ FILES_OWN_019: tuple = (
     *FILES_019[1:],
 )
 FILES_OWN = {"0.19": FILES_OWN_019}
+#: The series' own tests: each patch of patches/<base>/ adds its tests to this file (upstream's
+#: style), so only a tree with the series has it. An own-tree run runs it on the patched side.
+SERIES_TESTS = "tests/unit_tests/distributed/test_layer_wise_param_gather.py"
 
 
 def own_files(checkout: Path, series: str) -> List[str]:
@@ -139,9 +142,19 @@ def own_files(checkout: Path, series: str) -> List[str]:
     return out
 
 
+def own_run_files(upstream: Path, patched: Path, series: str) -> tuple:
+    """``(pristine files, patched files)`` of an own-tree run: ``own_files`` of the tree as it
+    is on both sides, and on the patched side also SERIES_TESTS, which the series adds (it
+    must pass there: ``new_test_failures``)."""
+    files = own_files(upstream, series)
+    extra = [SERIES_TESTS] if (Path(patched) / SERIES_TESTS).is_file() and SERIES_TESTS not in files else []
+    return files, files + extra
+
+
 def run_own(checkout: Path, nproc: int = 2, timeout_s: float = 1800) -> tuple:
     """Upstream's tests of your own tree (``harness.own_tree``): its HEAD as it is ("pristine")
-    and with the series ("patched"), the same files (``own_files``) on ``nproc`` ranks.
+    and with the series ("patched"), the same files (``own_files``) on ``nproc`` ranks, and on
+    the patched side the series' own tests (``own_run_files``).
 
     Returns:
         ``(own_tree, pristine Run, patched Run)``.
@@ -149,9 +162,9 @@ def run_own(checkout: Path, nproc: int = 2, timeout_s: float = 1800) -> tuple:
     from harness import own_tree
 
     tree = own_tree.prepare(checkout)
-    files = own_files(tree.upstream, tree.series.name)
+    files = dict(zip(("pristine", "patched"), own_run_files(tree.upstream, tree.patched, tree.series.name)))
     out = RESULTS_DIR / f"checkout-{tree.source.name}-{tree.head[:12]}"
-    runs = [run(label, nproc, files, timeout_s=timeout_s, out_dir=out / f"{label}-np{nproc}", checkout=clone)
+    runs = [run(label, nproc, files[label], timeout_s=timeout_s, out_dir=out / f"{label}-np{nproc}", checkout=clone)
             for label, clone in (("pristine", tree.upstream), ("patched", tree.patched))]
     return (tree, *runs)
 
@@ -161,8 +174,9 @@ def own_table(pristine: "Run", patched: "Run") -> str:
     lines = ["| file | ranks | pristine passed / failed / skipped | patched passed / failed / skipped |",
              "|---|---|---|---|"]
     a, b = pristine.by_file(), patched.by_file()
-    for f in files_of(pristine.files):
-        cells = [f"{c['passed']} / {c['failed']} / {c['skipped']}" for c in (a.get(f, Counter()), b.get(f, Counter()))]
+    for f in files_of([*pristine.files, *patched.files]):
+        cells = [f"{c['passed']} / {c['failed']} / {c['skipped']}" if f in files_of(r.files) else "not in the tree"
+                 for r, c in ((pristine, a.get(f, Counter())), (patched, b.get(f, Counter())))]
         lines.append(f"| `{f.removeprefix('tests/unit_tests/')}` | {pristine.nproc} | {cells[0]} | {cells[1]} |")
     return "\n".join(lines)
 
