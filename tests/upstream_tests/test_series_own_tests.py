@@ -14,8 +14,9 @@ patch, by ``scripts/apply_patches.sh``) at that prefix, and it is asserted that:
   fail: they test what patch k changes. The exceptions are named in ``ALREADY_ON_BASE``, with
   why the base already passes them.
 
-The default run (CI) checks the whole series of each base (k = N); the other prefixes are
-``extended`` (``scripts/test.sh --all``): about 40 s of wall time per run on 2 cores.
+The default run (CI) checks that the whole series of each base (k = N) passes its tests; the
+shorter prefixes, and each patch's tests without it (on prefix k-1), are ``extended``
+(``scripts/test.sh --all``): about 40 s of wall time per run on 2 cores.
 """
 
 from __future__ import annotations
@@ -91,22 +92,23 @@ def prefix_checkout(base: str, k: int, tests_of: int, dest: Path) -> Path:
     return dest
 
 
-def _runs(base: str, k: int, tmp_root: Path) -> dict:
-    """{"own": OWN_FILE of prefix k on prefix k, "before": on prefix k-1}, one run each per
-    session, side by side."""
-    if (base, k) not in _RUNS:
-        forms = {"own": (k, k), "before": (k - 1, k)}
+def _run(base: str, k: int, form: str, tmp_root: Path) -> ur.Run:
+    """The run of OWN_FILE as prefix k has it, on prefix k (``form`` "own") or on prefix k-1
+    ("before"); once per session. Below the whole series both forms start together, side by
+    side (the sweeps need both); the default run (k = N) makes only the one it asks for."""
+    forms = ("own", "before") if k < _n(base) else (form,)
+    todo = [f for f in forms if (base, k, f) not in _RUNS]
 
-        def one(form):
-            tree_k, tests_of = forms[form]
-            dest = tmp_root / f"{base}-{form}-{k}"
-            checkout = prefix_checkout(base, tree_k, tests_of, dest)
-            return ur.run(CHECKOUT_OF[base][1], 2, [OWN_FILE], timeout_s=600, checkout=checkout,
-                          out_dir=ur.RESULTS_DIR / f"own-{base}-prefix{k}-{form}")
+    def one(f):
+        dest = tmp_root / f"{base}-{f}-{k}"
+        checkout = prefix_checkout(base, k if f == "own" else k - 1, k, dest)
+        return ur.run(CHECKOUT_OF[base][1], 2, [OWN_FILE], timeout_s=600, checkout=checkout,
+                      out_dir=ur.RESULTS_DIR / f"own-{base}-prefix{k}-{f}")
 
-        with ThreadPoolExecutor(2) as pool:
-            _RUNS[(base, k)] = dict(zip(forms, pool.map(one, forms)))
-    return _RUNS[(base, k)]
+    if todo:
+        with ThreadPoolExecutor(len(todo)) as pool:
+            _RUNS.update({(base, k, f): r for f, r in zip(todo, pool.map(one, todo))})
+    return _RUNS[(base, k, form)]
 
 
 def _name(nodeid: str) -> str:
@@ -127,7 +129,7 @@ def test_every_patch_adds_tests():
 
 @pytest.mark.parametrize("base,k", tiered(PREFIXES, lambda v: v[1] == _n(v[0])))
 def test_prefix_passes_the_tests_of_its_patches(base, k, tmp_path_factory):
-    run = _runs(base, k, tmp_path_factory.mktemp("own"))["own"]
+    run = _run(base, k, "own", tmp_path_factory.mktemp("own"))
     want = {t for p in series_patches(checkout=True, base=base)[:k] for t in added_tests(p)}
     got = {_name(n).split("[")[0] for n in run.results}
     assert got == want, f"prefix {k} of {base}: tests {sorted(got)}, its patches add {sorted(want)}; see {run.log}"
@@ -135,9 +137,10 @@ def test_prefix_passes_the_tests_of_its_patches(base, k, tmp_path_factory):
     assert not bad, f"prefix {k} of {base}: {bad}; see {run.log}"
 
 
-@pytest.mark.parametrize("base,k", tiered(PREFIXES, lambda v: v[1] == _n(v[0])))
+@pytest.mark.extended  # prefix k-1 of every k: a shorter prefix, as the sweeps' other checks
+@pytest.mark.parametrize("base,k", PREFIXES)
 def test_patch_tests_fail_without_the_patch(base, k, tmp_path_factory):
-    run = _runs(base, k, tmp_path_factory.mktemp("own"))["before"]
+    run = _run(base, k, "before", tmp_path_factory.mktemp("own"))
     patches = series_patches(checkout=True, base=base)
     earlier = {t for p in patches[: k - 1] for t in added_tests(p)}
     new = set(added_tests(patches[k - 1]))
