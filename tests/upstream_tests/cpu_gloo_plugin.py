@@ -47,7 +47,7 @@ Python objects after import, never a file of the checkout:
    seen under heavy load) leaves the ranks out of step: the others are inside the test's
    collectives, and the run hangs until its timeout. The rank writes its report with
    ``aborted`` (the message) and exits at once, so torchrun stops the others;
-   ``upstream_runner.run`` runs the tests not finished on every rank once more.
+   ``upstream_runner.run`` runs the tests not finished on every rank again (``RETRIES``).
    ``$UPSTREAM_TESTS_DESELECT`` (a JSON list of node ids) deselects the tests already done.
 
 Environment: ``MEGATRON_LM_CHECKOUT`` (the checkout root), ``UPSTREAM_TESTS_RESULTS`` (a

@@ -61,11 +61,12 @@ def test_every_test_is_called_from_the_same_seed(checkout, tmp_path):
 CONNECT = '''
 import os, pathlib, torch
 from tests.unit_tests.test_utilities import Utils
-MARK = pathlib.Path(os.environ["TEST_DIR"]) / "connect_failed_once"
+MARK = pathlib.Path(os.environ["TEST_DIR"]) / "connect_failures"
 def test_1_connect():
     Utils.initialize_distributed()
-    if Utils.rank == 0 and not MARK.exists():
-        MARK.write_text("")
+    failed = len(MARK.read_text()) if MARK.exists() else 0
+    if Utils.rank == 0 and failed < int(os.environ["CONNECT_FAILURES"]):
+        MARK.write_text("x" * (failed + 1))
         raise RuntimeError("Gloo connectFullMesh failed with [a stand-in for gloo's]")
     torch.distributed.barrier()
 def test_2_after():
@@ -79,6 +80,8 @@ def test_a_gloo_connect_failure_stops_the_run_and_the_rest_runs_again(checkout, 
     test_file = tmp_path / "test_connect.py"
     test_file.write_text(CONNECT)
     monkeypatch.setenv("TEST_DIR", str(tmp_path))
+    monkeypatch.setenv("CONNECT_FAILURES", str(ur.RETRIES))  # the test fails in the run and in all but the last retry
+    monkeypatch.setattr(ur, "RETRY_PAUSE_S", 0)
     out = tmp_path / "results"
     result = ur.run("pristine", 2, [str(test_file)], timeout_s=300, out_dir=out, checkout=checkout)
     first = json.loads((out / "rank0.json").read_text())
