@@ -28,6 +28,7 @@ from pathlib import Path
 import pytest
 
 from harness.trees import BASES, REPO_ROOT, SERIES_DIR, series_patches, tree_parent
+from tests.upstream_tests.upstream_runner import CHECKOUTS, CHECKOUTS_OF_BASE
 
 COVER = "0000-cover-letter.patch"
 
@@ -57,13 +58,13 @@ def test_series_touches_python_files(base):
     assert sorted(code + tests) == files
 
 
-@pytest.mark.parametrize("base,checkout", [("0.17.1", "patched"), ("0.19", "patched-0.19")])
+@pytest.mark.parametrize("base", BASES)
 @pytest.mark.parametrize("tool", ["black", "isort"])
-def test_patch_tests_keep_upstream_format(base, checkout, tool, tmp_path):
+def test_patch_tests_keep_upstream_format(base, tool, tmp_path):
     """The patches' own tests, as the patched checkout has them: black and isort with the
     settings above, megatron first-party as upstream's pyproject.toml says (run on copies, away
     from the checkout's pyproject.toml, whose black required_version pins another black)."""
-    tree = REPO_ROOT / "build" / "megatron-lm" / checkout
+    tree = CHECKOUTS[CHECKOUTS_OF_BASE[base][1]]
     if not (tree / ".git").is_dir():
         pytest.skip(f"{tree} missing (scripts/setup.sh)")
     copies = []

@@ -35,8 +35,7 @@ from tests.upstream_tests import upstream_runner as ur
 pytestmark = [pytest.mark.slow, pytest.mark.gloo]
 
 OWN_FILE = ur.SERIES_TESTS
-#: base -> (the pristine checkout's label, the patched checkout's label) in ``ur.CHECKOUTS``.
-CHECKOUT_OF = {"0.17.1": ("pristine", "patched"), "0.19": ("pristine-0.19", "patched-0.19")}
+CHECKOUT_OF = ur.CHECKOUTS_OF_BASE
 #: Tests a patch adds that its base passes already (node names): they pin down behaviour the
 #: patch must keep, not behaviour it adds.
 ALREADY_ON_BASE = {
@@ -66,7 +65,7 @@ def _n(base: str) -> int:
 
 def prefix_checkout(base: str, k: int, tests_of: int, dest: Path) -> Path:
     """A clone of the patched checkout of ``base`` at prefix ``k`` (its tag + the first k
-    commits), with OWN_FILE as prefix ``tests_of`` has it (absent where that is 0).
+    commits), with OWN_FILE as prefix ``tests_of`` (1..N) has it.
 
     Raises:
         AssertionError: the checkout's commits are not the series' patches (rerun setup.sh).
@@ -82,13 +81,10 @@ def prefix_checkout(base: str, k: int, tests_of: int, dest: Path) -> Path:
     assert len(commits) == _n(base), f"{patched} has {len(commits)} commits over {tag}, the series {_n(base)}; rerun scripts/setup.sh"
     at = [tag, *commits]
     subprocess.run([*git, "-C", str(dest), "checkout", "-q", "--detach", at[k]], check=True)
-    target = dest / OWN_FILE
     if tests_of != k:
-        target.unlink(missing_ok=True)
-        if tests_of:
-            blob = subprocess.run([*git, "-C", str(dest), "show", f"{at[tests_of]}:{OWN_FILE}"],
-                                  check=True, capture_output=True).stdout
-            target.write_bytes(blob)
+        blob = subprocess.run([*git, "-C", str(dest), "show", f"{at[tests_of]}:{OWN_FILE}"],
+                              check=True, capture_output=True).stdout
+        (dest / OWN_FILE).write_bytes(blob)
     return dest
 
 
@@ -112,7 +108,13 @@ def _run(base: str, k: int, form: str, tmp_root: Path) -> ur.Run:
 
 
 def _name(nodeid: str) -> str:
+    """The test of a node id, parameters included: ``test_x[dense]``."""
     return nodeid.split("::")[-1]
+
+
+def _function(nodeid: str) -> str:
+    """The test function of a node id: ``test_x``."""
+    return _name(nodeid).split("[")[0]
 
 
 PREFIXES = [(b, k) for b in CHECKOUT_OF for k in range(1, _n(b) + 1)]
@@ -131,7 +133,7 @@ def test_every_patch_adds_tests():
 def test_prefix_passes_the_tests_of_its_patches(base, k, tmp_path_factory):
     run = _run(base, k, "own", tmp_path_factory.mktemp("own"))
     want = {t for p in series_patches(checkout=True, base=base)[:k] for t in added_tests(p)}
-    got = {_name(n).split("[")[0] for n in run.results}
+    got = {_function(n) for n in run.results}
     assert got == want, f"prefix {k} of {base}: tests {sorted(got)}, its patches add {sorted(want)}; see {run.log}"
     bad = {_name(n): run.fail_reasons.get(n, v) for n, v in run.results.items() if v != "passed"}
     assert not bad, f"prefix {k} of {base}: {bad}; see {run.log}"
@@ -144,11 +146,11 @@ def test_patch_tests_fail_without_the_patch(base, k, tmp_path_factory):
     patches = series_patches(checkout=True, base=base)
     earlier = {t for p in patches[: k - 1] for t in added_tests(p)}
     new = set(added_tests(patches[k - 1]))
-    assert {_name(n).split("[")[0] for n in run.results} == earlier | new, run.log
+    assert {_function(n) for n in run.results} == earlier | new, run.log
     known = ALREADY_ON_BASE.get(base, set())
     for nodeid, outcome in run.results.items():
         name = _name(nodeid)
-        if name.split("[")[0] in earlier:
+        if _function(nodeid) in earlier:
             assert outcome == "passed", f"{name} (an earlier patch's) {outcome} on prefix {k - 1}; see {run.log}"
         elif name in known:
             assert outcome == "passed", f"{name} is in ALREADY_ON_BASE but {outcome} on prefix {k - 1}; see {run.log}"

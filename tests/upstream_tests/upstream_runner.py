@@ -46,6 +46,8 @@ CHECKOUTS = {
     "pristine-0.19": REPO_ROOT / "build" / "megatron-lm" / "core_v0.19.0",
     "patched-0.19": REPO_ROOT / "build" / "megatron-lm" / "patched-0.19",
 }
+#: Each series base's checkouts, as labels of CHECKOUTS: (pristine, patched).
+CHECKOUTS_OF_BASE = {"0.17.1": ("pristine", "patched"), "0.19": ("pristine-0.19", "patched-0.19")}
 RESULTS_DIR = REPO_ROOT / "build" / "upstream_tests"
 
 #: Upstream test files of the code the series touches that run on CPU, and the rank counts
@@ -312,14 +314,14 @@ def _wait(proc: subprocess.Popen, timeout_s: float):
 
 
 def run(tree: str, nproc: int, files: Sequence[str] | None = None, timeout_s: float = 900,
-        out_dir: Path | None = None, retry: bool | int = True, checkout: Path | None = None,
+        out_dir: Path | None = None, retry: int = RETRIES, checkout: Path | None = None,
         deselect: Iterable[str] = ()) -> Run:
     """Run ``files`` (default ``FILES_BY_NPROC[nproc]``) of ``tree`` on ``nproc`` gloo ranks,
     logs and rank reports in ``out_dir`` (default ``RESULTS_DIR/<tree>-np<nproc>``), leaving
     out the node ids in ``deselect``. When a test fails with ``GLOO_CONNECT_FAILURE`` the run
-    stops there (``cpu_gloo_plugin`` item 9); with ``retry`` (True: up to RETRIES times, an
-    int: that many), that test and every test not finished on all ranks run again after
-    RETRY_PAUSE_S (in ``out_dir/retry``, ``out_dir/retry/retry``), else they count as failed.
+    stops there (``cpu_gloo_plugin`` item 9); up to ``retry`` times (0 or False: never), that
+    test and every test not finished on all ranks run again after RETRY_PAUSE_S (in
+    ``out_dir/retry``, ``out_dir/retry/retry``), else they count as failed.
     ``checkout`` replaces ``CHECKOUTS[tree]`` (e.g. a copy of the patched checkout with a
     deliberate bug in it); ``tree`` stays the run's label.
 
@@ -365,11 +367,10 @@ def run(tree: str, nproc: int, files: Sequence[str] | None = None, timeout_s: fl
         done = set.intersection(*(set(r["done"]) for r in reports)) if len(reports) == nproc else set()
         done -= set(unconnected)
         result.results = {k: v if k in done else "failed" for k, v in result.results.items()}
-        retries = RETRIES if retry is True else int(retry)
-        if not retries:
+        if not retry:
             return result
         time.sleep(RETRY_PAUSE_S)
-        again = run(tree, nproc, files, timeout_s, out_dir / "retry", retry=retries - 1, checkout=checkout,
+        again = run(tree, nproc, files, timeout_s, out_dir / "retry", retry=int(retry) - 1, checkout=checkout,
                     deselect=set(deselect) | done)
         result.retried = {**again.retried, **{k: result.fail_reasons.pop(k) for k in unconnected}}
         result.results.update(again.results)
