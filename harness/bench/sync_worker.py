@@ -59,7 +59,7 @@ cpu_runtime.install_if_requested()
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from harness.bench import sync_profile, theory  # noqa: E402
+from harness.bench import theory  # noqa: E402
 from harness.alloc_counter import AllocationCounter  # noqa: E402
 from harness.bench.counters import ProfiledAllocations, model_standin_bytes  # noqa: E402
 from harness.trees import check_expected_tree  # noqa: E402
@@ -538,19 +538,6 @@ def serve(cases, channel, device: str) -> None:
             channel.send({"times_s": [max(ts) for ts in zip(*everyone)]})
 
 
-def profile_cases(cases, records, n: int, device: str) -> None:
-    """``harness.bench.sync_profile.profile_sync`` of every case (all ranks run the syncs);
-    rank 0 stores it as ``record["profile"]``."""
-    for i, (s, path) in enumerate(cases):
-        with cpu_runtime.device_mapping_suspended():
-            prof = sync_profile.profile_sync(
-                s.sync_fn(path), s.reset if path != CONTROL else (lambda: None), dist.barrier, n,
-                lambda: _sync_device(device),
-            )
-        if dist.get_rank() == 0:
-            records[i]["profile"] = prof
-
-
 def main_real(args, mc, tree_dir: str) -> None:
     if args.device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
@@ -562,8 +549,6 @@ def main_real(args, mc, tree_dir: str) -> None:
     channel = _Channel(args.serve, 120) if args.serve and dist.get_rank() == 0 else None
     cases, records = build_cases(mc, args, dist.get_world_size(), dist.get_rank(), real=True)
     records = _merge_ranks(records)
-    if args.profile:
-        profile_cases(cases, records, args.profile, args.device)
     if dist.get_rank() == 0:
         for rec in records:
             rec.update(tree=args.tree, tree_dir=tree_dir, pg="real")
@@ -637,8 +622,6 @@ def main(argv=None) -> int:
     ap.add_argument("--fake-bucket-sizes", default="", help="bucket sizes of the fake counts (default: --bucket-sizes)")
     ap.add_argument("--ranks", default="0,mid", help="fake mode: ranks to simulate (mid = dp//2)")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    ap.add_argument("--profile", type=int, default=0, metavar="N",
-                    help="real mode: also profile N syncs per case (harness/bench/sync_profile.py)")
     args = ap.parse_args(argv)
     if args.mode == "fake" and not args.out:
         ap.error("--mode fake needs --out")
