@@ -216,8 +216,7 @@ def torchrun_argv(nproc: int, python: str = sys.executable) -> List[str]:
     concurrent runs do not collide). The script, or ``-m MODULE``, and its arguments follow.
 
     Used by ``torchrun_command`` and by the runs of upstream's own tests, which launch
-    ``-m pytest`` (``tests/upstream_tests/upstream_runner.py:command``,
-    ``scripts/seed_sweep_upstream_test.py:sweep_command``).
+    ``-m pytest`` (``tests/upstream_tests/upstream_runner.py:command``).
 
     Raises:
         ValueError: ``nproc`` < 1.

@@ -266,12 +266,9 @@ def test_cpu_initialization_on_gpus_is_refused_on_0_19_with_the_reason(tree, ref
 
 def test_every_torchrun_line_comes_from_launch_torchrun_argv(monkeypatch, tmp_path):
     """The torchrun line is spelled once, ``launch.torchrun_argv``: the GPU ranks of
-    ``torchrun_command``, upstream's test runs (``upstream_runner.command``) and the seed sweep
-    (``scripts/seed_sweep_upstream_test.py:sweep_command``) all take it from there, so a change
-    there reaches every one (a copy of the line elsewhere would keep the old launcher)."""
-    import argparse
-    import importlib.util
-
+    ``torchrun_command`` and upstream's test runs (``upstream_runner.command``) both take it
+    from there, so a change there reaches each (a copy of the line elsewhere would keep the old
+    launcher)."""
     from tests.upstream_tests import upstream_runner
 
     fake = ["PYTHON", "-m", "launcher.under.test", "--nproc-per-node", "3"]
@@ -288,12 +285,6 @@ def test_every_torchrun_line_comes_from_launch_torchrun_argv(monkeypatch, tmp_pa
     assert argv == [*fake, str(script), "--x"]
     argv, _ = upstream_runner.command(tmp_path, ["tests/unit_tests/t.py"], 3, tmp_path)
     assert argv[:5] == fake and argv[5:7] == ["-m", "pytest"] and argv[-1] == "tests/unit_tests/t.py"
-    spec = importlib.util.spec_from_file_location("seed_sweep", REPO_ROOT / "scripts" / "seed_sweep_upstream_test.py")
-    sweep = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(sweep)
-    args = argparse.Namespace(nproc=3, seeds="0:2", tests=["test_parameter_updates"], share_grad_norm=False)
-    argv, _, checkout = sweep.sweep_command("pristine", args, tmp_path)
-    assert argv[:5] == fake and argv[5].endswith("seed_sweep_upstream_test.py") and "--worker" in argv
     assert asked and set(asked) == {3}  # every builder asked for its own rank count
     # and the real line, for the record
     monkeypatch.undo()

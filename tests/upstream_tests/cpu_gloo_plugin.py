@@ -41,7 +41,7 @@ Python objects after import, never a file of the checkout:
 8. Every test is called right after ``torch.manual_seed(SEED)`` on every rank (after its
    fixtures). Upstream draws inputs from the unseeded default generator, and its layer-wise
    parameter-update tests fail by bf16 rounding at about 1 seed in 200, on both trees alike
-   (``docs/upstream_tests.md``, ``scripts/seed_sweep_upstream_test.py``): seeded, both trees
+   (``docs/upstream_tests.md``): seeded, both trees
    get the same inputs, so an outcome that differs between them is the series'.
 9. A test that fails with ``GLOO_CONNECT_FAILURE`` (a new group's TCP mesh did not connect,
    seen under heavy load) leaves the ranks out of step: the others are inside the test's
