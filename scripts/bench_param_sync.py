@@ -1,37 +1,34 @@
-"""Benchmark the layer-wise param sync: upstream 0.17.1, the exact-list-slot design, the series.
+"""Benchmark the layer-wise param sync: upstream 0.17.1 against the series.
 
 Usage (from the repo root, after scripts/setup.sh):
 
-    .venv/bin/python scripts/bench_param_sync.py            # about 3 min on 2 CPU cores (173 s at load 9 to 12)
+    .venv/bin/python scripts/bench_param_sync.py            # a few minutes on 2 CPU cores
     .venv/bin/python scripts/bench_param_sync.py --quick    # smoke run for tests (about a minute)
     .venv/bin/python scripts/bench_param_sync.py --publish  # also copy PNG + MD to docs/bench/
-    .venv/bin/python scripts/bench_param_sync.py --device cuda   # on a GPU machine (NCCL)
 
-All trees (harness/bench/trees.py: upstream, exact_list_slots, patched) are measured in the
-same run:
+Both trees (``TREES``: upstream, patched) are measured in the same run:
 
-* real ranks, DP 2 and 4 (torchrun; gloo on CPU, NCCL with --device cuda): one worker
-  group per tree (harness/bench/sync_worker.py), all alive at once. Each counts one sync of
-  every case, then serves timing blocks; this script asks the groups for blocks in ABBA
-  order (trees in order in even rounds, reversed in odd ones) and forms the
-  patched/upstream ratio per round (harness/bench/stats.py). The "control" path
-  (every grad buffer's reset(), code no tree changes) is the negative control.
-* fake process group, DP 8, 64 and 512 (one process per tree, rank 0 and DP/2): counts
-  only; nothing moves, so no time is measured there.
+* gloo ranks, DP 2 and 4 (torchrun): one worker group per tree
+  (harness/bench/sync_worker.py), both alive at once. Each counts one sync of every case,
+  then serves timing blocks; this script asks the groups for blocks in ABBA order (trees
+  in order in even rounds, reversed in odd ones) and forms the patched/upstream ratio per
+  round (harness/bench/stats.py). The "control" path (every grad buffer's reset(), code
+  no tree changes) is the negative control.
 * step memory (--step-memory DPs, "" to skip): peak memory per phase of a real training
-  step (harness/bench/step_memory.py), upstream and the series, overlap on and off.
+  step (harness/bench/step_memory.py), overlap on and off.
+
+Large DP sizes and real model shapes are the real-shape audit's (scripts/audit_param_sync.py).
 
 Outputs in --out-dir (default build/bench): param_sync.json ({"meta", "records",
-"timing", "step_memory"}), param_sync.md, param_sync.png and readme_block.md (the
-README's tables) (harness/bench/report.py).
-Per record (tree, model, path, dp_size, rank, pg, bucket_size): temporary_bytes,
+"timing", "step_memory"}), param_sync.md and param_sync.png (harness/bench/report.py).
+Per record (tree, model, path, dp_size, rank, bucket_size): temporary_bytes,
 alloc_calls, peak_extra_bytes (dispatch level), nccl_model_temporary_bytes,
 collective_ops (NCCL calls), collective_launches (NCCL group launches), zero_size_ops,
 wire_bytes (received by this rank), shares_equal,
 bucket_shares, profiler_alloc_bytes / _calls / _peak_bytes / _caller_thread_bytes
 (torch.profiler, all threads), theory_* and their matches, params_synced. "timing" holds,
-per (dp_size, model, bucket_size, path), the per-round block medians of every tree and
-the ratios vs upstream with their bootstrap CIs.
+per (dp_size, model, bucket_size, path), the per-round block medians of both trees and
+the ratio vs upstream with its bootstrap CI.
 
 Exit status: 0 when the structural checks hold (see checks()); 1 otherwise (outputs are
 written either way); 2 when a worker fails. Timing never decides the exit status.
@@ -57,30 +54,27 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
 from harness.bench import stats  # noqa: E402
-from harness.bench.report import readme_block, write_markdown, write_plot  # noqa: E402
+from harness.bench.report import write_markdown, write_plot  # noqa: E402
 from harness.bench.theory import nccl_list_all_gather  # noqa: E402
-from harness.bench.trees import ANCHORS, BENCH_TREES, all_trees  # noqa: E402
 from harness.launch import CORE_PRELOAD, torchrun_command  # noqa: E402
-from harness.trees import env_for_tree  # noqa: E402
 
 WORKER = REPO_ROOT / "harness" / "bench" / "sync_worker.py"
 STEP_WORKER = REPO_ROOT / "harness" / "bench" / "step_memory.py"
+#: The trees, in the order tables show them (harness.trees labels).
+TREES = ("upstream", "patched")
 PATHS = ("async", "forced", "optimizer")
-KEY = ("model", "path", "dp_size", "rank", "device", "bucket_size", "pg")
+KEY = ("model", "path", "dp_size", "rank", "bucket_size")
 WORKER_TIMEOUT_S = 900
 
 DEFAULTS = dict(
     real_dp="2,4",
-    fake_dp="8,64,512",
-    fake_ranks="0,mid",
     models="gpt_equal,gpt_unequal",
     real_bucket_sizes="default",
-    fake_bucket_sizes="default,250000",
     rounds=20,
     block=4,
     step_memory="2,4",
 )
-QUICK = dict(DEFAULTS, real_dp="2", fake_dp="8", fake_ranks="0", rounds=3, block=2, step_memory="")
+QUICK = dict(DEFAULTS, real_dp="2", rounds=3, block=2, step_memory="")
 
 
 class WorkerError(RuntimeError):
@@ -100,13 +94,12 @@ def _tail(proc_out: Path) -> str:
         return ""
 
 
-# ---------------------------------------------------------------- real ranks: counts + ABBA timing
-def run_real(trees: dict, dp: int, cfg: dict, device: str, raw: Path, fake: bool):
-    """One worker group per tree, all at once; counts, then ABBA timing rounds; with
-    `fake`, each group's rank 0 then counts the fake DP sizes too.
+# ---------------------------------------------------------------- gloo ranks: counts + ABBA timing
+def run_real(trees, dp: int, cfg: dict, raw: Path):
+    """One worker group per tree, all at once; counts, then ABBA timing rounds.
 
     Returns:
-        (records, timing): rank 0's count records of every tree (real, then fake), and
+        (records, timing): rank 0's count records of every tree, and
         {case_key: {tree: [block median seconds per round]}}.
     """
     listener = socket.create_server(("127.0.0.1", 0))
@@ -114,14 +107,12 @@ def run_real(trees: dict, dp: int, cfg: dict, device: str, raw: Path, fake: bool
     address = f"127.0.0.1:{listener.getsockname()[1]}"
     procs, logs = {}, {}
     try:
-        for label, tree in trees.items():
+        for label in trees:
             argv, env = torchrun_command(
                 WORKER,
-                ["--mode", "real", "--tree", label, "--serve", address, "--device", device,
-                 "--models", cfg["models"], "--bucket-sizes", cfg["real_bucket_sizes"],
-                 "--dp-sizes", cfg["fake_dp"] if fake else "", "--ranks", cfg["fake_ranks"],
-                 "--fake-bucket-sizes", cfg["fake_bucket_sizes"]],
-                nproc=dp, tree=tree, cpu=device == "cpu", preload=CORE_PRELOAD,
+                ["--tree", label, "--serve", address, "--models", cfg["models"],
+                 "--bucket-sizes", cfg["real_bucket_sizes"]],
+                nproc=dp, tree=label, cpu=True, preload=CORE_PRELOAD,
             )  # fmt: skip
             logs[label] = raw / f"{label}-real-dp{dp}.log"
             procs[label] = subprocess.Popen(
@@ -147,7 +138,7 @@ def run_real(trees: dict, dp: int, cfg: dict, device: str, raw: Path, fake: bool
             label = hello["records"][0]["tree"]
             conns[label] = (sock, f)
             records += hello["records"]
-        cases = [(r["model"], r["bucket_size"], r["path"]) for r in records if r["tree"] == next(iter(trees))]
+        cases = [(r["model"], r["bucket_size"], r["path"]) for r in records if r["tree"] == trees[0]]
         timing = {c: {label: [] for label in trees} for c in cases}
         for rnd in range(cfg["rounds"]):
             for i, case in enumerate(cases):
@@ -163,11 +154,6 @@ def run_real(trees: dict, dp: int, cfg: dict, device: str, raw: Path, fake: bool
         for sock, f in conns.values():
             f.write(json.dumps({"op": "quit"}) + "\n")
             f.flush()
-        for label, (sock, f) in conns.items():
-            line = f.readline()
-            if not line:
-                raise WorkerError(f"{label} real DP={dp} closed the connection\n{_tail(logs[label])}")
-            records += json.loads(line)["records"]
         for label, p in procs.items():
             if p.wait(timeout=120) != 0:
                 raise WorkerError(f"{label} real DP={dp} exited rc={p.returncode}\n{_tail(logs[label])}")
@@ -178,24 +164,6 @@ def run_real(trees: dict, dp: int, cfg: dict, device: str, raw: Path, fake: bool
             if p.poll() is None:
                 os.killpg(p.pid, 9)
                 p.wait()
-
-
-def run_fake(label: str, tree, cfg: dict, device: str, raw: Path) -> list:
-    """One process on `tree` simulating every fake DP size and rank (counts only)."""
-    out = raw / f"{label}-fake.json"
-    env = env_for_tree(tree)
-    env.update(OMP_NUM_THREADS="1")
-    if device == "cpu":
-        env["MEGATRON_CPU_RUNTIME"] = "1"
-    cmd = [sys.executable, str(WORKER), "--mode", "fake", "--tree", label, "--out", str(out),
-           "--device", device, "--dp-sizes", cfg["fake_dp"], "--ranks", cfg["fake_ranks"],
-           "--models", cfg["models"], "--bucket-sizes", cfg["fake_bucket_sizes"]]  # fmt: skip
-    proc = subprocess.run(cmd, env=_env(env), cwd=REPO_ROOT, capture_output=True, text=True,
-                          timeout=WORKER_TIMEOUT_S)  # fmt: skip
-    if proc.returncode != 0:
-        raise WorkerError(f"{label} fake failed (rc={proc.returncode}): {shlex.join(cmd)}\n"
-                          + (proc.stdout + proc.stderr)[-4000:])  # fmt: skip
-    return json.loads(out.read_text())
 
 
 # ---------------------------------------------------------------- merging
@@ -212,12 +180,12 @@ def gathers(rec: dict) -> list:
 
 def expected_nccl(rec: dict) -> tuple:
     """(NCCL ops, NCCL temporary bytes) of one sync if every gather is a list all_gather on
-    ProcessGroupNCCL, as upstream and exact_list_slots issue them (theory.py)."""
+    ProcessGroupNCCL, as upstream issues them (theory.py)."""
     total = [nccl_list_all_gather(s, rec["param_itemsize"]) for s in gathers(rec)]
     return sum(t[0] for t in total), sum(t[1] for t in total)
 
 
-def merge(records: list, timing: dict, labels) -> list:
+def merge(records: list, timing: dict) -> list:
     """Add theory matches and timing summaries to the records; sort them."""
     for r in records:
         r["theory_match"] = r["temporary_bytes"] == (
@@ -234,18 +202,17 @@ def merge(records: list, timing: dict, labels) -> list:
         r["num_gathers"] = len(g)
         r["shares_equal"] = bool(g) and all(len(set(x)) == 1 for x in g)
         r["ops_per_gather"] = r["collective_ops"] / max(1, len(g))
-        if r["pg"] == "real":
-            blocks = timing.get((r["dp_size"], r["model"], r["bucket_size"], r["path"]), {})
-            mine = blocks.get(r["tree"], [])
-            r["block_median_s"] = mine
-            r["median_s"] = statistics.median(mine) if mine else None
-            r["time_ratio_vs_upstream"] = (
-                stats.ratio_summary(blocks, r["tree"], "upstream") if r["tree"] != "upstream" else None
-            )
-    order = {t: i for i, t in enumerate(labels)}
+        blocks = timing.get((r["dp_size"], r["model"], r["bucket_size"], r["path"]), {})
+        mine = blocks.get(r["tree"], [])
+        r["block_median_s"] = mine
+        r["median_s"] = statistics.median(mine) if mine else None
+        r["time_ratio_vs_upstream"] = (
+            stats.ratio_summary(blocks, r["tree"], "upstream") if r["tree"] != "upstream" else None
+        )
+    order = {t: i for i, t in enumerate(TREES)}
     paths = {p: i for i, p in enumerate(PATHS + ("control",))}
     return sorted(records, key=lambda r: (
-        r["pg"] != "real", r["model"], r["dp_size"], r["rank"],
+        r["model"], r["dp_size"], r["rank"],
         -1 if r["bucket_size"] is None else r["bucket_size"], paths[r["path"]], order[r["tree"]],
     ))  # fmt: skip
 
@@ -257,12 +224,10 @@ def checks(records: list) -> dict:
         return {k: r[k] for k in ("tree",) + KEY}
 
     sync = [r for r in records if r["path"] != "control"]
-    # Anchor trees (another megatron-core release) are measured, not checked.
-    ours = [r for r in records if r["tree"] not in ANCHORS]
-    shas = {r["control_code_sha"] for r in ours}
+    shas = {r["control_code_sha"] for r in records}
     return {
-        # The forced sync receives into a temporary by design (series v6: grad_data may hold
-        # grads there), one bucket at a time, as 0.17.1 does.
+        # The forced sync receives into a temporary by design (grad_data may hold grads
+        # there), one bucket at a time, as 0.17.1 does.
         "patched_zero_temporary_bytes": [
             key(r) for r in sync
             if r["tree"] == "patched" and r["path"] != "forced" and r["temporary_bytes"] != 0
@@ -288,35 +253,29 @@ def checks(records: list) -> dict:
         "upstream_equals_theory": [
             key(r) for r in sync if r["tree"] == "upstream" and not (r["theory_match"] and r["peak_theory_match"])
         ],
-        "list_designs_nccl_equals_theory": [
+        "upstream_nccl_equals_theory": [
             key(r) for r in sync
-            if r["tree"] in ("upstream", "exact_list_slots")
+            if r["tree"] == "upstream"
             and (r["collective_ops"], r["nccl_model_temporary_bytes"])
             != (r["list_gather_ops"], r["list_gather_nccl_temporary_bytes"])
         ],  # fmt: skip
-        "real_params_synced": [
-            key(r) for r in ours if r["path"] != "control" and r["pg"] == "real" and r["params_synced"] is not True
-        ],
+        "params_synced": [key(r) for r in sync if r["params_synced"] is not True],
         "control_code_identical_in_every_tree": [] if len(shas) <= 1 else sorted(shas),
     }
 
 
-def timing_table(timing: dict, labels) -> list:
-    """Rows {dp_size, model, bucket_size, path, median_s per tree, ratio summaries}."""
+def timing_table(timing: dict) -> list:
+    """Rows {dp_size, model, bucket_size, path, median_s per tree, patched_vs_upstream}."""
     rows = []
     for (dp, model, bucket, path), blocks in timing.items():
         row = dict(dp_size=dp, model=model, bucket_size=bucket, path=path,
-                   median_s={t: statistics.median(v) for t, v in blocks.items() if v})  # fmt: skip
-        for t in labels:
-            if t != "upstream":
-                row[f"{t}_vs_upstream"] = stats.ratio_summary(blocks, t, "upstream")
-        if "exact_list_slots" in blocks and "patched" in blocks:
-            row["patched_vs_exact_list_slots"] = stats.ratio_summary(blocks, "patched", "exact_list_slots")
+                   median_s={t: statistics.median(v) for t, v in blocks.items() if v},
+                   patched_vs_upstream=stats.ratio_summary(blocks, "patched", "upstream"))  # fmt: skip
         rows.append(row)
     return rows
 
 
-def run_step_memory(trees: dict, cfg: dict, device: str, raw: Path, timeout_s: float = WORKER_TIMEOUT_S,
+def run_step_memory(trees, cfg: dict, raw: Path, timeout_s: float = WORKER_TIMEOUT_S,
                     small: bool = False) -> list:
     """harness/bench/step_memory.py under torchrun, for each DP in cfg["step_memory"] (comma
     list) and each tree (memory does not drift with load, so one after the other).
@@ -330,13 +289,13 @@ def run_step_memory(trees: dict, cfg: dict, device: str, raw: Path, timeout_s: f
         WorkerError: a run exited non-zero or ran out of time (its command and output tail).
     """
     records = []
-    for dp, (label, tree) in ((int(d), t) for d in cfg["step_memory"].split(",") for t in trees.items()):
+    for dp, label in ((int(d), t) for d in cfg["step_memory"].split(",") for t in trees):
         out = raw / f"{label}-step-memory-dp{dp}.json"
         log = raw / f"{label}-step-memory-dp{dp}.log"
         argv, env = torchrun_command(STEP_WORKER, ["--out", str(out), "--tree", label,
                                                    "--watchdog-s", str(max(timeout_s - 10, 1))]
                                      + (["--small"] if small else []),
-                                     nproc=dp, tree=tree, cpu=device == "cpu", preload=CORE_PRELOAD)  # fmt: skip
+                                     nproc=dp, tree=label, cpu=True, preload=CORE_PRELOAD)  # fmt: skip
         print(f"[bench] {label}: step memory, DP={dp}", flush=True)
         t0 = time.perf_counter()
         with log.open("w") as sink:
@@ -362,10 +321,7 @@ def parse_args(argv):
         description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
     ap.add_argument("--quick", action="store_true", help="smoke-test sizes (for tests)")
-    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     ap.add_argument("--out-dir", type=Path, default=REPO_ROOT / "build" / "bench")
-    ap.add_argument("--trees", default=",".join(BENCH_TREES),
-                    help="comma list of tree labels; add mcore_0.19 for the 0.19.2 anchor row")  # fmt: skip
     ap.add_argument("--publish", action="store_true",
                     help="copy param_sync.png and param_sync.md to docs/bench/")  # fmt: skip
     for name, value in DEFAULTS.items():
@@ -384,43 +340,19 @@ def main(argv=None) -> int:
     out_dir: Path = args.out_dir
     raw = out_dir / "raw"
     raw.mkdir(parents=True, exist_ok=True)
-    labels = [t for t in args.trees.split(",") if t]
-    if "upstream" not in labels:
-        print("[bench] --trees must include upstream (ratios are vs upstream)", file=sys.stderr)
-        return 2
-    trees = all_trees(labels)
-    skipped = []
-    real_dps = [int(x) for x in cfg["real_dp"].split(",") if x]
-    if args.device == "cuda":
-        import torch
-
-        n_gpus = torch.cuda.device_count()
-        skipped += [f"real DP={d}: needs {d} GPUs, found {n_gpus}" for d in real_dps if d > n_gpus]
-        real_dps = [d for d in real_dps if d <= n_gpus]
     records, timing, step = [], {}, []
     try:
-        for i, dp in enumerate(real_dps):
-            fake = bool(cfg["fake_dp"]) and i == 0
-            print(f"[bench] real DP={dp}{' then fake DP=' + cfg['fake_dp'] if fake else ''}: "
-                  f"{', '.join(trees)}", flush=True)  # fmt: skip
-            recs, tim = run_real(trees, dp, cfg, args.device, raw, fake)
+        for dp in [int(x) for x in cfg["real_dp"].split(",") if x]:
+            print(f"[bench] real DP={dp}: {', '.join(TREES)}", flush=True)
+            recs, tim = run_real(TREES, dp, cfg, raw)
             records += recs
             timing.update(tim)
-        if cfg["fake_dp"] and not real_dps:
-            for label, tree in trees.items():
-                print(f"[bench] {label}: fake DP={cfg['fake_dp']}", flush=True)
-                records += run_fake(label, tree, cfg, args.device, raw)
-        if cfg["step_memory"] and args.device == "cpu":
-            # upstream vs the series; the step model's shares are unequal, so exact_list_slots
-            # would repeat the series' numbers.
-            step = run_step_memory({k: v for k, v in trees.items() if k in ("upstream", "patched")},
-                                   cfg, args.device, raw)  # fmt: skip
-        elif cfg["step_memory"]:
-            skipped.append("step memory: CPU only (torch.profiler CPU allocator events)")
+        if cfg["step_memory"]:
+            step = run_step_memory(TREES, cfg, raw)
     except (WorkerError, subprocess.TimeoutExpired) as exc:
         print(f"[bench] {exc}", file=sys.stderr)
         return 2
-    records = merge(records, timing, labels)
+    records = merge(records, timing)
     runtime = time.perf_counter() - t0
     meta = dict(
         command=shlex.join([".venv/bin/python", "scripts/bench_param_sync.py", *argv]),
@@ -428,19 +360,15 @@ def main(argv=None) -> int:
         torch=_torch_version(),
         cpus=os.cpu_count(),
         host=platform.machine(),
-        device=args.device,
-        trees=labels,
+        trees=list(TREES),
         config=cfg,
         runtime_s=runtime,
-        skipped=skipped,
         checks=checks(records),
     )
-    result = {"meta": meta, "records": records, "timing": timing_table(timing, labels),
-              "step_memory": step}  # fmt: skip
+    result = {"meta": meta, "records": records, "timing": timing_table(timing), "step_memory": step}
     (out_dir / "param_sync.json").write_text(json.dumps(result, indent=1) + "\n")
     write_plot(out_dir / "param_sync.png", result)
     write_markdown(out_dir / "param_sync.md", result)
-    (out_dir / "readme_block.md").write_text(readme_block(result))
     if args.publish:
         docs = REPO_ROOT / "docs" / "bench"
         docs.mkdir(parents=True, exist_ok=True)

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import List, Optional
 
 PATHS = ("async", "forced", "optimizer", "control")
-SHORT = {"upstream": "up", "exact_list_slots": "exact", "patched": "series", "mcore_0.19": "0.19"}
+SHORT = {"upstream": "up", "patched": "series"}
 
 
 def _legend(text: str) -> List[str]:
@@ -28,10 +28,6 @@ def _ratio(s: Optional[dict]) -> str:
     if not s:
         return "n/a"
     return f"{s['ratio']:.2f} [{s['ci_lo']:.2f}, {s['ci_hi']:.2f}]"
-
-
-def _bucket(b) -> str:
-    return "default" if b is None else f"{b:,}"
 
 
 def _find(records, **want) -> Optional[dict]:
@@ -54,21 +50,18 @@ def write_markdown(path: Path, result: dict) -> None:
     lines += _step_memory_section(result.get("step_memory") or [])
     lines += _real_table(result)
     lines += _timing_table(result)
-    lines += _fake_table(result)
     lines += _allocator_table(result)
     lines += ["![bytes, launches and time ratios](param_sync.png)", ""]
     lines += _method(meta)
     lines += ["## Checks", ""]
     for name, bad in meta["checks"].items():
         lines.append(f"- `{name}`: {'holds' if not bad else f'FAILS for {len(bad)} records'}")
-    if meta.get("skipped"):
-        lines += ["", "Skipped: " + "; ".join(meta["skipped"])]
     path.write_text("\n".join(lines).rstrip() + "\n")
 
 
 def _header(meta) -> List[str]:
     return [
-        "# Layer-wise param sync: memory, NCCL operations and time, upstream vs exact list slots vs series",
+        "# Layer-wise param sync: memory, NCCL operations and time, upstream vs series",
         "",
         "Produced by (repo root):",
         "",
@@ -77,14 +70,12 @@ def _header(meta) -> List[str]:
         "```",
         "",
         f"{meta['date']}; torch {meta['torch']}; {meta['cpus']} CPU cores shared with other "
-        f"jobs; device `{meta['device']}`; whole run {meta['runtime_s']:.0f} s; trees: "
+        f"jobs; gloo ranks; whole run {meta['runtime_s']:.0f} s; trees: "
         + ", ".join(f"`{t}`" for t in meta["trees"])
         + ". Raw data: `build/bench/param_sync.json` (not committed).",
         "",
-        "Trees: `upstream` = megatron-core 0.17.1; `exact_list_slots` = receive into "
-        "`grad_data` through a list `all_gather` with one exact-size slot per DP rank (the "
-        "NVIDIA/Megatron-LM#3751 design with zeroing; `harness/bench/trees/exact_list_slots.diff`); "
-        "`patched` = this series. Models: `gpt_equal` = a middle pipeline stage of a GPT, 16 "
+        "Trees: `upstream` = megatron-core 0.17.1; `patched` = this series. Large DP sizes, real "
+        "model shapes and the other releases: [real_shapes.md](real_shapes.md). Models: `gpt_equal` = a middle pipeline stage of a GPT, 16 "
         "identical layers, hidden 128 (every bucket's per-rank shares equal at DP 2/4/8); "
         "`gpt_unequal` = a whole GPT, 4 layers, hidden 256, embedding and untied output layer "
         "(shares differ). bf16 params, fp32 `grad_data`, Muon layer-wise optimizer.",
@@ -128,16 +119,6 @@ def _headline(result) -> List[str]:
             f"inside ProcessGroupNCCL ({len(rs)} records); NCCL ops per gather where shares are "
             f"equal: {', '.join(f'{x:g}' for x in lpb) or 'n/a'}."
         )
-    big = [r for r in records if r["pg"] == "fake" and r["path"] == "optimizer" and r["rank"] == 0]
-    if big:
-        dp = max(r["dp_size"] for r in big)
-        cells = []
-        for tree in _trees(result):
-            rs = [r for r in big if r["tree"] == tree and r["dp_size"] == dp and r["model"] == "gpt_unequal"]
-            if rs:
-                worst = max(rs, key=lambda r: r["collective_ops"])
-                cells.append(f"{tree} {worst['collective_ops']} ({worst['num_buckets']} buckets)")
-        lines.append(f"- **Host cost at DP {dp}, optimizer path, gpt_unequal**: NCCL ops per step: " + ", ".join(cells) + ".")
     for row in timing:
         if row["bucket_size"] is None:
             r = row.get("patched_vs_upstream")
@@ -189,10 +170,10 @@ def _real_table(result) -> List[str]:
         "|---|--:|---|--:|---|" + "--:|" * (2 * len(trees) + 1),
     ]  # fmt: skip
     for r in result["records"]:
-        if r["pg"] != "real" or r["tree"] != trees[0] or r["path"] == "control":
+        if r["tree"] != trees[0] or r["path"] == "control":
             continue
         peers = [_find(result["records"], tree=t, **{k: r[k] for k in
-                 ("model", "path", "dp_size", "rank", "bucket_size", "pg")}) for t in trees]  # fmt: skip
+                 ("model", "path", "dp_size", "rank", "bucket_size")}) for t in trees]  # fmt: skip
         mem = [f"{_mib(p['temporary_bytes'])} (+{_mib(p['nccl_model_temporary_bytes'])})" if p else "n/a" for p in peers]
         la = [f"{p['collective_ops']} ({p['collective_launches']})" if p else "n/a" for p in peers]
         wire = "/".join(_mib(p["wire_bytes"]) if p else "n/a" for p in peers)
@@ -220,18 +201,16 @@ def _timing_table(result) -> List[str]:
     lines = [
         "## Time: interleaved ratios with 95 % bootstrap CIs",
         "",
-        "| model | DP | path | upstream ms | " + " | ".join(f"{SHORT.get(t, t)}/up" for t in others)
-        + (" | series/exact |" if "exact_list_slots" in trees and "patched" in trees else " |"),
-        "|---|--:|---|--:|" + "--:|" * len(others) + ("--:|" if "exact_list_slots" in trees else ""),
+        "| model | DP | path | upstream ms | " + " | ".join(f"{SHORT.get(t, t)}/up" for t in others) + " |",
+        "|---|--:|---|--:|" + "--:|" * len(others),
     ]  # fmt: skip
     cfg = result["meta"]["config"]
     for row in rows:
         cells = [_ratio(row.get(f"{t}_vs_upstream")) for t in others]
-        extra = f" | {_ratio(row.get('patched_vs_exact_list_slots'))}" if "exact_list_slots" in trees else ""
         name = row["path"] + (" (negative control)" if row["path"] == "control" else "")
         lines.append(
             f"| {row['model']} | {row['dp_size']} | {name} | "
-            f"{row['median_s'].get('upstream', float('nan')) * 1e3:.2f} | " + " | ".join(cells) + extra + " |"
+            f"{row['median_s'].get('upstream', float('nan')) * 1e3:.2f} | " + " | ".join(cells) + " |"
         )
     return lines + _legend(
         f"{cfg['rounds']} rounds; each round times one block of {cfg['block']} syncs per tree "
@@ -243,36 +222,9 @@ def _timing_table(result) -> List[str]:
     )
 
 
-def _fake_table(result) -> List[str]:
-    trees = _trees(result)
-    recs = [r for r in result["records"] if r["pg"] == "fake" and r["tree"] == trees[0]]
-    if not recs:
-        return []
-    lines = [
-        "## Large DP (fake process group, counts only): NCCL ops and temporaries per sync",
-        "",
-        "| model | DP | rank | bucket | path | buckets | shares equal | "
-        + " | ".join(f"{SHORT.get(t, t)} NCCL ops (launches)" for t in trees)
-        + " | " + " | ".join(f"{SHORT.get(t, t)} MiB (+NCCL)" for t in trees) + " |",
-        "|---|--:|--:|--:|---|--:|---|" + "--:|" * (2 * len(trees)),
-    ]  # fmt: skip
-    for r in recs:
-        peers = [_find(result["records"], tree=t, **{k: r[k] for k in
-                 ("model", "path", "dp_size", "rank", "bucket_size", "pg")}) for t in trees]  # fmt: skip
-        la = [f"{p['collective_ops']} ({p['collective_launches']})" if p else "n/a" for p in peers]
-        mem = [f"{_mib(p['temporary_bytes'])} (+{_mib(p['nccl_model_temporary_bytes'])})" if p else "n/a" for p in peers]
-        lines.append(
-            f"| {r['model']} | {r['dp_size']} | {r['rank']} | {_bucket(r['bucket_size'])} | {r['path']} | "
-            f"{r['num_buckets']} | {'yes' if r['shares_equal'] else 'no'} | " + " | ".join(la) + " | "
-            + " | ".join(mem) + " |"
-        )
-    lines += ["", "No data moves on the fake group, so no time is reported there.", ""]
-    return lines
-
-
 def _allocator_table(result) -> List[str]:
     trees = _trees(result)
-    recs = [r for r in result["records"] if r["pg"] == "real" and r["tree"] == trees[0] and r["path"] != "control"]
+    recs = [r for r in result["records"] if r["tree"] == trees[0] and r["path"] != "control"]
     if not recs:
         return []
     lines = [
@@ -283,7 +235,7 @@ def _allocator_table(result) -> List[str]:
     ]  # fmt: skip
     for r in recs:
         peers = [_find(result["records"], tree=t, **{k: r[k] for k in
-                 ("model", "path", "dp_size", "rank", "bucket_size", "pg")}) for t in trees]  # fmt: skip
+                 ("model", "path", "dp_size", "rank", "bucket_size")}) for t in trees]  # fmt: skip
         cells = [f"{_mib(p['temporary_bytes'])} / {_mib(p['profiler_alloc_bytes'])} / {_mib(p['profiler_caller_thread_bytes'])}"
                  if p else "n/a" for p in peers]  # fmt: skip
         lines.append(f"| {r['model']} | {r['dp_size']} | {r['path']} | " + " | ".join(cells) + " |")
@@ -322,7 +274,7 @@ def _method(meta) -> List[str]:
 # ---------------------------------------------------------------- plot
 def write_plot(path: Path, result: dict) -> None:
     """Three panels: (a) NCCL-model + dispatch temporaries vs DP (gpt_equal, async);
-    (b) NCCL ops per sync vs DP (optimizer path, gpt_unequal, smallest bucket size);
+    (b) NCCL ops per sync vs DP (optimizer path, gpt_unequal);
     (c) wall-time ratio vs upstream with CIs, per DP and path, incl. the negative control."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
@@ -356,16 +308,14 @@ def write_plot(path: Path, result: dict) -> None:
     ax1.set_title("(a) temporaries, gpt_equal, async path")
     ax1.legend(fontsize=8)
 
-    buckets = sorted({r["bucket_size"] for r in records if r["model"] == "gpt_unequal" and r["bucket_size"]})
-    bucket = buckets[0] if buckets else None
-    for t, pts in series("gpt_unequal", "optimizer", lambda r: r["collective_ops"], bucket).items():
+    for t, pts in series("gpt_unequal", "optimizer", lambda r: r["collective_ops"], None).items():
         if pts:
             ax2.plot([p[0] for p in pts], [p[1] for p in pts], marker=markers[t], label=t)
     ax2.set_xscale("log", base=2)
     ax2.set_yscale("log")
     ax2.set_xlabel("DP size")
     ax2.set_ylabel("NCCL ops per sync")
-    ax2.set_title(f"(b) NCCL ops, gpt_unequal, optimizer path, bucket {_bucket(bucket)}")
+    ax2.set_title("(b) NCCL ops, gpt_unequal, optimizer path")
     ax2.legend(fontsize=8)
 
     rows = [r for r in result["timing"] if r["bucket_size"] is None]
@@ -387,54 +337,3 @@ def write_plot(path: Path, result: dict) -> None:
         ax3.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-
-
-# ---------------------------------------------------------------- README block
-def readme_block(result: dict) -> str:
-    """The README's benchmark tables (markdown), from the same records: the sync table at
-    real DP sizes (bucket size default), the step-memory table and the large-DP NCCL ops."""
-    trees = _trees(result)
-    recs = result["records"]
-    timing = {(t["dp_size"], t["model"], t["path"]): t for t in result["timing"] if t["bucket_size"] is None}
-    out = [
-        "| model | DP | path | shares equal | " + " | ".join(f"{SHORT.get(t, t)} MiB (+NCCL) / NCCL ops (launches)" for t in trees)
-        + " | series/up time [95 % CI] | control [95 % CI] |",
-        "|---|--:|---|---|" + "--:|" * (len(trees) + 2),
-    ]  # fmt: skip
-    for r in recs:
-        if r["pg"] != "real" or r["tree"] != "upstream" or r["path"] == "control" or r["bucket_size"] is not None:
-            continue
-        cells = []
-        for t in trees:
-            p = _find(recs, tree=t, model=r["model"], path=r["path"], dp_size=r["dp_size"], rank=0, pg="real",
-                      bucket_size=None)  # fmt: skip
-            cells.append("n/a" if p is None else
-                         f"{_mib(p['temporary_bytes'])} (+{_mib(p['nccl_model_temporary_bytes'])}) / "
-                         f"{p['collective_ops']} ({p['collective_launches']})")
-        t = timing.get((r["dp_size"], r["model"], r["path"]), {})
-        c = timing.get((r["dp_size"], r["model"], "control"), {})
-        out.append(f"| {r['model']} | {r['dp_size']} | {r['path']} | {'yes' if r['shares_equal'] else 'no'} | "
-                   + " | ".join(cells) + f" | {_ratio(t.get('patched_vs_upstream'))} | {_ratio(c.get('patched_vs_upstream'))} |")
-    step = result.get("step_memory") or []
-    if step:
-        phases = step[0]["phases"]
-        out += ["", "| DP | overlap | tree | " + " | ".join(phases) + " | step peak |",
-                "|--:|---|---|" + "--:|" * (len(phases) + 1)]
-        for s in step:
-            if s["tree"] == "exact_list_slots":
-                continue
-            out.append(f"| {s['dp_size']} | {'on' if s['overlap'] else 'off'} | {s['tree']} | "
-                       + " | ".join(_mib(s["phase_peak_bytes"][p]) for p in phases)
-                       + f" | **{_mib(s['step_peak_bytes'])}** ({s['peak_phase']}) |")
-    big = [r for r in recs if r["pg"] == "fake" and r["path"] == "optimizer" and r["rank"] == 0
-           and r["model"] == "gpt_unequal" and r["bucket_size"] is not None]  # fmt: skip
-    if big:
-        dps = sorted({r["dp_size"] for r in big})
-        out += ["", "| NCCL operations (launches) per step, optimizer path, gpt_unequal, 14 buckets | "
-                + " | ".join(f"DP {d}" for d in dps) + " |",
-                "|---|" + "--:|" * len(dps)]
-        for t in trees:
-            row = [_find(big, tree=t, dp_size=d) for d in dps]
-            out.append(f"| {t} | " + " | ".join("n/a" if x is None else f"{x['collective_ops']} ({x['collective_launches']})"
-                                               for x in row) + " |")
-    return "\n".join(out) + "\n"

@@ -6,8 +6,8 @@ PYTHONPATH, the CPU runtime layer on; a bare torchrun of this file on a CPU-only
 stops at "Found no NVIDIA driver"). The step-memory runs alone, upstream and the series at
 DP 2 (35 s on 2 cores):
 
-    .venv/bin/python scripts/bench_param_sync.py --real-dp "" --fake-dp "" --step-memory 2 \
-        --trees upstream,patched --out-dir build/bench-step-memory
+    .venv/bin/python scripts/bench_param_sync.py --real-dp "" --step-memory 2 \
+        --out-dir build/bench-step-memory
 
 A GPTModel in megatron DDP with the layer-wise Muon optimizer (bf16 params, fp32
 grad_data) takes training steps on random tokens, with --overlap-param-gather on and off.

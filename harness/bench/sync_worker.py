@@ -1,13 +1,10 @@
 """Worker of scripts/bench_param_sync.py: ONE megatron tree's layer-wise param sync.
 
-The driver starts this file once per (tree, process-group kind), with the tree chosen by
-PYTHONPATH (harness.launch.torchrun_command / harness.trees.env_for_tree):
+The driver starts this file once per tree on gloo ranks, with the tree chosen by PYTHONPATH
+(harness.launch.torchrun_command): counts, then a timing server.
 
-    # real ranks (gloo on CPU, NCCL with --device cuda): counts, then a timing server
     python -m torch.distributed.run --standalone --nproc-per-node 2 \
-        harness/bench/sync_worker.py --mode real --serve 127.0.0.1:PORT
-    # PyTorch's fake process group: one process simulates rank r of a DP group of size N
-    python harness/bench/sync_worker.py --mode fake --dp-sizes 8,64,512 --out F.json
+        harness/bench/sync_worker.py --serve 127.0.0.1:PORT
 
 Cases: model x bucket size x path (real megatron-core objects):
 
@@ -26,9 +23,8 @@ Cases: model x bucket size x path (real megatron-core objects):
 Per case and rank, ONE sync is counted (harness/bench/counters.py): tensor storages the
 ATen ops allocate (dispatch level), the collectives issued (NCCL calls and group launches, bytes received,
 what ProcessGroupNCCL would allocate), every C++ allocation seen by torch.profiler, and
-(real ranks) that every param afterwards holds its owner's value. Shares per bucket come
-from bucket.layerwise_params_list. Timing is done only on real ranks, in blocks the driver
-requests (ABBA over trees, harness/bench/stats.py): {"op": "time", "case": i, "n": k}
+that every param afterwards holds its owner's value. Shares per bucket come from
+bucket.layerwise_params_list. Timing is done in blocks the driver requests (ABBA over trees, harness/bench/stats.py): {"op": "time", "case": i, "n": k}
 answers the k per-sync wall times in seconds, each the slowest rank's.
 """
 
@@ -125,13 +121,12 @@ class Setup:
         overlap: overlap_param_gather (True: async/forced paths; False: optimizer path).
         bucket_size: DDPConfig.bucket_size in elements; None: DDP's default
             (max(40M, 1M * dp_size): one bucket for these models).
-        device: "cpu" or "cuda".
 
     Weights are torch.empty (no init): values do not matter for bytes, NCCL calls or time,
     and scramble()/synced() write and check known values.
     """
 
-    def __init__(self, mc, model: str, overlap: bool, bucket_size, device: str):
+    def __init__(self, mc, model: str, overlap: bool, bucket_size):
         shape, gpt_kwargs = MODELS[model]
         config = mc["TransformerConfig"](
             **shape,
@@ -141,8 +136,6 @@ class Setup:
             perform_initialization=False,
         )
         module = mc["GPTModel"](config, mc["spec"](), **gpt_kwargs).to(dtype=PARAM_DTYPE)
-        if device == "cuda":
-            module = module.cuda()
         ddp_config = mc["DDPConfig"](
             grad_reduce_in_fp32=True,
             overlap_grad_reduce=True,
@@ -232,26 +225,18 @@ class Setup:
         """Theoretical dispatch-level bytes of one sync of `path` on `rank` (theory.py).
 
         Returns:
-            {theory_upstream_bytes, theory_3751_bytes, theory_series_bytes,
-             theory_upstream_peak_bytes}, all bytes.
+            {theory_upstream_bytes, theory_series_bytes, theory_upstream_peak_bytes}, all
+            bytes.
         """
         if path == CONTROL:
-            return dict(theory_upstream_bytes=0, theory_3751_bytes=0, theory_series_bytes=0,
-                        theory_upstream_peak_bytes=0)  # fmt: skip
+            return dict(theory_upstream_bytes=0, theory_series_bytes=0, theory_upstream_peak_bytes=0)
         if path == "optimizer":
             owners = self.opt.dp_cp_params_list
             up = 0 if owners is None else theory.theory_upstream_bytes(owners, rank, PARAM_DTYPE.itemsize)
-            # #3751 left allgather_params() as upstream has it.
-            return dict(theory_upstream_bytes=up, theory_3751_bytes=up, theory_series_bytes=0,
-                        theory_upstream_peak_bytes=up)  # fmt: skip
+            return dict(theory_upstream_bytes=up, theory_series_bytes=0, theory_upstream_peak_bytes=up)
         per_group = [theory.group_bytes(g, rank) for g in self.forward_order]
         peak = theory.async_chain_peak_bytes(per_group) if path == "async" else max(per_group)
-        return dict(
-            theory_upstream_bytes=sum(per_group),
-            theory_3751_bytes=sum(theory.group_bytes(g, rank, "3751") for g in self.groups),
-            theory_series_bytes=0,
-            theory_upstream_peak_bytes=peak,
-        )
+        return dict(theory_upstream_bytes=sum(per_group), theory_series_bytes=0, theory_upstream_peak_bytes=peak)
 
     def owned(self, rank: int) -> set:
         owners = self.opt.dp_cp_params_list
@@ -269,90 +254,9 @@ class Setup:
         return all(bool((p == float(i % 97) / 8.0).all()) for i, p in enumerate(self.params))
 
 
-class SetupFullParamLayout(Setup):
-    """The same model on megatron-core >= 0.19 with its layer-wise param layout
-    (LayerWiseDistributedOptimizer.compute_full_param_layout passed to DDP as
-    full_param_layout; the optimizer then has use_buffer_param_sync): params are views
-    into DDP's param_data and every bucket gathers in place with all_gather_into_tensor,
-    as megatron.training.training.wrap_model_chunks_with_ddp wires it. An anchor, not a
-    design under test: no theory, and whole-param scramble/synced checks do not apply
-    (the distributed optimizer shards embeddings and norms by byte range).
-
-    The "optimizer" path is DDP.start_param_sync() with overlap off, what the chained
-    optimizers' step_with_ready_grads issue for their buckets after the step.
-    """
-
-    def __init__(self, mc, model: str, overlap: bool, bucket_size, device: str):
-        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-        from megatron.core.optimizer.layer_wise_optimizer import (
-            LayerWiseDistributedOptimizer,
-            tag_params_for_buffer_routing,
-        )
-
-        ps = mc["ps"]
-        shape, gpt_kwargs = MODELS[model]
-        config = mc["TransformerConfig"](**shape, params_dtype=PARAM_DTYPE, bf16=True,
-                                         use_cpu_initialization=True, perform_initialization=False)  # fmt: skip
-        module = mc["GPTModel"](config, mc["spec"](), **gpt_kwargs).to(dtype=PARAM_DTYPE)
-        if device == "cuda":
-            module = module.cuda()
-        ddp_config = mc["DDPConfig"](grad_reduce_in_fp32=True, overlap_grad_reduce=True,
-                                     overlap_param_gather=overlap, use_distributed_optimizer=True,
-                                     bucket_size=bucket_size)  # fmt: skip
-        tag_params_for_buffer_routing([module])
-        layout = LayerWiseDistributedOptimizer.compute_full_param_layout(
-            [p for p in module.parameters() if p.requires_grad], bucket_size,
-            ps.get_data_parallel_world_size(with_context_parallel=True), ddp_config,
-            expert_data_parallel_world_size=ps.get_expert_data_parallel_world_size(),
-        )  # fmt: skip
-        self.ddp = mc["DDP"](config, ddp_config, module, full_param_layout=layout)
-        opt_config = OptimizerConfig(optimizer="muon", use_layer_wise_distributed_optimizer=True,
-                                     lr=0.01, bf16=True, params_dtype=PARAM_DTYPE,
-                                     use_distributed_optimizer=True, overlap_param_gather=overlap)  # fmt: skip
-        self.opt = get_megatron_optimizer(opt_config, [self.ddp], use_gloo_process_groups=False)
-        self.params = list(self.ddp.module.parameters())
-        self.groups = self.ddp.bucket_groups + self.ddp.expert_parallel_bucket_groups
-        self.buckets = [b for g in self.groups for b in g.buckets]
-
-    def sync_fn(self, path: str):
-        if path == "optimizer":
-            return self.ddp.start_param_sync
-        return super().sync_fn(path)
-
-    def shares(self):
-        """Every bucket gathers its param_data in equal shards (padded by the layout)."""
-        dp = dist.get_world_size()
-        return [[b.param_data.numel() // dp] * dp for b in self.buckets], None
-
-    def theory(self, path: str, rank: int) -> dict:
-        return dict(theory_upstream_bytes=0, theory_3751_bytes=0, theory_series_bytes=0,
-                    theory_upstream_peak_bytes=0)  # fmt: skip
-
-    def owned(self, rank: int) -> set:
-        return set()
-
-    def scramble(self, rank: int) -> None:
-        pass
-
-    def synced(self):
-        return None
-
-
-def _setup_class():
-    """Setup for megatron-core 0.17/0.18; SetupFullParamLayout from 0.19 on."""
-    from megatron.core import package_info
-
-    return SetupFullParamLayout if (package_info.MAJOR, package_info.MINOR) >= (0, 19) else Setup
-
-
 # ---------------------------------------------------------------- measurement
-def _sync_device(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
-
-
-def count_one_sync(s: Setup, path: str, rank: int, device: str, real: bool) -> dict:
-    """Counters of one sync of `path` (after a reset() and, on real ranks, scramble()).
+def count_one_sync(s: Setup, path: str, rank: int) -> dict:
+    """Counters of one sync of `path` (after a reset() and scramble()).
 
     Returns:
         temporary_bytes, alloc_calls (dispatch level, bytes: megatron's own tensors, without
@@ -362,38 +266,24 @@ def count_one_sync(s: Setup, path: str, rank: int, device: str, real: bool) -> d
         zero_size_ops, wire_bytes, nccl_model_temporary_bytes, collectives (one
         [op, NCCL calls, wire bytes, NCCL temporary bytes] per c10d op);
         profiler_alloc_bytes, profiler_alloc_calls, profiler_peak_bytes,
-        profiler_caller_thread_bytes (torch.profiler, all threads);
-        cuda_peak_extra_bytes (torch.cuda.max_memory_allocated delta; None on CPU);
-        params_synced (real ranks; None on the fake group).
+        profiler_caller_thread_bytes (torch.profiler, all threads); params_synced.
     """
     run = s.sync_fn(path)
     s.reset()
     run()  # warm-up: lazily built state (slot views, caches) is not a per-sync cost
     s.reset()
-    if real and path != CONTROL:
+    if path != CONTROL:
         s.scramble(rank)
-    _sync_device(device)
     with cpu_runtime.record_collectives() as calls, AllocationCounter() as c:
         run()
-        _sync_device(device)
     # The collective model allocates NCCL's temporaries through torch where it executes
-    # the call (gloo, fake); temporary_bytes keeps megatron's own tensors.
+    # the call (gloo); temporary_bytes keeps megatron's own tensors.
     standin = model_standin_bytes(calls, str(dist.get_backend()))
     standin_calls = sum(1 for k in calls if k.nccl_temporary_bytes) if standin else 0
-    synced = (s.synced() if path != CONTROL else True) if real else None
+    synced = s.synced() if path != CONTROL else True
     s.reset()
     with ProfiledAllocations() as prof:
         run()
-    _sync_device(device)
-    cuda_peak = None
-    if device == "cuda":
-        s.reset()
-        torch.cuda.synchronize()
-        base = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-        run()
-        torch.cuda.synchronize()
-        cuda_peak = torch.cuda.max_memory_allocated() - base
     return dict(
         temporary_bytes=c.temporary_bytes - standin,
         alloc_calls=c.alloc_calls - standin_calls,
@@ -411,24 +301,20 @@ def count_one_sync(s: Setup, path: str, rank: int, device: str, real: bool) -> d
         profiler_alloc_calls=prof.alloc_calls,
         profiler_peak_bytes=prof.peak_bytes,
         profiler_caller_thread_bytes=prof.caller_thread_bytes,
-        cuda_peak_extra_bytes=cuda_peak,
         params_synced=synced,
     )
 
 
-def time_block(s: Setup, path: str, n: int, device: str, real: bool) -> list:
+def time_block(s: Setup, path: str, n: int) -> list:
     """Wall seconds of `n` syncs of `path`, each after an untimed reset() and a barrier."""
     run = s.sync_fn(path)
     times = []
     for _ in range(n):
         if path != CONTROL:
             s.reset()
-        _sync_device(device)
-        if real:
-            dist.barrier()
+        dist.barrier()
         t0 = time.perf_counter()
         run()
-        _sync_device(device)
         times.append(time.perf_counter() - t0)
     return times
 
@@ -437,19 +323,18 @@ def _bucket_arg(text: str):
     return None if text == "default" else int(text)
 
 
-def build_cases(mc, args, dp_size: int, rank: int, real: bool, bucket_sizes: str = ""):
-    """Every (model, bucket size, path) case: ([(Setup, path)], [record]) with counts.
-    `bucket_sizes` (comma list) overrides --bucket-sizes."""
+def build_cases(mc, args, dp_size: int, rank: int):
+    """Every (model, bucket size, path) case: ([(Setup, path)], [record]) with counts."""
     cases, records = [], []
-    paths = args.paths.split(",") + ([CONTROL] if real else [])
+    paths = args.paths.split(",") + [CONTROL]
     for model in args.models.split(","):
-        for bucket_text in (bucket_sizes or args.bucket_sizes).split(","):
+        for bucket_text in args.bucket_sizes.split(","):
             bucket_size = _bucket_arg(bucket_text)
             setups = {}
             for path in paths:
                 overlap = path != "optimizer"
                 if overlap not in setups:
-                    setups[overlap] = _setup_class()(mc, model, overlap, bucket_size, args.device)
+                    setups[overlap] = Setup(mc, model, overlap, bucket_size)
                 s = setups[overlap]
                 per_bucket, whole = s.shares()
                 rec = dict(
@@ -457,7 +342,6 @@ def build_cases(mc, args, dp_size: int, rank: int, real: bool, bucket_sizes: str
                     path=path,
                     dp_size=dp_size,
                     rank=rank,
-                    device=args.device,
                     backend=dist.get_backend(),
                     bucket_size=bucket_size,
                     num_buckets=len(s.buckets),
@@ -472,7 +356,7 @@ def build_cases(mc, args, dp_size: int, rank: int, real: bool, bucket_sizes: str
                     **s.theory(path, rank),
                 )
                 with cpu_runtime.device_mapping_suspended():
-                    rec.update(count_one_sync(s, path, rank, args.device, real))
+                    rec.update(count_one_sync(s, path, rank))
                 cases.append((s, path))
                 records.append(rec)
     return cases, records
@@ -518,7 +402,7 @@ class _Channel:
         return json.loads(line)
 
 
-def serve(cases, channel, device: str) -> None:
+def serve(cases, channel) -> None:
     """Answer the driver's timing requests until {"op": "quit"} (see module docstring)."""
     rank = dist.get_rank()
     while True:
@@ -531,7 +415,7 @@ def serve(cases, channel, device: str) -> None:
             raise ValueError(f"unknown command {cmd!r}")
         s, path = cases[cmd["case"]]
         with cpu_runtime.device_mapping_suspended():
-            mine = time_block(s, path, int(cmd["n"]), device, real=True)
+            mine = time_block(s, path, int(cmd["n"]))
         everyone = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, mine)
         if rank == 0:
@@ -539,40 +423,33 @@ def serve(cases, channel, device: str) -> None:
 
 
 def main_real(args, mc, tree_dir: str) -> None:
-    if args.device == "cuda":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group(backend="nccl")
-    else:
-        dist.init_process_group(backend="gloo")
+    dist.init_process_group(backend="gloo")
     mc["ps"].initialize_model_parallel(create_gloo_process_groups=False)
     mc["seed"](1234)
     channel = _Channel(args.serve, 120) if args.serve and dist.get_rank() == 0 else None
-    cases, records = build_cases(mc, args, dist.get_world_size(), dist.get_rank(), real=True)
+    cases, records = build_cases(mc, args, dist.get_world_size(), dist.get_rank())
     records = _merge_ranks(records)
     if dist.get_rank() == 0:
         for rec in records:
-            rec.update(tree=args.tree, tree_dir=tree_dir, pg="real")
+            rec.update(tree=args.tree, tree_dir=tree_dir)
         if channel is not None:
             channel.send({"records": records})
         if args.out:
             Path(args.out).write_text(json.dumps(records, indent=1))
     if args.serve:
-        serve(cases, channel, args.device)
+        serve(cases, channel)
     dist.barrier()
-    rank = dist.get_rank()
     mc["ps"].destroy_model_parallel()
     dist.destroy_process_group()
-    if rank == 0 and args.serve:
-        # The fake-group counts reuse this process (one start-up less per tree).
-        fake = fake_records(args, mc, tree_dir) if args.dp_sizes else []
-        channel.send({"records": fake})
 
 
 def _fake_all_gather_object() -> None:
     """all_gather_object on the fake backend: every rank's object is this rank's, as the
     fake backend's own all_gather made it (megatron's optimizer setup gathers param-group
     keys with it). The collective model executes fake-backend gathers without moving data,
-    so torch's all_gather_object would unpickle uninitialized sizes there. Fake mode only."""
+    so torch's all_gather_object would unpickle uninitialized sizes there. For the workers
+    that run on the fake backend: the real-shape audit's (``real_shapes_worker``) and the GPU
+    check's predictions (``harness/gpu_check/predict_worker.py``)."""
     real = dist.all_gather_object
 
     def all_gather_object(object_list, obj, group=None):
@@ -583,52 +460,18 @@ def _fake_all_gather_object() -> None:
     dist.all_gather_object = all_gather_object
 
 
-def fake_records(args, mc, tree_dir: str) -> list:
-    """Count records of every fake DP size and rank in --dp-sizes / --ranks (no timing)."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    _fake_all_gather_object()
-    records = []
-    buckets = args.fake_bucket_sizes or args.bucket_sizes
-    for dp_size in [int(x) for x in args.dp_sizes.split(",")]:
-        ranks = [dp_size // 2 if r == "mid" else int(r) for r in args.ranks.split(",")]
-        for rank in dict.fromkeys(ranks):
-            dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=dp_size)
-            mc["ps"].initialize_model_parallel(create_gloo_process_groups=False)
-            mc["seed"](1234)
-            records += build_cases(mc, args, dp_size, rank, real=False, bucket_sizes=buckets)[1]
-            mc["ps"].destroy_model_parallel()
-            dist.destroy_process_group()
-    for rec in records:
-        rec.update(tree=args.tree, tree_dir=tree_dir, pg="fake")
-    return records
-
-
-def main_fake(args, mc, tree_dir: str) -> None:
-    Path(args.out).write_text(json.dumps(fake_records(args, mc, tree_dir), indent=1))
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--mode", choices=("real", "fake"), required=True)
     ap.add_argument("--out", default="", help="JSON list of records (rank 0 writes)")
-    ap.add_argument("--serve", default="", help="real mode: HOST:PORT of the driver; then serve timing")
+    ap.add_argument("--serve", default="", help="HOST:PORT of the driver; then serve timing")
     ap.add_argument("--tree", default="", help="label stored in each record")
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--paths", default=",".join(PATHS))
     ap.add_argument("--bucket-sizes", default="default", help="comma list: default or elements")
-    ap.add_argument("--dp-sizes", default="8,64,512",
-                    help="fake DP sizes to count (fake mode; real mode with --serve: after serving)")
-    ap.add_argument("--fake-bucket-sizes", default="", help="bucket sizes of the fake counts (default: --bucket-sizes)")
-    ap.add_argument("--ranks", default="0,mid", help="fake mode: ranks to simulate (mid = dp//2)")
-    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     args = ap.parse_args(argv)
-    if args.mode == "fake" and not args.out:
-        ap.error("--mode fake needs --out")
     tree_dir = check_expected_tree()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    mc = _megatron()
-    (main_real if args.mode == "real" else main_fake)(args, mc, tree_dir)
+    main_real(args, mc=_megatron(), tree_dir=tree_dir)
     return 0
 
 

@@ -1,18 +1,15 @@
 """Theoretical temporaries of the layer-wise param all-gather (bytes), per design.
 
-Three designs of the receive side of the layer-wise param sync (--optimizer dist_muon):
+Two designs of the receive side of the layer-wise param sync (--optimizer dist_muon):
 
 * **upstream 0.17.1**: `_ParamAndGradBucketGroup.start_param_sync` (layer-wise branch,
   `megatron/core/distributed/param_and_grad_buffer.py`) and
   `LayerWiseDistributedOptimizer.allgather_params` (`optimizer/layer_wise_optimizer.py`)
   allocate, per gather, a `torch.empty` receive tensor for every other rank plus the
   local flatten (`torch._utils._flatten_dense_tensors`), all in the param dtype.
-* **NVIDIA/Megatron-LM#3751**: receives into `grad_data` but still flattens the local
-  params: only the local flatten is a temporary. It changed the overlapped (bucket) path
-  only; the optimizer's synchronous `allgather_params()` stayed upstream's.
-* **this series** (patches 0003, 0005, 0006): the local params are copied straight into
-  their slot of `grad_data.view(param_dtype)` while it is idle (the forward's gathers), and
-  the optimizer's gather broadcasts each param in place: zero bytes on those paths.
+* **this series**: the local params are copied straight into their slot of
+  `grad_data.view(param_dtype)` while it is idle (the forward's gathers), and the
+  optimizer's gather broadcasts each param in place: zero bytes on those paths.
 
 `_flatten_dense_tensors` of exactly ONE tensor returns a view of it (no copy, 0 bytes;
 `torch._C._nn.flatten_dense_tensors` special-cases a single tensor), and for no tensor
@@ -32,12 +29,6 @@ from typing import List, Sequence
 def _flat_sizes(params_by_rank: Sequence[Sequence]) -> List[int]:
     """Elements each rank owns: [sum(p.numel() for p in ps) for ps in params_by_rank]."""
     return [sum(p.numel() for p in ps) for ps in params_by_rank]
-
-
-def _local_flatten_elems(params_by_rank: Sequence[Sequence], rank: int) -> int:
-    """Elements of the local flatten that are a fresh tensor (0 for 0 or 1 params)."""
-    local = params_by_rank[rank]
-    return sum(p.numel() for p in local) if len(local) > 1 else 0
 
 
 def theory_upstream_bytes(params_by_rank, rank, itemsize):
@@ -66,42 +57,24 @@ def theory_upstream_bytes(params_by_rank, rank, itemsize):
     return (sum(sizes) - sizes[rank] + local) * itemsize
 
 
-def theory_3751_bytes(params_by_rank, rank: int, itemsize: int) -> int:
-    """Bytes NVIDIA/Megatron-LM#3751 allocates for one bucket's gather: the local flatten
-    only (receive slots live in grad_data). Same arguments and skip rules as
-    theory_upstream_bytes()."""
-    sizes = _flat_sizes(params_by_rank)
-    if len(sizes) < 2 or max(sizes) == 0:
-        return 0
-    return _local_flatten_elems(params_by_rank, rank) * itemsize
-
-
-def bucket_bytes(bucket, rank: int, design: str = "upstream") -> int:
-    """Theoretical bytes of one DDP bucket's layer-wise gather.
+def bucket_bytes(bucket, rank: int) -> int:
+    """Theoretical bytes of one DDP bucket's layer-wise gather on upstream 0.17.1.
 
     Args:
         bucket: a megatron `_ParamAndGradBucket` (uses `layerwise_params_list`, set by the
             layer-wise optimizer, None when it does not shard the bucket, and
             `params_list[0].dtype` as the param dtype, as upstream does).
         rank: this rank's index in the bucket group's DP group.
-        design: "upstream", "3751" or "series" (always 0).
-
-    Raises:
-        ValueError: unknown design.
     """
-    if design not in ("upstream", "3751", "series"):
-        raise ValueError(f"unknown design {design!r}; expected upstream, 3751 or series")
-    if design == "series" or bucket.layerwise_params_list is None:
+    if bucket.layerwise_params_list is None:
         return 0
-    itemsize = bucket.params_list[0].dtype.itemsize
-    fn = theory_upstream_bytes if design == "upstream" else theory_3751_bytes
-    return fn(bucket.layerwise_params_list, rank, itemsize)
+    return theory_upstream_bytes(bucket.layerwise_params_list, rank, bucket.params_list[0].dtype.itemsize)
 
 
-def group_bytes(bucket_group, rank: int, design: str = "upstream") -> int:
+def group_bytes(bucket_group, rank: int) -> int:
     """Sum of bucket_bytes() over a `_ParamAndGradBucketGroup`'s buckets: what one
-    start_param_sync() of the group holds at once (bytes)."""
-    return sum(bucket_bytes(b, rank, design) for b in bucket_group.buckets)
+    start_param_sync() of the group holds at once on upstream (bytes)."""
+    return sum(bucket_bytes(b, rank) for b in bucket_group.buckets)
 
 
 def async_chain_peak_bytes(group_bytes_in_forward_order: Sequence[int]) -> int:
@@ -145,16 +118,3 @@ def nccl_list_all_gather(slot_numels: Sequence[int], itemsize: int) -> tuple:
 def shares(params_by_rank: Sequence[Sequence]) -> List[int]:
     """Elements each DP rank owns (its share) in one bucket: [sum of numel per rank]."""
     return _flat_sizes(params_by_rank)
-
-
-def shares_equal(params_by_rank: Sequence[Sequence]) -> bool:
-    """True when every rank's share is the same non-zero size (all_gather_into_tensor
-    then needs no padding)."""
-    s = _flat_sizes(params_by_rank)
-    return len(set(s)) == 1 and s[0] > 0
-
-
-def list_gather_bytes_on_wire(params_by_rank: Sequence[Sequence], rank: int, itemsize: int) -> int:
-    """Bytes rank `rank` receives in an exact-size gather: every other rank's share."""
-    s = _flat_sizes(params_by_rank)
-    return (sum(s) - s[rank]) * itemsize

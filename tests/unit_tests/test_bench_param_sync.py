@@ -1,10 +1,9 @@
 """Tests of scripts/bench_param_sync.py (quick mode) and harness/bench/ (theory, counters, stats).
 
-The benchmark runs once per module in --quick mode (real DP 2 on gloo, then fake DP 8, the
-three trees; about 70 s of CPU) into a temporary directory. The tests check the record
-fields, that each tree's counts equal what its design predicts (upstream's temporaries
-equal the theory, the list designs' NCCL calls and temporaries equal ProcessGroupNCCL's
-rule, wire bytes equal the other ranks' shares), and the series' claims. Nothing asserts
+The benchmark runs once per module in --quick mode (DP 2 on gloo, both trees) into a
+temporary directory. The tests check the record fields, that upstream's counts equal what
+its design predicts (its temporaries equal the theory, its NCCL calls and temporaries equal
+ProcessGroupNCCL's rule, wire bytes equal the other ranks' shares), and the series' claims. Nothing asserts
 on time: wall times on a shared machine are data, not pass/fail criteria.
 """
 
@@ -25,14 +24,13 @@ from harness.trees import REPO_ROOT
 
 SCRIPT = REPO_ROOT / "scripts" / "bench_param_sync.py"
 TIMEOUT_S = 600
-TREES = ("upstream", "exact_list_slots", "patched")
+TREES = ("upstream", "patched")
 REQUIRED = {
     "tree": str,
     "model": str,
     "path": str,
     "dp_size": int,
     "rank": int,
-    "pg": str,
     "num_buckets": int,
     "temporary_bytes": int,
     "alloc_calls": int,
@@ -95,22 +93,21 @@ def _gathers(r):
 
 @pytest.mark.gloo
 def test_schema_and_coverage(bench):
-    """Every record has the fields with the right types; every tree, model, path and
-    process-group kind is present once per key; the equal-share model really has equal
+    """Every record has the fields with the right types; every tree, model and path is
+    present once per key; the equal-share model really has equal
     shares in every bucket, the other does not."""
     records = bench[1]["records"]
     for r in records:
         for name, typ in REQUIRED.items():
             assert name in r, f"{name} missing in {r['tree']}/{r['model']}/{r['path']}/{r['dp_size']}"
             assert isinstance(r[name], typ), f"{name}={r[name]!r} is not {typ.__name__}"
-    keys = [(r["tree"], r["model"], r["path"], r["dp_size"], r["bucket_size"], r["rank"], r["pg"]) for r in records]
+    keys = [(r["tree"], r["model"], r["path"], r["dp_size"], r["bucket_size"], r["rank"]) for r in records]
     assert len(keys) == len(set(keys)), "duplicate records"
     assert {(r["tree"], r["model"], r["path"]) for r in records} == {
         (t, m, p) for t in TREES for m in ("gpt_equal", "gpt_unequal")
         for p in ("async", "forced", "optimizer", "control")
     }  # fmt: skip
-    assert {r["dp_size"] for r in records if r["pg"] == "real"} == {2}
-    assert {r["dp_size"] for r in records if r["pg"] == "fake"} == {8}
+    assert {r["dp_size"] for r in records} == {2}
     for r in _syncs(bench, model="gpt_equal", bucket_size=None, path="async"):
         assert r["shares_equal"] and len(set(r["bucket_shares"][0])) == 1, r["bucket_shares"]
     for r in _syncs(bench, model="gpt_unequal", path="async"):
@@ -127,37 +124,34 @@ def test_upstream_temporaries_equal_the_theory(bench):
         assert r["temporary_bytes"] == r["theory_upstream_bytes"], r
         if not r["model_standin_bytes"]:
             assert r["peak_extra_bytes"] == r["theory_upstream_peak_bytes"], r
-        if r["pg"] == "real":
-            assert r["all_ranks_temporary_bytes"] == r["all_ranks_theory_upstream_bytes"]
+        assert r["all_ranks_temporary_bytes"] == r["all_ranks_theory_upstream_bytes"]
 
 
 @pytest.mark.gloo
-def test_list_designs_follow_nccl_rule(bench):
-    """Upstream and exact_list_slots issue list all_gathers: NCCL calls and temporaries
-    follow ProcessGroupNCCL's rule (1 call + flat output when equal, one broadcast per
-    rank otherwise); equal shares show the full receive as NCCL temporary."""
-    for tree in ("upstream", "exact_list_slots"):
-        for r in _syncs(bench, tree=tree):
-            assert (r["collective_ops"], r["nccl_model_temporary_bytes"]) == (
-                r["list_gather_ops"], r["list_gather_nccl_temporary_bytes"]), r  # fmt: skip
-            if r["shares_equal"]:
-                total = sum(sum(s) for s in _gathers(r)) * r["param_itemsize"]
-                assert r["nccl_model_temporary_bytes"] == total > 0
+def test_upstream_follows_nccl_rule(bench):
+    """Upstream issues list all_gathers: NCCL calls and temporaries follow
+    ProcessGroupNCCL's rule (1 call + flat output when equal, one broadcast per rank
+    otherwise); equal shares show the full receive as NCCL temporary."""
+    for r in _syncs(bench, tree="upstream"):
+        assert (r["collective_ops"], r["nccl_model_temporary_bytes"]) == (
+            r["list_gather_ops"], r["list_gather_nccl_temporary_bytes"]), r  # fmt: skip
+        if r["shares_equal"]:
+            total = sum(sum(s) for s in _gathers(r)) * r["param_itemsize"]
+            assert r["nccl_model_temporary_bytes"] == total > 0
 
 
 @pytest.mark.gloo
 def test_wire_bytes_are_the_other_ranks_shares(bench):
-    """Wire bytes received = every other rank's share (exact list designs: no padding)."""
-    for tree in ("upstream", "exact_list_slots"):
-        for r in _syncs(bench, tree=tree):
-            want = sum(sum(s) - s[r["rank"]] for s in _gathers(r)) * r["param_itemsize"]
-            assert r["wire_bytes"] == want, r
+    """Wire bytes upstream receives = every other rank's share (exact-size slots, no padding)."""
+    for r in _syncs(bench, tree="upstream"):
+        want = sum(sum(s) - s[r["rank"]] for s in _gathers(r)) * r["param_itemsize"]
+        assert r["wire_bytes"] == want, r
 
 
 def _same_sync(bench, r, tree):
-    """The record of `tree` for the same model, path, DP size, bucket size, rank and group."""
+    """The record of `tree` for the same model, path, DP size, bucket size and rank."""
     (peer,) = _records(bench, tree=tree, model=r["model"], path=r["path"], dp_size=r["dp_size"],
-                       bucket_size=r["bucket_size"], rank=r["rank"], pg=r["pg"])  # fmt: skip
+                       bucket_size=r["bucket_size"], rank=r["rank"])  # fmt: skip
     return peer
 
 
@@ -191,7 +185,7 @@ def test_series_receives_without_temporaries(bench):
 def test_real_ranks_synced_and_control_identical(bench):
     """The counted syncs really gathered, and the negative control runs the same code."""
     data = bench[1]
-    assert all(r["params_synced"] for r in data["records"] if r["pg"] == "real")
+    assert all(r["params_synced"] for r in data["records"])
     assert len({r["control_code_sha"] for r in data["records"]}) == 1
     rows = data["timing"]
     assert {(row["model"], row["path"]) for row in rows} >= {("gpt_equal", "control"), ("gpt_unequal", "async")}
@@ -234,12 +228,9 @@ def test_step_memory_worker_finishes_at_dp2_within_budget(tmp_path):
     the ranks' stacks), and measures what the README's step-memory table reads: every
     phase, and on the optimizer path upstream's whole-model gather, at least half the
     model's param bytes above the step's start (it allocates the model once more)."""
-    from harness.bench.trees import all_trees
-
     bench = _bench_module()
     cfg = dict(bench.DEFAULTS, step_memory="2")
-    records = bench.run_step_memory(all_trees(["upstream"]), cfg, "cpu", tmp_path, timeout_s=STEP_MEMORY_BUDGET_S,
-                                    small=True)  # fmt: skip
+    records = bench.run_step_memory(["upstream"], cfg, tmp_path, timeout_s=STEP_MEMORY_BUDGET_S, small=True)
     by_overlap = {r["overlap"]: r for r in records}
     assert sorted(by_overlap) == [False, True] and all(r["dp_size"] == 2 for r in records), records
     for overlap, r in by_overlap.items():
@@ -262,8 +253,6 @@ def test_theory_upstream_counts_view_for_single_param():
     assert theory.theory_upstream_bytes(by_rank, 0, 2) == (8 + 7 + 0) * 2
     assert theory.theory_upstream_bytes(by_rank, 1, 2) == (8 + 0) * 2
     assert theory.theory_upstream_bytes(by_rank, 2, 2) == (8 + 7) * 2
-    assert theory.theory_3751_bytes(by_rank, 0, 2) == 8 * 2
-    assert theory.theory_3751_bytes(by_rank, 1, 2) == 0
     assert theory.theory_upstream_bytes([_p(4)], 0, 2) == 0  # one rank: no gather
     assert theory.theory_upstream_bytes([[], []], 0, 2) == 0  # nobody owns anything
 
@@ -271,12 +260,8 @@ def test_theory_upstream_counts_view_for_single_param():
 def test_theory_bucket_and_chain_peak():
     bucket = SimpleNamespace(layerwise_params_list=[_p(3, 5), _p(7)], params_list=_p(1))
     assert theory.bucket_bytes(bucket, 0) == (8 + 7) * 4
-    assert theory.bucket_bytes(bucket, 0, "3751") == 8 * 4
-    assert theory.bucket_bytes(bucket, 0, "series") == 0
     unsharded = SimpleNamespace(layerwise_params_list=None, params_list=_p(1))
     assert theory.bucket_bytes(unsharded, 0) == 0
-    with pytest.raises(ValueError):
-        theory.bucket_bytes(bucket, 0, "nope")
     assert theory.group_bytes(SimpleNamespace(buckets=[bucket, bucket]), 0) == 2 * 60
     assert theory.async_chain_peak_bytes([5, 1, 9, 2]) == 11
     assert theory.async_chain_peak_bytes([4]) == 4
@@ -287,9 +272,7 @@ def test_theory_nccl_list_rule_and_shares():
     assert theory.nccl_list_all_gather([5, 5, 5, 5], 2) == (1, 40)
     assert theory.nccl_list_all_gather([5, 4, 5], 2) == (3, 0)
     assert theory.nccl_list_all_gather([], 2) == (0, 0)
-    assert theory.shares_equal([_p(2, 2), _p(4)]) and not theory.shares_equal([_p(2), _p(3)])
-    assert not theory.shares_equal([[], []])
-    assert theory.list_gather_bytes_on_wire([_p(2, 2), _p(3)], 1, 2) == 8
+    assert theory.shares([_p(2, 2), _p(3), []]) == [4, 3, 0]
 
 
 def test_stats_abba_and_bootstrap():
