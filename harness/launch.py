@@ -13,7 +13,7 @@ imported torch and megatron once (upstream's tests, ``tests/upstream_tests``, ke
                                  tensorboard_dir="build/runs/x/tb"), nproc=2,
                                  run_dir="build/runs/x")
 
-Shell scripts use the CLI (``python -m harness.launch --help``); ``--dry-run`` prints the
+By hand, the CLI (``python -m harness.launch --help``); ``--dry-run`` prints the
 command instead of running it::
 
     python -m harness.launch --tree upstream --nproc 4 --dry-run pretrain -- --train-iters 10

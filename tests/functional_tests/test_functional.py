@@ -148,8 +148,8 @@ def test_series_param_sync_allocates_nothing(case_results, case):
     """The memory block printed next to the verdict, asserted: in every training step, on
     every rank, the series' layer-wise param sync allocates 0 bytes of megatron tensors and
     0 bytes of NCCL temporaries (collective model), while it really gathers; the forced
-    syncs between steps allocate no NCCL temporary and, by design (series v6: grad_data may
-    hold grads there), megatron temporaries (0.17.1 allocates some in the steps too)."""
+    syncs between steps allocate no NCCL temporary and, by design (grad_data may hold grads
+    there), megatron temporaries (0.17.1 allocates some in the steps too)."""
     memory = case_results(case)["memory"]
     patched, upstream = memory["patched"], memory["upstream"]
     got = memory_report.step_maxima(patched)

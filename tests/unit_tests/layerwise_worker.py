@@ -428,12 +428,12 @@ def sc_gather(cfg):
         "params_equal_owner_values": params_ok,
         "grad_data_zero_after_gather": grad_zero,
         "async_zeroed_exactly_where_written": zeroed_exactly,
-        "busy_grad_data_untouched": grad_data_untouched(a, before),
-        "busy_params_synced": all_ranks(a.params_equal_targets(15)),
-        "busy_temporaries_are_the_gathered_size": all_ranks(
+        "not_idle_grad_data_untouched": grad_data_untouched(a, before),
+        "not_idle_params_synced": all_ranks(a.params_equal_targets(15)),
+        "not_idle_temporaries_are_the_gathered_size": all_ranks(
             c.temporary_bytes == gathered_bytes(a) and c.alloc_calls == gathered_buckets(a)
         ),
-        "busy_temporary_bytes": c.temporary_bytes,
+        "not_idle_temporary_bytes": c.temporary_bytes,
         "main_grad_equals_overlap_off": all_ranks(diff == 0.0),
         "main_grad_max_abs_diff": diff,
         "num_buckets": len(patterns),
@@ -1101,7 +1101,7 @@ def sc_small_dp_sync(cfg, expert=False):
     return {"params_sha256_sync": params_sha256(s.params)}
 
 
-# ------------------------------------------------- issue 38: what every rank must agree on
+# ------------------------------------------------- what every rank must agree on
 def _exchange(key, value):
     """Every rank's `value` (JSON), in rank order, through the c10d store: not a
     collective, so it cannot pair with a collective another rank is still in."""
@@ -1368,8 +1368,7 @@ def sc_local_cuda_graphs(cfg):
     TransformerConfig asks for CUDA graphs (cuda_graph_configs(); on CPU nothing is
     captured: the config is what DDP and the optimizer see): per variant, DDP builds and 3
     real steps equal, params and grad norms bitwise, the same run without the CUDA graph
-    config, and params equal on every rank. Series v5 refused "local" at DDP construction;
-    v6 and pristine build it."""
+    config, and params equal on every rank, on the series and on pristine."""
     ref, nref, _, _ = train(cfg, 3, True)
     res = {}
     for name, kwargs in cuda_graph_configs().items():

@@ -1,4 +1,4 @@
-"""Single-process tests of the series' bucket-level layer-wise param all-gather (v6).
+"""Single-process tests of the series' bucket-level layer-wise param all-gather.
 
 megatron/core/distributed/param_and_grad_buffer.py (patched tree only; pristine has none of
 this):

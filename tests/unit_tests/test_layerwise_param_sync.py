@@ -200,8 +200,8 @@ def test_pre_hook_gather_over_grads_not_reset_receives_into_temporaries(runs, wo
     gathered bucket of its shares' bytes, as pristine 0.17.1 allocates (by design: patch
     0003 receives into grad_data only while it is idle)."""
     r = result(runs("patched", world), config, "gather")
-    assert r["busy_grad_data_untouched"] and r["busy_params_synced"], r
-    assert r["busy_temporaries_are_the_gathered_size"] and r["busy_temporary_bytes"] > 0, r
+    assert r["not_idle_grad_data_untouched"] and r["not_idle_params_synced"], r
+    assert r["not_idle_temporaries_are_the_gathered_size"] and r["not_idle_temporary_bytes"] > 0, r
 
 
 @pytest.mark.parametrize("world,config", CASES)
@@ -416,8 +416,7 @@ def test_each_path_issues_the_designed_collectives(runs, world):
 def test_async_gather_without_ddp_chunks_fails_at_construction(runs, world):
     """--overlap-param-gather with model chunks that are not megatron's DDP (no bucket
     groups): the layer-wise optimizer fails at construction on every rank, as pristine
-    does: AttributeError on bucket_groups (series v5's assertion naming what it needs is
-    not in v6)."""
+    does: AttributeError on bucket_groups."""
     for tree in ("patched", "upstream"):
         r = runs(tree, world)[f"{CONFIGS[0]}/async_without_ddp"]
         assert r.get("error", "").startswith("AttributeError") and "bucket_groups" in r["error"], (tree, r)
@@ -472,7 +471,8 @@ EDGE_SCENARIOS = "optimizer_without_ddp,optimizer_offloaded,unusual_params"
 def test_optimizer_path_without_ddp_chunks(runs):
     """Without --overlap-param-gather over a model chunk that is not megatron's DDP, step()
     gathers the 0.17.1 way (nothing to receive into): trains, ranks agree, bitwise equal
-    to pristine. Series v3 raised TypeError in every step (nn.Module.buffers is a method)."""
+    to pristine. Such a chunk has no DDP ``buffers`` list (``nn.Module.buffers`` is a method),
+    so the series must not look for grad buffers there."""
     r = result(runs("patched", 2, EDGE_SCENARIOS, CONFIGS[:1]), CONFIGS[0], "optimizer_without_ddp")
     u = result(runs("upstream", 2, EDGE_SCENARIOS, CONFIGS[:1]), CONFIGS[0], "optimizer_without_ddp")
     assert r["params_equal_across_ranks"] and r["params_sha256"] == u["params_sha256"], (r, u)
@@ -480,7 +480,8 @@ def test_optimizer_path_without_ddp_chunks(runs):
 
 def test_optimizer_path_with_offloaded_grad_buffers(runs):
     """allgather_params() while offload_grad_buffers() has freed grad_data: params
-    gathered, the freed storage never written (series v3 zeroed it: SIGSEGV on CPU).
+    gathered, the freed storage never written (zeroing it would write freed memory: SIGSEGV
+    on CPU).
     Pristine (temporaries only): the same."""
     for tree in ("patched", "upstream"):
         r = result(runs(tree, 2, EDGE_SCENARIOS, CONFIGS[:1]), CONFIGS[0], "optimizer_offloaded")
@@ -567,7 +568,7 @@ MUTANT_SCENARIOS = (
 )
 _PARAMS_STALE = {
     "gather.params_equal_owner_values",
-    "gather.busy_params_synced",
+    "gather.not_idle_params_synced",
     "forced_sync.idle_params_synced",
     "forced_sync.params_still_synced_after_forward",
     "forced_sync.next_step_gathers_fresh_values",
@@ -613,7 +614,7 @@ MUTANT_MUST_FAIL = {
     # sync or a sync over grads not reset kept (both received into temporaries).
     "zeroes_all_of_grad_data": {
         "gather.async_zeroed_exactly_where_written",
-        "gather.busy_grad_data_untouched",
+        "gather.not_idle_grad_data_untouched",
         "forced_sync.idle_grad_data_untouched",
     },
     # Only syncs that no pre-hook completes leave grad_data dirty; numerics unchanged.
@@ -635,7 +636,7 @@ MUTANT_MUST_FAIL = {
     | _calls(("mixed", "equal"), _PRE_HOOK_PATHS, ("form",))
     | _calls(("mixed", "one", "one_samegrad"), _PRE_HOOK_PATHS, ("disjoint", "packed")),
     # A sync over grads no zero_grad_buffer() reset receives into them and zeroes them.
-    "gather_into_busy_grad_data": {"gather.busy_grad_data_untouched", "gather.busy_temporaries_are_the_gathered_size"},
+    "gather_into_busy_grad_data": {"gather.not_idle_grad_data_untouched", "gather.not_idle_temporaries_are_the_gathered_size"},
     # The forced sync receives into idle grad_data: the consumed grads there are zeroed,
     # and its calls are not in a temporary (mixed's buckets after the first also lie at an
     # offset of the grad buffer's storage, so not packed from a temporary's element 0).
@@ -839,11 +840,11 @@ PREFIX_SCENARIOS = "gather,microbatches,training"
 # 0.19.2 zeroes the whole grad_data), and the one temporary per bucket of a sync over grads
 # not reset (before 0005 the flattened local copy is one more). Every prefix must still
 # gather right, leave grad_data zero before backward and train like pristine.
-NOT_NUMERICS = {"gather.async_zeroed_exactly_where_written", "gather.busy_temporaries_are_the_gathered_size"}
+NOT_NUMERICS = {"gather.async_zeroed_exactly_where_written", "gather.not_idle_temporaries_are_the_gathered_size"}
 # Before 0003 (grad_data_idle) pristine 0.19.2's pre-hook gather receives into grad_data
 # whatever it holds and zeroes it: a sync over grads not reset loses them (0.17.1 receives
 # into temporaries and keeps them).
-BEFORE_0003_019 = {"gather.busy_grad_data_untouched"}
+BEFORE_0003_019 = {"gather.not_idle_grad_data_untouched"}
 
 
 def allowed_prefix_failures(base, k):
@@ -880,11 +881,10 @@ def test_every_prefix_of_the_series_keeps_numerics(runs, tmp_path, base, k):
         assert mine[f"params_sha256_{path}"] == pristine[f"params_sha256_{path}"], path
 
 
-# ------------------------------------------------------------------------------ issue 38
+# ------------------------------------------------------------- what every rank must agree on
 # One launch per tree (bf16 configs: pristine 0.19.2's fp32 step raises, see CONFIGS_019):
-# the optimizer's gather with private per-rank state (item 3), a plain DDP's
-# zero_grad_buffer() (item 4), the order of copy-back and _post_param_sync() (0.19, item 8),
-# and CUDA graph configs (item 2).
+# the optimizer's gather with private per-rank state, a plain DDP's zero_grad_buffer(), the
+# order of copy-back and _post_param_sync() (0.19), and CUDA graph configs.
 AGREEMENT_SCENARIOS = "private_state_gather,plain_ddp_zero_grad,post_param_sync_order,local_cuda_graphs"
 AGREEMENT_CONFIGS = CONFIGS_019
 PRIVATE_STATES = ("offloaded", "unconsumed_grads")
@@ -898,15 +898,15 @@ def agreement_run(runs, tree):
 
 @pytest.mark.parametrize("base", BASES)
 def test_optimizer_gather_takes_the_same_collective_whatever_a_rank_holds(runs, base):
-    """Item 3. allgather_params() (the optimizer path, no --overlap-param-gather) called
+    """allgather_params() (the optimizer path, no --overlap-param-gather) called
     directly while rank 0 holds private state and rank 1 is idle: offloaded grad buffers,
     or grads no step consumed (a no_sync() backward). Both ranks issue the same collectives
     (form, group size, dtype, sizes, roots: patch 0006's in-place broadcast of every param
     from its owner, on both configs), the params equal the owners' values on every rank,
     and rank 0's state is untouched (its storage stays freed, its grads keep their bytes):
-    v6's optimizer path does not look at grad_data at all. v4 chose the collective from it
-    (rank 0 a list all_gather, rank 1 the grad-buffer gather: on NCCL, a hang or wrong
-    params). Pristine, for reference: every rank its list all_gather of flattened
+    the series' optimizer path does not look at grad_data at all (a collective chosen from
+    a rank's own state would differ between ranks: on NCCL, a hang or wrong params).
+    Pristine, for reference: every rank its list all_gather of flattened
     temporaries."""
     if base != "0.17.1":
         _skip_without_019()
@@ -931,12 +931,12 @@ def test_optimizer_gather_takes_the_same_collective_whatever_a_rank_holds(runs, 
 
 @pytest.mark.parametrize("base", BASES)
 def test_zero_grad_buffer_of_plain_ddp_runs_no_param_sync_work(runs, base):
-    """Item 4. DDP without the distributed optimizer and with Adam (no layer-wise bucket,
+    """DDP without the distributed optimizer and with Adam (no layer-wise bucket,
     no param gather): zero_grad_buffer() in 2 training steps, offload_grad_buffers() and
     restore_grad_buffers() call exactly the bucket-group methods pristine calls there
     (reset()), no param-sync entry point (free_overlap_buffers(), start/finish_param_sync())
-    or layer-wise helper, and issue no gather collective. v4 called free_overlap_buffers()
-    on every bucket group of every such DDP."""
+    or layer-wise helper, and issue no gather collective: the series' param-sync work stays
+    on layer-wise buckets."""
     if base != "0.17.1":
         _skip_without_019()
     r = agreement_run(runs, BASES[base][1])
@@ -958,14 +958,14 @@ CUDA_GRAPH_VARIANTS = {
 
 @pytest.mark.parametrize("base", BASES)
 def test_cuda_graph_configs_build_and_train_like_without_them(runs, base):
-    """Item 2. DDP and the layer-wise optimizer with --overlap-param-gather on a model whose
+    """DDP and the layer-wise optimizer with --overlap-param-gather on a model whose
     TransformerConfig asks for CUDA graphs: cuda_graph_impl "local"; full-iteration graphs
     (0.19: cuda_graph_impl "full_iteration"; 0.17.1: "local" with cuda_graph_scope
     "full_iteration"); RL's inference-only graphs (cuda_graph_scope
     "full_iteration_inference"). On the series and on pristine, each builds and trains 3
     steps bitwise equal (params and grad norms) to the run without the config, params equal
-    on every rank. Series v5 refused "local" at DDP construction; v6 does not (its
-    grad_data_idle flag needs no backward hook to keep a forced sync out of grad_data)."""
+    on every rank. The series' grad_data_idle flag needs no backward hook to keep a forced
+    sync out of grad_data, so it accepts "local" graphs, which skip DDP's hooks."""
     if base != "0.17.1":
         _skip_without_019()
     for tree in BASES[base]:
@@ -978,7 +978,7 @@ def test_cuda_graph_configs_build_and_train_like_without_them(runs, base):
 
 
 def test_019_every_copy_back_happens_before_post_param_sync(runs):
-    """Item 8, fourth kind (0.19 only: 0.17.1 has no _post_param_sync()). On each path that
+    """0.19 only (0.17.1 has no _post_param_sync()). On each path that
     calls it (the pre-hook pair; a forced sync idle and with a gather pending;
     free_overlap_buffers() and zero_grad_buffer() with a gather pending), every
     _post_param_sync() call finds every param of its bucket group already holding the
@@ -1001,13 +1001,12 @@ def test_019_every_copy_back_happens_before_post_param_sync(runs):
 
 @pytest.mark.parametrize("base", BASES)
 def test_optimizer_gather_of_two_param_dtypes(runs, base):
-    """Item 8, second kind. The optimizer path (no --overlap-param-gather) on a model with
+    """The optimizer path (no --overlap-param-gather) on a model with
     bf16 and fp32 params (both buffers' buckets in one bucket group): after a simulated
     step every rank holds the owners' values of both dtypes (patch 0006's in-place
     broadcasts ran in both), and 3 real steps equal the overlapped run bitwise, params
-    equal on every rank, grad_data untouched by each step(). v4 fell back to 0.17.1's
-    helper, which raised on rank 0 only (a dtype mismatch) while rank 1 waited in the
-    collective; so does pristine 0.17.1."""
+    equal on every rank, grad_data untouched by each step(). Pristine 0.17.1's helper
+    raises on rank 0 only (a dtype mismatch) while rank 1 waits in the collective."""
     if base != "0.17.1":
         _skip_without_019()
     r = result(runs(BASES[base][1], 2, TWO_DTYPES_SERIES, CONFIGS[:1]), CONFIGS[0], "optimizer_two_dtypes")

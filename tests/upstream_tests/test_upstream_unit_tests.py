@@ -10,7 +10,7 @@ What is asserted:
 * the runs really ran upstream's tests: every rank reported, and every file has passing tests
   on pristine (a broken plugin or an all-skipped file fails here, not silently);
 * every test that passes on pristine passes on patched, at 2 and at 4 ranks, and the two
-  trees hold the same tests: the series (v6) changes no upstream test. The two
+  trees hold the same tests: the series changes no upstream test. The two
   ``TestFreeOverlapBuffers`` tests that read ``bucket._layerwise_src_buffer`` and
   ``bucket.layerwise_gather_list`` pass unchanged (the series keeps both attributes).
 """
