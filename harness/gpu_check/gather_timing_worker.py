@@ -25,10 +25,12 @@ the gathers need only the params and the optimizer's ownership lists.
 Per path, first one untimed check: every rank fills the params it owns with a value of its
 own and the others with -1, runs the gather, and requires every param to hold its owner's
 value (``synced``); on CUDA the same gather's ``max_memory_allocated`` over what was
-allocated before it (``peak_extra_bytes``). Then ``--rounds`` rounds; each times one block of
-``--block`` gathers per path, the paths in ``harness.bench.stats.abba_order`` (upstream first
-in even rounds, the series first in odd ones). Each gather: device synchronize, barrier, then
-the wall time of the gather up to a device synchronize; a gather's time is the slowest rank's
+allocated before it (``peak_extra_bytes``). Then ``--rounds`` rounds (fewer, at least
+``MIN_ROUNDS``, where the warm-up gathers say they would not end within ``--max-seconds``);
+each times one block of ``--block`` gathers per path, the paths in
+``harness.bench.stats.abba_order`` (upstream first in even rounds, the series first in odd
+ones). Each gather: device synchronize, barrier, then the wall time of the gather up to a
+device synchronize; a gather's time is the slowest rank's
 (all_reduce MAX after the rounds, so no extra collective runs between timed gathers). Rank 0
 writes the per-round block medians, the series/upstream ratio (median of the per-round ratios)
 and its bootstrap CI (``stats.ratio_summary``) to ``--out``.
@@ -76,6 +78,8 @@ from harness.gpu_check import real_shapes, shared_gpu  # noqa: E402
 from harness.trees import check_expected_tree, tree_parent  # noqa: E402
 
 PATHS = ("upstream", "patched")
+#: The fewest timing rounds ``--max-seconds`` may leave.
+MIN_ROUNDS = 5
 PARAM_DTYPE = torch.bfloat16
 OPTIMIZER_FILE = Path("megatron") / "core" / "optimizer" / "layer_wise_optimizer.py"
 #: ``llama3_8b``: Llama-3-8B's shapes (``--layers`` sets the layer count, 32 for the whole
@@ -227,6 +231,23 @@ def upstream_nccl_ops(elements: list) -> int:
     return 1 if len(set(elements)) == 1 else len(elements)
 
 
+def max_over_ranks(values: list) -> list:
+    """Each value's maximum over the ranks (one all_reduce)."""
+    t = torch.tensor(values, dtype=torch.float64, device="cuda" if _on_gpu() else "cpu")
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.tolist()
+
+
+def rounds_within(rounds: int, max_seconds, block: int, warm_s: list, least: int = MIN_ROUNDS) -> int:
+    """``rounds``, or fewer where a round (``block`` gathers of each path, each as long as its
+    warm-up gather ``warm_s``) would not let them end within ``max_seconds``; never fewer than
+    ``least``. The same on every rank (``warm_s`` is already the maximum over ranks)."""
+    if max_seconds is None:
+        return rounds
+    per_round = block * sum(warm_s)
+    return max(least, min(rounds, int(max_seconds // per_round) if per_round > 0 else rounds))
+
+
 def run(args) -> dict:
     """Everything rank 0 writes (see the module docstring); every rank returns it."""
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -238,16 +259,13 @@ def run(args) -> dict:
     elements = [sum(p.numel() for p in ps) for ps in owners]
     params = [p for ps in owners for p in ps]
     checks = {path: s.check(path, rank) for path in PATHS}
-    for path in PATHS:  # warm-up: NCCL's lazily built state is not a per-gather cost
-        s.time_block(path, 1)
+    warm = [s.time_block(path, 1)[0] for path in PATHS]  # warm-up: NCCL's lazily built state is not a per-gather cost
+    rounds = rounds_within(args.rounds, args.max_seconds, args.block, max_over_ranks(warm))
     times = {path: [] for path in PATHS}  # per round, the block's times
-    for rnd in range(args.rounds):
+    for rnd in range(rounds):
         for path in stats.abba_order(PATHS, rnd):
             times[path].append(s.time_block(path, args.block))
-    flat = torch.tensor([t for path in PATHS for block in times[path] for t in block], dtype=torch.float64,
-                        device="cuda" if _on_gpu() else "cpu")
-    dist.all_reduce(flat, op=dist.ReduceOp.MAX)
-    flat = flat.tolist()
+    flat = max_over_ranks([t for path in PATHS for block in times[path] for t in block])
     blocks, i = {}, 0
     for path in PATHS:
         blocks[path] = []
@@ -273,7 +291,7 @@ def run(args) -> dict:
         "series_uses_coalescing_manager": "_coalescing_manager" in s.series_source,
         "checks": {p: {"synced": all(r[p]["synced"] for r in synced),
                        "peak_extra_bytes": [r[p]["peak_extra_bytes"] for r in synced]} for p in PATHS},
-        "rounds": args.rounds, "block": args.block, "block_median_s": blocks,
+        "rounds": rounds, "rounds_asked": args.rounds, "block": args.block, "block_median_s": blocks,
         "median_s": {p: statistics.median(blocks[p]) for p in PATHS},
         "ratio": stats.ratio_summary(blocks, "patched", "upstream"),
     }
@@ -287,6 +305,8 @@ def main(argv=None) -> int:
     ap.add_argument("--layers", type=int, help="layers of the model (default: the config's)")
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--block", type=int, default=3)
+    ap.add_argument("--max-seconds", type=float, help="fewer rounds (at least %d) where --rounds would take longer, "
+                    "judged by the warm-up gathers" % MIN_ROUNDS)
     ap.add_argument("--pristine-tree", default="upstream", help="the tree whose allgather_params is upstream's")
     args = ap.parse_args(argv)
 

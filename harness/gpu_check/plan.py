@@ -80,9 +80,11 @@ GATHER_TIMING_WORKER = Path(__file__).resolve().parent / "gather_timing_worker.p
 #: The optimizer-gather timing (``gather_timing_worker.py``): with a GPU per rank, the whole
 #: Llama-3-8B (32 layers, 195 params) at DP = the GPUs (at most ``MAX_NCCL_RANKS``), alone on
 #: the GPUs; with ranks sharing one GPU (NCCL's socket transport: real code, meaningless
-#: times) the tiny config, beside the other runs. Rounds of one block per path, ABBA.
+#: times) the tiny config, beside the other runs. Rounds of one block per path, ABBA; fewer
+#: rounds (at least 5) where the warm-up gathers say 20 would take over ``max_seconds`` (a slow
+#: interconnect), so that the run ends within its timeout.
 GATHER_TIMING = {"multi_gpu": ["--config", "llama3_8b", "--layers", "32"], "one_gpu": ["--config", "llama_tiny"],
-                 "rounds": 20, "block": 3}
+                 "rounds": 20, "block": 3, "max_seconds": 30}
 MEMORY_STEPS = 4
 #: Seconds the schedule may take: 1 GPU, and 2 or more GPUs.
 BUDGET_S = {1: 480, 2: 1800}
@@ -323,6 +325,7 @@ def gather_timing_launches(run_dir: Path, nproc: int, one_gpu: bool, extra_env: 
     ``allgather_params`` and upstream's (compiled from the upstream tree's source)."""
     args = [*GATHER_TIMING["one_gpu" if one_gpu else "multi_gpu"], "--backend", "nccl",
             "--rounds", str(GATHER_TIMING["rounds"]), "--block", str(GATHER_TIMING["block"]),
+            "--max-seconds", str(GATHER_TIMING["max_seconds"]),
             "--pristine-tree", "upstream", "--out", str(run_dir / "gather_timing.json")]
     argv, env = launch.torchrun_command(GATHER_TIMING_WORKER, args, nproc, tree="patched", cpu=False,
                                         extra_env=extra_env)

@@ -331,7 +331,8 @@ def timing_lines(doc: Optional[dict]) -> List[str]:
     lines = [f"  optimizer gather (allgather_params), {doc['param_count']} params ({doc['layers']} layers, "
              f"{fmt_bytes(doc['param_bytes'])}) on DP {doc['world']}, {doc['backend']}"
              f"{' ' + doc['nccl'] if doc.get('nccl') else ''}: {doc['rounds']} rounds x {doc['block']} gathers "
-             f"per path, interleaved (ABBA), slowest rank",
+             f"per path, interleaved (ABBA), slowest rank"
+             f"{' (fewer than the ' + str(doc['rounds_asked']) + ' asked: slow gathers)' if doc.get('rounds_asked', doc['rounds']) > doc['rounds'] else ''}",
              f"    upstream (list all_gather, {ops['upstream']} NCCL ops): median {ms['upstream']:.3f} ms, "
              f"CUDA peak over allocated {fmt_bytes(peak['upstream'])}",
              f"    patched (in-place broadcasts, {ops['patched']} NCCL ops in one group): median "

@@ -841,6 +841,7 @@ def test_the_gather_timing_runs_alone_on_the_whole_llama3_8b_where_each_rank_has
         assert config == ("llama_tiny" if gpus == 1 else "llama3_8b")
         assert ("--layers" in args and args[args.index("--layers") + 1] == "32") is (gpus > 1)
         assert args[args.index("--pristine-tree") + 1] == "upstream"
+        assert args[args.index("--max-seconds") + 1] == str(plan_mod.GATHER_TIMING["max_seconds"])
         assert plan.schedule_s <= plan.budget_s
 
 
@@ -902,3 +903,13 @@ def test_gather_timing_on_two_gloo_ranks_gives_the_report_its_row(tmp_path):
     assert not bad["ok"] and bad["problems"] == [
         "patched: a param differs from its owner's after the gather",
         "patched: a param is not a plain contiguous tensor (the flatten-and-gather fallback ran)"]
+
+
+@pytest.mark.parametrize("max_seconds, warm, want", [(None, [9.0, 9.0], 20), (30, [0.05, 0.05], 20),
+                                                     (30, [1.0, 1.0], 5), (30, [0.4, 0.3], 14)])
+def test_the_gather_timing_takes_fewer_rounds_where_gathers_are_slow(max_seconds, warm, want):
+    """A slow interconnect (the warm-up gathers say 20 rounds of 3 per path would not end within
+    --max-seconds) gets fewer rounds, never fewer than 5, so that the run ends within its timeout."""
+    from harness.gpu_check import gather_timing_worker as w
+
+    assert w.rounds_within(20, max_seconds, 3, warm) == want
