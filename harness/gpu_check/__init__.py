@@ -12,13 +12,17 @@
   each where there are enough; otherwise they share GPUs through NCCL's socket transport
   (a ``NCCL_HOSTID`` per rank), so one GPU runs the whole plan: NCCL's code paths and its
   real CUDA memory, not its time.
+* The optimizer's gather timed (``timing_nccl_optimizer_gather``): upstream's list all_gather
+  against the series' in-place broadcasts, interleaved on one model, alone on the GPUs where
+  each rank has one (docs/bench/optimizer_gather_on_nccl.md).
 * CUDA memory: ``torch.cuda.max_memory_allocated`` and ``memory_reserved`` during the forward
   of a training step and around one param sync, upstream vs patched, with the all-gather
   call forms and what ProcessGroupNCCL allocates.
 
 Modules: ``plan`` (what runs, with which command and timeout), ``__main__`` (the command
 line and the runner), ``functional`` (one functional case through the functional-test
-runner), ``memory_worker`` (one rank of the memory measurement), ``shared_gpu`` (rank-side
+runner), ``memory_worker`` (one rank of the memory measurement), ``gather_timing_worker`` (one rank of
+the optimizer-gather timing), ``shared_gpu`` (rank-side
 set-up for ranks sharing a GPU, gloo or NCCL, and the record of all-gather call forms), ``report``
 (summary JSON and text report from a results folder), ``real_shapes`` and
 ``predict_worker`` (the real-shape run's model, layer count and the audit's prediction).

@@ -27,6 +27,9 @@ functional_nccl_019_sync           0.19   2      0.19, overlap off
 functional_nccl_019_moe            0.19   4      0.19, MoE EP 2, alltoall token dispatcher
 functional_nccl_019_vpp            0.19   4      0.19, PP 2 with VPP 2
 functional_nccl_019_layout         0.19   2      0.19's layout path (model-provider API)
+timing_nccl_optimizer_gather       0.17.1 2..8   the optimizer's gather timed: upstream's list
+                                                 all_gather vs the series' in-place broadcasts
+                                                 (0006), interleaved on one model
 =================================  =====  =====  ==============================================
 
 NCCL runs put one rank per GPU where there are enough GPUs; otherwise ranks share GPUs (rank
@@ -73,6 +76,15 @@ CASES_019 = {
 }
 TREES = ("upstream", "patched")
 MEMORY_WORKER = Path(__file__).resolve().parent / "memory_worker.py"
+GATHER_TIMING_WORKER = Path(__file__).resolve().parent / "gather_timing_worker.py"
+#: The optimizer-gather timing (``gather_timing_worker.py``): with a GPU per rank, the whole
+#: Llama-3-8B (32 layers, 195 params) at DP = the GPUs (at most ``MAX_NCCL_RANKS``), alone on
+#: the GPUs; with ranks sharing one GPU (NCCL's socket transport: real code, meaningless
+#: times) the tiny config, beside the other runs. Rounds of one block per path, ABBA; fewer
+#: rounds (at least 5) where the warm-up gathers say 20 would take over ``max_seconds`` (a slow
+#: interconnect), so that the run ends within its timeout.
+GATHER_TIMING = {"multi_gpu": ["--config", "llama3_8b", "--layers", "32"], "one_gpu": ["--config", "llama_tiny"],
+                 "rounds": 20, "block": 3, "max_seconds": 30}
 MEMORY_STEPS = 4
 #: Seconds the schedule may take: 1 GPU, and 2 or more GPUs.
 BUDGET_S = {1: 480, 2: 1800}
@@ -106,6 +118,8 @@ RUN_TIMES: Dict[str, Tuple[int, str, str]] = {
     "memory_nccl_equal_shares": (45, "estimate", "0.14 B params"),
     "memory_nccl_llama3_8b_layers": (90, "estimate", f"{real_shapes.LAYERS} Llama-3-8B layers, "
                                      "2.8 B params initialized on the GPU, per tree"),
+    "timing_nccl_optimizer_gather": (60, "estimate", "Llama-3-8B (8.0 B params) initialized on the GPUs once, "
+                                     "then 2 x 62 gathers of 16 GB; on one GPU the tiny model"),
 }
 
 
@@ -151,7 +165,7 @@ class Run:
 
     Attributes:
         name: folder name under OUT and key in summary.json.
-        kind: "functional" or "memory".
+        kind: "functional", "memory" or "timing" (the optimizer-gather timing).
         backend: "gloo" or "nccl".
         nproc: ranks.
         devices: the CUDA device of each rank.
@@ -306,6 +320,18 @@ def memory_launches(run_dir: Path, backend: str, nproc: int, config: str, extra_
     return out
 
 
+def gather_timing_launches(run_dir: Path, nproc: int, one_gpu: bool, extra_env: Dict[str, str]) -> List[Launch]:
+    """The optimizer-gather timing: one torchrun on the patched tree, which times its own
+    ``allgather_params`` and upstream's (compiled from the upstream tree's source)."""
+    args = [*GATHER_TIMING["one_gpu" if one_gpu else "multi_gpu"], "--backend", "nccl",
+            "--rounds", str(GATHER_TIMING["rounds"]), "--block", str(GATHER_TIMING["block"]),
+            "--max-seconds", str(GATHER_TIMING["max_seconds"]),
+            "--pristine-tree", "upstream", "--out", str(run_dir / "gather_timing.json")]
+    argv, env = launch.torchrun_command(GATHER_TIMING_WORKER, args, nproc, tree="patched", cpu=False,
+                                        extra_env=extra_env)
+    return [Launch("patched", argv, env)]
+
+
 def timeout_for(name: str) -> int:
     """``RUN_TIMES[name]`` seconds x ``HEADROOM``, rounded up to 5 s."""
     return int(math.ceil(RUN_TIMES[name][0] * HEADROOM / 5) * 5)
@@ -372,6 +398,10 @@ def make_plan(gpus: int, gpu_name: str, out: Path, update_golden: bool = False,
                                                               kw.get("runtime_flags", True), own)
             kw.update(case=case, golden_file=golden_file(gpu_name, "nccl", variant))
             kw["skip_reason"] = missing or kw.get("skip_reason")
+        elif kind == "timing":
+            launches = gather_timing_launches(out / name, nproc, gpus == 1, env)
+            if own is not None:
+                launches, kw["skip_reason"] = [], own_skip(own, "timing", "0.17.1")
         else:
             launches = memory_launches(out / name, "nccl", nproc, kw["config"], env)
             if own is not None:
@@ -399,6 +429,8 @@ def make_plan(gpus: int, gpu_name: str, out: Path, update_golden: bool = False,
         nccl_run("memory_nccl_equal_shares", "memory", 2, config="equal_shares"),
         nccl_run("memory_nccl_llama3_8b_layers", "memory", 2, config="llama3_8b_layers", exclusive=True,
                  prediction=real_shapes.load_prediction()),
+        # Timed alone where every rank has its GPU; on one GPU the times mean nothing anyway.
+        nccl_run("timing_nccl_optimizer_gather", "timing", min(max(gpus, 2), MAX_NCCL_RANKS), exclusive=gpus > 1),
     ]
     for suffix, case in CASES_019.items():
         nproc = 4 if suffix in ("moe", "vpp") else 2
@@ -436,7 +468,8 @@ def own_skip(own, kind: str, base: str) -> Optional[str]:
     runs (the memory worker and the real-shape audit's prediction are made on them)."""
     if kind == "functional" and base == own.base:
         return None
-    what = f"a megatron-core {base} case" if kind == "functional" else "a memory run of the pinned 0.17.1 trees"
+    what = {"functional": f"a megatron-core {base} case",
+            "timing": "a timing run of the pinned 0.17.1 trees"}.get(kind, "a memory run of the pinned 0.17.1 trees")
     return (f"skipped: --checkout {own.label} takes patches/{own.series.name} (base {own.base}); "
             f"this is {what}")
 

@@ -21,6 +21,13 @@ the real-shape audit's prediction by more than the allocator rounding
 audit's. A run with status "skipped" (e.g. Transformer Engine not installed) neither passes
 nor fails.
 
+The optimizer-gather timing run (kind ``timing``, ``OUT/<run>/gather_timing.json`` from
+``gather_timing_worker.py``) prints upstream's and the series' median time of
+``allgather_params()``, the series/upstream ratio with its bootstrap CI, their NCCL operations
+and CUDA peaks. It fails only where the worker left no result, where a path did not leave every
+param equal to its owner's, or where the series' gather did not run in place (a param that is
+not a plain contiguous tensor takes the flatten-and-gather fallback); the time never decides.
+
 NCCL runs whose ranks share one GPU (``shared_gpu``) use NCCL's socket transport: a PASS there
 proves the series on NCCL's own code paths (the collectives megatron issues, as NCCL runs and
 allocates them, on real CUDA memory and the real caching allocator), not its time or its
@@ -181,6 +188,20 @@ def compare_prediction(prediction: Optional[dict], trees: dict) -> dict:
     return out
 
 
+def summarize_timing(run: dict, run_dir: Path) -> dict:
+    """The optimizer-gather timing's entry: the worker's document (``timing``) and problems."""
+    doc = _load(run_dir / "gather_timing.json")
+    if doc is None:
+        return {"ok": False, "timing": None, "problems": [f"{run_dir / 'gather_timing.json'} missing"]}
+    problems = [f"{path}: a param differs from its owner's after the gather"
+                for path in ("upstream", "patched") if not doc["checks"][path]["synced"]]
+    if not doc["series_in_place"]:
+        problems.append("patched: a param is not a plain contiguous tensor (the flatten-and-gather fallback ran)")
+    if not (doc["pristine_uses_list_all_gather"] and doc["series_uses_coalescing_manager"]):
+        problems.append("the two gathers are not upstream's list all_gather and the series' grouped broadcasts")
+    return {"ok": not problems, "timing": doc, "problems": problems}
+
+
 def summarize_functional(run: dict, run_dir: Path, case: str) -> dict:
     """A functional run's entry: ok for "identical", or for "no_golden" (patched == upstream,
     no golden values for this GPU type yet) with the values recorded under ``run_dir/golden``
@@ -234,6 +255,8 @@ def summarize(out: Path) -> dict:
         if run["kind"] == "memory":
             entry["config"] = run["config"]
             entry.update(summarize_memory(run, out / run["name"]))
+        elif run["kind"] == "timing":
+            entry.update(summarize_timing(run, out / run["name"]))
         else:
             entry.update(summarize_functional(run, out / run["name"], CASE))
         if status["status"] != "ok":
@@ -297,6 +320,32 @@ def _memory_lines(r: dict) -> List[str]:
     return lines
 
 
+def timing_lines(doc: Optional[dict]) -> List[str]:
+    """The optimizer-gather timing's lines (``gather_timing_worker.py``'s document)."""
+    if not doc:
+        return []
+    ms = {p: doc["median_s"][p] * 1e3 for p in ("upstream", "patched")}
+    r = doc["ratio"]
+    ops = doc["nccl_ops"]
+    peak = {p: _max(doc["checks"][p]["peak_extra_bytes"]) for p in ("upstream", "patched")}
+    lines = [f"  optimizer gather (allgather_params), {doc['param_count']} params ({doc['layers']} layers, "
+             f"{fmt_bytes(doc['param_bytes'])}) on DP {doc['world']}, {doc['backend']}"
+             f"{' ' + doc['nccl'] if doc.get('nccl') else ''}: {doc['rounds']} rounds x {doc['block']} gathers "
+             f"per path, interleaved (ABBA), slowest rank"
+             f"{' (fewer than the ' + str(doc['rounds_asked']) + ' asked: slow gathers)' if doc.get('rounds_asked', doc['rounds']) > doc['rounds'] else ''}",
+             f"    upstream (list all_gather, {ops['upstream']} NCCL ops): median {ms['upstream']:.3f} ms, "
+             f"CUDA peak over allocated {fmt_bytes(peak['upstream'])}",
+             f"    patched (in-place broadcasts, {ops['patched']} NCCL ops in one group): median "
+             f"{ms['patched']:.3f} ms, CUDA peak over allocated {fmt_bytes(peak['patched'])}",
+             f"    patched/upstream time: {r['ratio']:.2f} [{r['ci_lo']:.2f}, {r['ci_hi']:.2f}] "
+             f"(median of {r['rounds']} per-round ratios, 95 % bootstrap CI)"]
+    if doc.get("shared_gpu") or doc["backend"] != "nccl":
+        lines.append("    these times decide nothing: "
+                     + ("the ranks share one GPU through NCCL's socket transport (real NCCL code, no NVLink)"
+                        if doc["backend"] == "nccl" else "gloo runs every broadcast as its own call"))
+    return lines
+
+
 def render(summary: dict) -> str:
     """The text report: header, one block per run, and the problems that failed a run."""
     env = summary.get("environment", {})
@@ -332,6 +381,8 @@ def render(summary: dict) -> str:
                 lines.append(f"  commit them with: {r['golden_commit_command']}")
             elif r.get("golden_file"):
                 lines.append(f"  golden values: {Path(r['golden_file']).name}")
+        elif r["kind"] == "timing":
+            lines.extend(timing_lines(r.get("timing")))
         else:
             lines.extend(_memory_lines(r))
         for p in r.get("problems", []):

@@ -101,7 +101,7 @@ def test_without_a_gpu_the_dry_run_plans_for_one(tmp_path, one_gpu):
 ONE_GPU_NCCL = {"functional_nccl", "functional_nccl_te", "functional_nccl_sync", "functional_nccl_eval",
                 "memory_nccl", "memory_nccl_equal_shares", "memory_nccl_llama3_8b_layers",
                 "functional_nccl_019_legacy", "functional_nccl_019_sync", "functional_nccl_019_moe",
-                "functional_nccl_019_vpp", "functional_nccl_019_layout"}
+                "functional_nccl_019_vpp", "functional_nccl_019_layout", "timing_nccl_optimizer_gather"}
 
 
 def test_one_gpu_runs_every_rank_on_cuda0_on_both_bases_within_8_minutes(one_gpu):
@@ -122,6 +122,8 @@ def test_one_gpu_runs_every_rank_on_cuda0_on_both_bases_within_8_minutes(one_gpu
             assert run["case"] == cases_019[run["name"]]
         assert run["timeout_s"] >= run["time_s"] * plan_mod.HEADROOM and run["time_kind"] in ("measured", "estimate")
         trees = ["upstream-0.19", "patched-0.19"] if base == "0.19" else ["upstream", "patched"]
+        if run["kind"] == "timing":
+            trees = ["patched"]  # one process times its own gather and upstream's
         assert [x["tree"] for x in run["launches"]] == trees
         for x in run["launches"]:
             env, argv = parse_launch(x["command"])
@@ -138,6 +140,9 @@ def test_one_gpu_runs_every_rank_on_cuda0_on_both_bases_within_8_minutes(one_gpu
                 assert script.name == "memory_worker.py"
                 assert args[args.index("--backend") + 1] == run["backend"]
                 assert Path(args[args.index("--out") + 1]).name == f"{x['tree']}.json"
+            elif run["kind"] == "timing":
+                assert script.name == "gather_timing_worker.py" and args[:2] == ["--config", "llama_tiny"]
+                assert args[args.index("--backend") + 1] == "nccl"
             else:
                 assert script.name == "upstream_pretrain_gpt.py"
                 assert args[-2:] == ["--distributed-backend", run["backend"]]
@@ -819,3 +824,92 @@ def test_the_memory_workers_llama_model_has_the_audits_buckets_and_shares(tmp_pa
     assert measured["param_count"] == predicted["param_numel"]
     assert [[b["numel"], b["shares"]] for b in measured["buckets"]] == \
         [[b["numel"], b["shares"]] for b in predicted["buckets"]]
+
+
+# ------------------------------------------------------------- the optimizer gather's time
+def test_the_gather_timing_runs_alone_on_the_whole_llama3_8b_where_each_rank_has_a_gpu(tmp_path):
+    """With a GPU per rank the timing run is exclusive (nothing else on the GPUs), DP = the GPUs
+    up to 8, the whole Llama-3-8B; on one GPU it runs the tiny model in a lane (its times mean
+    nothing there) and the plan still fits 8 minutes."""
+    for gpus, nproc in ((1, 2), (2, 2), (8, 8), (16, 8)):
+        plan = plan_mod.make_plan(gpus, "NVIDIA H100 80GB HBM3", tmp_path, with_te=True)
+        run = next(r for r in plan.runs if r.name == "timing_nccl_optimizer_gather")
+        _, _, args = torchrun_parts(run.launches[0].argv)
+        assert run.kind == "timing" and run.nproc == nproc and run.exclusive is (gpus > 1)
+        assert run.shared_gpu is (gpus == 1) and [x.tree for x in run.launches] == ["patched"]
+        config = args[args.index("--config") + 1]
+        assert config == ("llama_tiny" if gpus == 1 else "llama3_8b")
+        assert ("--layers" in args and args[args.index("--layers") + 1] == "32") is (gpus > 1)
+        assert args[args.index("--pristine-tree") + 1] == "upstream"
+        assert args[args.index("--max-seconds") + 1] == str(plan_mod.GATHER_TIMING["max_seconds"])
+        assert plan.schedule_s <= plan.budget_s
+
+
+def test_pristine_allgather_params_is_upstreams_source():
+    """The upstream path the worker times is the upstream tree's own method, not a copy."""
+    from harness.gpu_check import gather_timing_worker as w
+    from harness.trees import tree_parent
+
+    up = w.method_source(tree_parent("upstream") / w.OPTIMIZER_FILE)
+    series = w.method_source(tree_parent("patched") / w.OPTIMIZER_FILE)
+    assert up.startswith("@torch.no_grad()\ndef allgather_params(self)")
+    assert "torch.distributed.all_gather(gather_list, src, group=group)" in up and "_coalescing_manager" not in up
+    assert "_coalescing_manager(group" in series and "torch.distributed.broadcast(p.data" in series
+
+
+@pytest.mark.gloo
+def test_gather_timing_on_two_gloo_ranks_gives_the_report_its_row(tmp_path):
+    """The timing stage end to end on 2 CPU gloo ranks, the code the GPU runs: both paths leave
+    every param at its owner's value, the upstream path is upstream's list all_gather and the
+    series' its grouped broadcasts, and the report prints the times, the ratio with its CI and
+    that gloo's times decide nothing."""
+    from harness import launch
+
+    run_dir = tmp_path / "results" / "timing_nccl_optimizer_gather"
+    argv, env = launch.torchrun_command(
+        plan_mod.GATHER_TIMING_WORKER, ["--backend", "gloo", "--config", "llama_tiny", "--rounds", "4", "--block", "2",
+                                        "--out", str(run_dir / "gather_timing.json")], 2, tree="patched", cpu=True)
+    launch.run_command(argv, env, run_dir=tmp_path / "log", timeout_s=300, what="gather timing worker")
+    doc = json.loads((run_dir / "gather_timing.json").read_text())
+    assert doc["world"] == 2 and doc["backend"] == "gloo" and doc["layers"] == 2
+    assert doc["param_count"] == 2 * 6 + 3 == sum(doc["params_per_rank"])
+    assert doc["nccl_ops"] == {"upstream": 2, "patched": 15}, "unequal shares: one broadcast per rank upstream"
+    assert all(doc["checks"][p]["synced"] for p in ("upstream", "patched"))
+    assert doc["series_in_place"] and doc["pristine_uses_list_all_gather"] and doc["series_uses_coalescing_manager"]
+    assert doc["pristine_source_sha256"] != doc["series_source_sha256"]
+    assert [len(doc["block_median_s"][p]) for p in ("upstream", "patched")] == [4, 4]
+    assert doc["ratio"]["rounds"] == 4 and doc["ratio"]["ci_lo"] <= doc["ratio"]["ratio"] <= doc["ratio"]["ci_hi"]
+
+    results = run_dir.parent
+    (results / "plan.json").write_text(json.dumps({"gpus": 1, "gpu_name": "NVIDIA H200", "budget_s": 480, "runs": [
+        {"name": run_dir.name, "kind": "timing", "backend": "nccl", "nproc": 2, "devices": ["cuda:0", "cuda:0"],
+         "timeout_s": 90, "base": "0.17.1", "shared_gpu": True}]}))
+    (results / "runs.json").write_text(json.dumps([{"name": run_dir.name, "status": "ok", "returncode": 0,
+                                                    "seconds": 9.0}]))
+    summary = report.write(results)
+    assert summary["ok"] and summary["runs"][0]["timing"]["ratio"] == doc["ratio"]
+    lines = (results / "report.txt").read_text().splitlines()
+    r = doc["ratio"]
+    assert f"    patched/upstream time: {r['ratio']:.2f} [{r['ci_lo']:.2f}, {r['ci_hi']:.2f}] (median of 4 " \
+        "per-round ratios, 95 % bootstrap CI)" in lines
+    assert any(l.startswith("    upstream (list all_gather, 2 NCCL ops): median ") for l in lines)
+    assert any(l.startswith("    patched (in-place broadcasts, 15 NCCL ops in one group): median ") for l in lines)
+    assert "    these times decide nothing: gloo runs every broadcast as its own call" in lines
+
+    doc["checks"]["patched"]["synced"] = False
+    doc["series_in_place"] = False
+    (run_dir / "gather_timing.json").write_text(json.dumps(doc))
+    bad = report.summarize(results)["runs"][0]
+    assert not bad["ok"] and bad["problems"] == [
+        "patched: a param differs from its owner's after the gather",
+        "patched: a param is not a plain contiguous tensor (the flatten-and-gather fallback ran)"]
+
+
+@pytest.mark.parametrize("max_seconds, warm, want", [(None, [9.0, 9.0], 20), (30, [0.05, 0.05], 20),
+                                                     (30, [1.0, 1.0], 5), (30, [0.4, 0.3], 14)])
+def test_the_gather_timing_takes_fewer_rounds_where_gathers_are_slow(max_seconds, warm, want):
+    """A slow interconnect (the warm-up gathers say 20 rounds of 3 per path would not end within
+    --max-seconds) gets fewer rounds, never fewer than 5, so that the run ends within its timeout."""
+    from harness.gpu_check import gather_timing_worker as w
+
+    assert w.rounds_within(20, max_seconds, 3, warm) == want
