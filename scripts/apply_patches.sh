@@ -45,9 +45,12 @@
 # Exit codes (every error is one line on stderr that says what is wrong and what to do; on any
 # non-zero exit TARGET's files, and on a git checkout its HEAD, are as they were before):
 #   0  done: applied / reversed, or nothing to do (already applied / not applied); --check: applied
-#   1  error: TARGET missing or not megatron, series/manifest missing or corrupt, the dry run
-#      failed (or needed offsets/fuzz), TARGET not writable, uncommitted changes to touched
-#      files or an unfinished am/rebase in a git checkout, a git command failed (rolled back)
+#   1  error: TARGET does not exist, is a file, an empty directory, the megatron/ package itself
+#      or holds no megatron/core/package_info.py (the line says what belongs there: a Megatron-LM
+#      git checkout or the directory that holds megatron/core); series/manifest missing or
+#      corrupt; the dry run failed (or needed offsets/fuzz); TARGET not writable; in a git
+#      checkout, uncommitted changes to files the series touches (commit or stash them) or an
+#      unfinished am/rebase/merge; a git command failed (rolled back)
 #   2  usage error
 #   3  --check: not applied (every touched file is the pristine upstream one)
 #   4  partly applied or foreign changes: some touched file matches neither the pristine nor
@@ -104,18 +107,32 @@ for a in "$@"; do
 done
 [[ -n "$TARGET" ]] || usage "TARGET is missing"
 
+# ---------------------------------------------------------------- the target: what it must be
+# Checked before anything reads it (the series is picked by its version): a wrong path gets
+# one line, exit 1, whatever PATCHES_DIR says.
+EXPECT="pass a Megatron-LM git checkout or the directory that holds megatron/core (e.g. site-packages)"
+[[ -e "$TARGET" ]] || die 1 "TARGET '$TARGET' does not exist: $EXPECT"
+[[ -d "$TARGET" ]] || die 1 "TARGET '$TARGET' is not a directory: $EXPECT"
+T="$(cd "$TARGET" && pwd -P)"
+PINFO="$T/megatron/core/package_info.py"
+if [[ ! -f "$PINFO" ]]; then
+    [[ -f "$T/core/package_info.py" ]] \
+        && die 1 "TARGET '$TARGET' is the megatron package itself: pass the directory above it, $(dirname "$T")"
+    [[ -n "$(ls -A "$T" 2>/dev/null)" ]] || die 1 "TARGET '$TARGET' is an empty directory, so it is not megatron-core: $EXPECT"
+    die 1 "TARGET '$TARGET' holds no megatron/core/package_info.py, so it is not megatron-core: $EXPECT"
+fi
+
 # ---------------------------------------------------------------- the series
 # patches/<base>/ holds the series of one base (its manifest.sha256 names it). Without
 # PATCHES_DIR, take the folder whose base is the version in TARGET's package_info.py, else
 # the first folder: its checks below refuse TARGET with a line that says what to do.
 # version_field PACKAGE_INFO NAME: MAJOR, MINOR or PATCH of megatron/core/package_info.py.
-version_field() { sed -nE "s/^$2[[:space:]]*=[[:space:]]*([0-9A-Za-z]+).*/\\1/p" "$1" 2>/dev/null | head -n1; }
+version_field() { { sed -nE "s/^$2[[:space:]]*=[[:space:]]*([0-9A-Za-z]+).*/\\1/p" "$1" 2>/dev/null || true; } | head -n1; }
 # NEWEST=1: PD is the series of the newest base here (or PATCHES_DIR's); only that series may
 # serve the next minor version three-way (upstream main after that base, see the header).
 NEWEST=1
 if [[ -z "$PD" ]]; then
-    pinfo="$TARGET/megatron/core/package_info.py"
-    want="$(version_field "$pinfo" MAJOR).$(version_field "$pinfo" MINOR).$(version_field "$pinfo" PATCH)"
+    want="$(version_field "$PINFO" MAJOR).$(version_field "$PINFO" MINOR).$(version_field "$PINFO" PATCH)"
     newest="" newest_v="" matched=""
     for m in "$ROOT"/patches/*/manifest.sha256; do
         [[ -f "$m" ]] || continue
@@ -184,15 +201,6 @@ done
 checkout_only() { ! grep -E '^diff --git a/' "$PD/$1" | grep -vqE '^diff --git a/tests/unit_tests/[^ ]* b/tests/unit_tests/'; }
 
 # ---------------------------------------------------------------- the target
-[[ -e "$TARGET" ]] || die 1 "target '$TARGET' does not exist; pass a Megatron-LM checkout or the directory that holds megatron/core (e.g. site-packages)"
-[[ -d "$TARGET" ]] || die 1 "target '$TARGET' is not a directory; pass a Megatron-LM checkout or the directory that holds megatron/core (e.g. site-packages)"
-T="$(cd "$TARGET" && pwd -P)"
-PINFO="$T/megatron/core/package_info.py"
-if [[ ! -f "$PINFO" ]]; then
-    [[ -f "$T/core/package_info.py" ]] \
-        && die 1 "target '$TARGET' is the megatron package itself; pass the directory above it: $(dirname "$T")"
-    die 1 "target '$TARGET' holds no megatron/core/package_info.py, so it is not megatron-core; pass a Megatron-LM checkout or the directory that holds megatron/core"
-fi
 vmaj="$(version_field "$PINFO" MAJOR)" vmin="$(version_field "$PINFO" MINOR)" vpat="$(version_field "$PINFO" PATCH)"
 [[ "$vmaj" =~ ^[0-9]+$ && "$vmin" =~ ^[0-9]+$ ]] || die 1 "cannot read MAJOR/MINOR from $PINFO; is '$TARGET' really megatron-core?"
 HAVE="$vmaj.$vmin${vpat:+.$vpat}"

@@ -410,8 +410,26 @@ def test_missing_target(synthetic, tmp_path):
     env = {"PATCHES_DIR": str(synthetic[1])}
     missing = tmp_path / "nope"
     for mode in ([], ["--check"], ["--reverse"]):
-        expect_refusal(missing, mode, env, ERROR, "does not exist", "pass a Megatron-LM checkout")
+        expect_refusal(missing, mode, env, ERROR, "does not exist", "pass a Megatron-LM git checkout")
     assert not missing.exists()
+
+
+@pytest.mark.parametrize("env", [{}, "synthetic"], ids=["patches", "PATCHES_DIR"])
+def test_a_wrong_path_gets_one_line_saying_what_belongs_there(synthetic, tmp_path, env, request):
+    """Without PATCHES_DIR the series is picked by TARGET's version, which a wrong path lacks:
+    a missing path, an empty directory and a plain file each get one line and exit 1 (the
+    header's code for "TARGET missing or not megatron"), with or without PATCHES_DIR."""
+    env = {"PATCHES_DIR": str(synthetic[1])} if env == "synthetic" else {}
+    expected = "pass a Megatron-LM git checkout or the directory that holds megatron/core"
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    plain = tmp_path / "file"
+    plain.write_text("x")
+    for target, what in ((tmp_path / "nope", "does not exist"), (empty, "is an empty directory"),
+                         (plain, "is not a directory")):
+        for mode in ([], ["--check"]):
+            msg = expect_refusal(target, mode, env, ERROR, f"TARGET '{target}' {what}", expected)
+            assert msg.startswith("apply_patches.sh: error: "), msg
 
 
 def test_target_is_not_megatron(synthetic, tmp_path):
