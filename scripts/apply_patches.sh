@@ -431,13 +431,52 @@ if [[ $THREEWAY == 1 ]]; then
             < <(sed -n 's#^diff --git a/.* b/\(.*\)$#\1#p' "$PD/$p")
     done
 
-    hunk_of() { # PATCH FILE LINE: the header of FILE's hunk of PATCH that starts at old line LINE (else its first)
-        awk -v f="$2" -v l="$3" '/^diff --git a\//{in_f = (substr($3, 3) == f)} in_f && /^@@ /{split($2, a, ","); if (!first) first = $0; if (substr(a[1], 2) == l) {print; found = 1; exit}} END{if (!found) print first}' "$1"
+    # After a failed git am -3 or revert in the scratch clone: the unmerged paths, as git has them
+    # (git am -q hides its CONFLICT lines, and the first hunk `git apply --check` rejects may be
+    # one that merges cleanly).
+    unmerged() { { sg diff --name-only --diff-filter=U 2>/dev/null; sg ls-files -u 2>/dev/null | cut -f2; } | sort -u | grep -v '^$' || true; }
+    # conflict_hunk PATCH FILE MERGED: the header of FILE's hunk of PATCH that the first conflict
+    # block of MERGED comes from: the hunk most of whose added lines are in the block's patch side
+    # and removed lines in its base side (merge.conflictStyle=diff3); without a match, the hunk
+    # that starts nearest the block's <<<<<<< line; without a block, FILE's first hunk.
+    conflict_hunk() {
+        awk -v f="$2" '
+            function trim(t) { gsub(/^[ \t]+|[ \t]+$/, "", t); return t }
+            FNR == NR {
+                if (/^diff --git a\//) { in_f = (substr($3, 3) == f); inh = 0; next }
+                if (!in_f) next
+                if (/^@@ /) { nh++; inh = 1; hdr[nh] = $0; split($2, a, ","); start[nh] = substr(a[1], 2) + 0; next }
+                if (!inh) next
+                t = trim(substr($0, 2))
+                if (t == "") next
+                if (/^\+/) add[nh, t] = 1; else if (/^-/) del[nh, t] = 1
+                next
+            }
+            /^<<<<<<< / && !side { side = "ours"; mark = FNR; next }
+            side && /^\|\|\|\|\|\|\| / { side = "base"; next }
+            side && /^=======$/ { side = "theirs"; next }
+            side && /^>>>>>>> / { exit }
+            side { t = trim($0); if (t != "") { if (side == "theirs") th[t] = 1; else if (side == "base") bs[t] = 1 } }
+            END {
+                if (!nh) exit
+                bi = 0; best = 0
+                for (i = 1; i <= nh; i++) {
+                    sc = 0
+                    for (t in th) if ((i, t) in add) sc++
+                    for (t in bs) if ((i, t) in del) sc++
+                    if (sc > best) { best = sc; bi = i }
+                }
+                if (!bi && mark) { bi = 1; for (i = 2; i <= nh; i++) if ((start[i] - mark) ^ 2 < (start[bi] - mark) ^ 2) bi = i }
+                print hdr[bi ? bi : 1]
+            }' "$1" "$3" 2>/dev/null || true
     }
+    marker_line() { grep -n -m1 '^<<<<<<<' "$1" 2>/dev/null | cut -d: -f1 || true; }
     if [[ $MODE == reverse ]]; then
         for ((i = ${#FOUND_AT[@]} - 1; i >= 0; i--)); do
-            if ! out="$(sg revert --no-edit "${FOUND_AT[$i]}" 2>&1)"; then
-                cf="$(sed -n 's/^CONFLICT ([^)]*): Merge conflict in //p' <<<"$out" | head -n1)"
+            if ! out="$(sg -c merge.conflictStyle=diff3 revert --no-edit "${FOUND_AT[$i]}" 2>&1)"; then
+                cf="$(unmerged | while read -r f; do m="$(marker_line "$S/$f")"; printf '%s%s; ' "$f" "${m:+, conflict markers from line $m}"; done)"
+                [[ -n "$cf" ]] || cf="$(sed -n 's/^CONFLICT ([^)]*): Merge conflict in //p' <<<"$out" | paste -sd' ')"
+                cf="${cf%; }"
                 die 6 "conflict: the revert of ${FOUND[$i]} (commit ${FOUND_AT[$i]:0:12}) does not merge in '$TARGET'${cf:+ ($cf)}: later commits changed its lines; nothing was changed (HEAD and status as before). Revert it by hand: git -C '$TARGET' revert ${FOUND_AT[$i]}, resolve, git revert --continue"
             fi
             echo "  ${FOUND[$i]}: reverted"
@@ -447,23 +486,50 @@ if [[ $THREEWAY == 1 ]]; then
         for p in "${PATCHES[@]}"; do
             if out="$(sg apply --check -v "${XCL[@]}" -- "$PD/$p" 2>&1)"; then
                 grep -qi 'offset' <<<"$out" && how="applies at shifted lines" || how="applies"
-                failed=""
             else
                 how="merges three-way"
-                failed="$(sed -n 's/^error: patch failed: //p' <<<"$out" | head -n1)"
             fi
-            if ! out="$(sg am -q -3 --keep-cr --no-scissors --whitespace=nowarn "${XCL[@]}" -- "$PD/$p" 2>&1)"; then
-                cf="$(sed -n 's/^CONFLICT ([^)]*): Merge conflict in //p' <<<"$out" | head -n1)"
-                [[ -n "$cf" ]] || cf="${failed%:*}"
-                line="${failed##*:}"; [[ "${failed%:*}" == "$cf" ]] || line=""
-                hk="$(hunk_of "$PD/$p" "$cf" "$line")"
-                mark="$( [[ -n "$cf" && -f "$S/$cf" ]] && grep -n -m1 '^<<<<<<<' "$S/$cf" | cut -d: -f1 || true)"
+            if ! out="$(sg -c merge.conflictStyle=diff3 am -q -3 --keep-cr --no-scissors --whitespace=nowarn "${XCL[@]}" -- "$PD/$p" 2>&1)"; then
+                # Every conflicting file, the patch's hunk its first conflict block comes from, and
+                # the line of its first <<<<<<< marker in HEAD + the patches before this one.
+                CF=() where=() short=()
+                while read -r f; do
+                    [[ -n "$f" ]] || continue
+                    hk="$(conflict_hunk "$PD/$p" "$f" "$S/$f")"; mark="$(marker_line "$S/$f")"
+                    CF+=("$f")
+                    short+=("$f, hunk ${hk:-?}${mark:+ (markers from line $mark)}")
+                    where+=("$f, hunk '${hk:-?}'${mark:+, conflict markers from line $mark}")
+                done < <(unmerged)
                 why="$(grep -m1 -E '^(error|fatal):' <<<"$out" | sed -E 's/^(error|fatal): //; s/\.+$//' || true)"
                 sg am --abort >/dev/null 2>&1 || true
-                echo "  $p: conflicts in ${cf:-?}, hunk ${hk:-?}"
+                if [[ ${#CF[@]} -eq 0 ]]; then short=("its files (git am: ${why:-failed}, no unmerged path)"); where=("${short[@]}"); fi
+                echo "  $p: conflicts in $(printf '%s; ' "${short[@]}" | sed 's/; $//')"
                 for q in "${PATCHES[@]:$((i + 1))}"; do echo "  $q: not tried (after the conflict)"; done
-                done_list="$(for q in "${PATCHES[@]:0:$i}"; do printf "'%s' " "$PD/$q"; done)"
-                die 6 "conflict: $p does not merge into '$TARGET': ${cf:-its files}, hunk '${hk:-?}'${mark:+ (the merge leaves conflict markers at line $mark of HEAD + the patches before it)}${why:+; git am: $why}. The checkout's own changes touch the lines this hunk changes; nothing was changed (HEAD and status as before). Either move your change off those lines and rerun, or merge by hand: git -C '$TARGET' am -3 ${done_list}'$PD/$p', then in '$TARGET' resolve ${cf:-the conflict}, git add it, git am --continue, and git am -3 the rest of the series; then check the result with scripts/run_functional_test.sh --checkout '$TARGET'"
+                all_list="$(for q in "${PATCHES[@]}"; do printf "'%s' " "$PD/$q"; done)"
+                # git am -3 in TARGET merges each patch from the blobs its index lines name: the
+                # base's files (TARGET has them, checked above) and the series' intermediate states,
+                # which only the scratch clone has. Applying stores the ones TARGET lacks (loose,
+                # unreferenced objects: HEAD, refs, index and files stay as they were), so that the
+                # advice below works; --check only says so.
+                need=()
+                for q in "${PATCHES[@]:0:$((i + 1))}"; do
+                    while read -r b; do
+                        [[ "$b" =~ ^0+$ ]] || git -C "$T" cat-file -e "$b^{blob}" 2>/dev/null || need+=("$b")
+                    done < <(sed -nE 's/^index ([0-9a-f]+)\.\.[0-9a-f]+.*$/\1/p' "$PD/$q" | sort -u)
+                done
+                blobs="" nb="${#need[@]} blob"; [[ ${#need[@]} -eq 1 ]] || nb+=s
+                if [[ ${#need[@]} -gt 0 && $MODE == check ]]; then
+                    blobs=" (git am -3 needs $nb of the series' intermediate file states that '$TARGET' lacks: rerun without --check, which stores them, first)"
+                elif [[ ${#need[@]} -gt 0 ]]; then
+                    for b in "${need[@]}"; do
+                        got="$(sg cat-file blob "$b" | git -C "$T" hash-object -w --no-filters --stdin 2>/dev/null)" && [[ "$got" == "$b"* ]] \
+                            || die 1 "cannot store blob $b of the series' intermediate file states in '$TARGET', which merging $p by hand needs; nothing else was changed"
+                    done
+                    blobs=" (the $nb of the series' intermediate file states it needs, which '$TARGET' lacked, now stored in its objects, unreferenced)"
+                fi
+                if [[ ${#CF[@]} -gt 1 ]]; then files="$(printf '%s, ' "${CF[@]:0:${#CF[@]}-1}" | sed 's/, $//') and ${CF[-1]}, git add them"
+                else files="${CF[0]:-the conflicting files}, git add it"; fi
+                die 6 "conflict: $p does not merge into '$TARGET': $(printf '%s; ' "${where[@]}" | sed 's/; $//') (lines of the file as git am -3 leaves it, HEAD and the patches before merged)${why:+; git am: $why}. The checkout's own changes touch the lines the patch changes there; nothing was changed (HEAD and status as before). Either move your change off those lines and rerun, or merge by hand: git -C '$TARGET' am -3 ${all_list}(it stops at $p)${blobs}, then in '$TARGET' resolve $files, git am --continue, and resolve likewise any later patch that stops; then check the result with scripts/run_functional_test.sh --checkout '$TARGET', which compares it with the commit before the series"
             fi
             echo "  $p: $how"
             i=$((i + 1))

@@ -907,3 +907,113 @@ def test_the_series_is_picked_by_the_targets_version(tmp_path):
     shutil.rmtree(repo / "patches" / "0.19")
     proc = run(apply, t19, "--check")
     assert proc.returncode == WRONG_BASE and "series for: 0.17.1." in proc.stderr, proc.stderr
+
+
+# ------------------------------------------------------------------ three-way conflicts: the report
+# A git checkout of 0.17.1 with its own commit in the touched files (a fork) gets the synthetic
+# series by git am -3 in a scratch clone. Patch 2 inserts a line before the first class of both
+# param_and_grad_buffer.py and layer_wise_optimizer.py.
+
+
+def _edit_before_first_class(repo, path, how):
+    """``how`` = "insert": a line of the fork's own right before the file's first class (where patch
+    2 inserts its own: a conflict); "context": the fork edits the third line above it, the first
+    context line of patch 2's hunk (git apply rejects the hunk; the three-way merge is clean)."""
+    p = Path(repo) / path
+    text = p.read_text()
+    m = re.search(r"^class ", text, re.M)
+    head, tail = text[: m.start()], text[m.start():]
+    if how == "insert":
+        p.write_text(head + "# a fork's own line\n" + tail)
+    else:
+        lines = head.split("\n")  # head ends with "\n": lines[-1] == ""
+        assert lines[-4].strip(), lines[-4:]
+        lines[-4] += "  # a fork's edit"
+        p.write_text("\n".join(lines) + tail)
+
+
+def _hunk_header(patch, path):
+    part = re.search(rf"^diff --git a/{re.escape(path)} .*?(?=^diff --git |\Z)", Path(patch).read_text(), re.M | re.S)
+    return re.search(r"^@@ .*$", part.group(0), re.M).group(0)
+
+
+def _git_state(repo):
+    """What a refusal must leave as it was: HEAD, every ref, git status, the work tree."""
+    return (git(repo, "rev-parse", "HEAD"), git(repo, "for-each-ref"),
+            git(repo, "status", "--porcelain", "--untracked-files=all"), tree_hashes(repo))
+
+
+def _fork(tmp_path, edits):
+    repo = make_git_checkout(tmp_path / "fork")
+    for path, how in edits:
+        _edit_before_first_class(repo, path, how)
+    git(repo, "commit", "-q", "-a", "-m", "fork: its own lines in the touched files")
+    return repo
+
+
+def _refused_with_conflict(repo, pd, env):
+    """--check, then apply: exit 6, one line, HEAD/refs/status/files as before; the messages."""
+    out = []
+    for mode in (["--check"], []):
+        before = _git_state(repo)
+        proc = run(APPLY, repo, *mode, env=env)
+        assert proc.returncode == 6, f"exit {proc.returncode}:\n{proc.stdout}{proc.stderr}"
+        out.append((proc.stdout, one_line_error(proc, "conflict: ", "nothing was changed", "git am --continue")))
+        assert _git_state(repo) == before, "HEAD, refs, status or files changed"
+    return out
+
+
+def _hand_merge_stops_at(repo, pd):
+    """The advised hand merge (git am -3 the whole series): the unmerged files and the line of
+    each one's first <<<<<<< marker; then git am --abort."""
+    proc = run("git", "-C", repo, "am", "-3", *[pd / n for n in read_series(pd)])
+    assert proc.returncode != 0, proc.stdout
+    assert "lacks necessary blobs" not in proc.stderr, proc.stderr
+    files = git(repo, "diff", "--name-only", "--diff-filter=U").split()
+    marks = {f: next(i for i, ln in enumerate((repo / f).read_text().splitlines(), 1) if ln.startswith("<<<<<<<"))
+             for f in files}
+    git(repo, "am", "--abort")
+    return marks
+
+
+def test_three_way_conflict_names_the_file_that_conflicts_not_the_first_one_git_apply_rejects(synthetic, tmp_path):
+    """The fork edits a context line of patch 2's hunk in param_and_grad_buffer.py (git apply
+    rejects it, it merges cleanly) and inserts its own line where patch 2 inserts one in
+    layer_wise_optimizer.py (a conflict). git apply --check names param_and_grad_buffer.py
+    first; the report names layer_wise_optimizer.py alone, its hunk and the marker line the
+    advised hand merge leaves."""
+    _, pd = synthetic
+    env = {"PATCHES_DIR": str(pd)}
+    p1, p2 = read_series(pd)
+    repo = _fork(tmp_path, [(PGB, "context"), (LWO, "insert")])
+    scratch = tmp_path / "probe"
+    run("git", "clone", "-q", "--shared", repo, scratch, check=True)
+    git(scratch, "am", "-q", pd / p1)
+    rejected = run("git", "-C", scratch, "apply", "--check", pd / p2).stderr
+    assert re.search(r"^error: patch failed: (\S+):", rejected, re.M).group(1) == PGB, rejected
+
+    (stdout, msg), _ = _refused_with_conflict(repo, pd, env)
+    conflict_line = next(ln for ln in stdout.splitlines() if ln.startswith(f"  {p2}: conflicts in "))
+    assert PGB not in conflict_line and PGB not in msg.split(" (lines of")[0], (conflict_line, msg)
+    hunk = _hunk_header(pd / p2, LWO)
+    assert f"conflicts in {LWO}, hunk {hunk} (markers from line " in conflict_line, conflict_line
+    marks = _hand_merge_stops_at(repo, pd)
+    assert marks == {LWO: marks[LWO]} and f"{LWO}, hunk '{hunk}', conflict markers from line {marks[LWO]}" in msg, msg
+    assert f"resolve {LWO}, git add it" in msg
+
+
+def test_three_way_conflict_in_two_files_names_both(synthetic, tmp_path):
+    """The fork inserts its own line where patch 2 inserts one, in both files: the report names
+    each file, its hunk and its first marker's line, and the hand merge resolves both."""
+    _, pd = synthetic
+    env = {"PATCHES_DIR": str(pd)}
+    p2 = read_series(pd)[1]
+    repo = _fork(tmp_path, [(PGB, "insert"), (LWO, "insert")])
+    (stdout, _), (_, msg) = _refused_with_conflict(repo, pd, env)
+    marks = _hand_merge_stops_at(repo, pd)
+    assert sorted(marks) == sorted([PGB, LWO])
+    for f in (PGB, LWO):
+        hunk = _hunk_header(pd / p2, f)
+        assert f"{f}, hunk {hunk} (markers from line {marks[f]})" in stdout, stdout
+        assert f"{f}, hunk '{hunk}', conflict markers from line {marks[f]}" in msg, msg
+    assert f"resolve {PGB} and {LWO}, git add them" in msg
