@@ -1017,3 +1017,42 @@ def test_three_way_conflict_in_two_files_names_both(synthetic, tmp_path):
         assert f"{f}, hunk {hunk} (markers from line {marks[f]})" in stdout, stdout
         assert f"{f}, hunk '{hunk}', conflict markers from line {marks[f]}" in msg, msg
     assert f"resolve {PGB} and {LWO}, git add them" in msg
+
+
+# ------------------------------------------------------------------ --help and the refusals' tags
+
+
+def test_help_names_every_base_of_patches_and_the_tags_the_refusals_name():
+    """--help lists each series under patches/ with the versions its manifest names, and no
+    longer says the base is 0.17.1 alone."""
+    text = run(APPLY, "--help", check=True).stdout
+    for manifest in sorted((ROOT / "patches").glob("*/manifest.sha256")):
+        fields = [ln.split() for ln in manifest.read_text().splitlines() if ln.strip()]
+        versions = [v for f in fields if f[0] in ("base", "also") for v in f[1:]]
+        assert f"patches/{manifest.parent.name}/" in text
+        for v in versions:
+            assert v in text, (manifest, v)
+    assert "The base is exactly megatron-core 0.17.1" not in text
+    assert "0.18 and later: do not apply" not in text
+    assert "core_v0.19.2" not in text
+
+
+@pytest.mark.parametrize("patch", ["3"])
+def test_a_019_tree_of_another_patch_release_is_sent_to_the_tag_that_exists(tmp_path, patch):
+    """0.19.3 (not a version of patches/0.19's manifest): update to 0.19.2, by pip or by the
+    Megatron-LM tag that exists, core_v0.19.0 (the exit-7 fetch names the same tag)."""
+    target = _019_wheel_copy(tmp_path / "t")
+    pinfo = target / "megatron/core/package_info.py"
+    pinfo.write_text(re.sub(r"^PATCH = 2$", f"PATCH = {patch}", pinfo.read_text(), flags=re.M))
+    msg = expect_refusal(target, ["--check"], {}, WRONG_BASE, f"0.19.{patch}", "update to 0.19.2 first",
+                         "git checkout core_v0.19.0", "pip install megatron-core==0.19.2")
+    assert "core_v0.19.2" not in msg
+
+
+def test_two_minors_past_the_newest_base_hears_there_is_no_series(tmp_path):
+    target = _019_wheel_copy(tmp_path / "t")
+    pinfo = target / "megatron/core/package_info.py"
+    pinfo.write_text(re.sub(r"^MINOR = 19$", "MINOR = 21", pinfo.read_text(), flags=re.M))
+    msg = expect_refusal(target, ["--check"], {}, WRONG_BASE, "megatron-core 0.21", "no series here",
+                         "series for: 0.17.1; 0.19.2")
+    assert "#3751" not in msg and "What 0.18 still lacks" not in msg
