@@ -20,6 +20,14 @@ Which series, and whether PATH is a release: from ``scripts/apply_patches.sh PAT
 which picks the series by PATH's version and says why (its first line, ``series: DIR (...)``,
 when PATH is not exactly a base). A tree the series cannot serve raises ``OwnTreeError`` with
 that script's one line.
+
+A PATH that already carries the series (``apply_patches.sh PATH`` ran, or the user merged it by
+hand after a conflict: ``git am -3``, resolve, ``git am --continue``) is compared with the
+commit before the series instead: ``series_commits`` finds the series' commits in HEAD's
+history by their subjects, as apply_patches.sh's "applied" check does (the newest commit with
+each patch's subject, unless a revert of it is newer), and ``upstream/`` is a clone at the
+parent of the oldest of them, ``patched/`` a clone at HEAD, with no patch applied: what PATH
+runs, hand-resolved hunks included, against what it ran before the series.
 """
 
 from __future__ import annotations
@@ -31,7 +39,7 @@ import shutil
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, Optional
+from typing import Dict, List, Optional, Tuple
 
 from harness.trees import REPO_ROOT
 
@@ -63,7 +71,12 @@ class OwnTree:
             otherwise they are shown for information.
         why: apply_patches.sh's line on the series choice ("" for a release).
         upstream, patched: the clones.
-        apply_log: what apply_patches.sh printed when it made ``patched``.
+        apply_log: what apply_patches.sh printed when it made ``patched`` (for a PATH that
+            carries the series: the line that names its commits).
+        pre_series: where PATH carries the series, the commit before it (the parent of the
+            oldest series commit), which ``upstream`` holds; None where ``patched`` is PATH's
+            HEAD + the series applied by apply_patches.sh.
+        series_commits: where PATH carries the series, its commits, oldest first.
     """
 
     source: Path
@@ -75,6 +88,8 @@ class OwnTree:
     upstream: Path
     patched: Path
     apply_log: str
+    pre_series: Optional[str] = None
+    series_commits: Tuple[str, ...] = ()
 
     @property
     def base(self) -> str:
@@ -88,6 +103,14 @@ class OwnTree:
 
     def checkouts(self) -> Dict[str, Path]:
         return {"upstream": self.upstream, "patched": self.patched}
+
+    def tree_labels(self) -> Dict[str, str]:
+        """What each clone is, for titles: PATH's HEAD and HEAD + the series, or, where PATH
+        carries the series, the commit before it and HEAD."""
+        if self.pre_series:
+            return {"upstream": f"{self.source.name} at {self.pre_series[:10]} (before the series)",
+                    "patched": f"{self.label} (with patches/{self.series.name}, {len(self.series_commits)} commits)"}
+        return {"upstream": self.label, "patched": f"{self.label} + patches/{self.series.name}"}
 
 
 def _git(*args, cwd: Optional[Path] = None, check: bool = True) -> subprocess.CompletedProcess:
@@ -119,19 +142,25 @@ def _series_for_version(version: str) -> Optional[Path]:
     return None
 
 
+#: What --checkout PATH must be, for the one line a wrong path gets.
+EXPECTED = "pass the top level of a Megatron-LM git checkout (a clone of github.com/NVIDIA/Megatron-LM or of a fork)"
+
+
 def check_source(path: Path) -> tuple:
     """``(path, head, version)`` of a checkout the runner can train, or OwnTreeError."""
     path = Path(path).expanduser()
     if not path.exists():
-        raise OwnTreeError(f"--checkout {path}: no such directory; pass a Megatron-LM git checkout")
+        raise OwnTreeError(f"--checkout PATH '{path}' does not exist: {EXPECTED}")
     path = path.resolve()
     if not path.is_dir():
-        raise OwnTreeError(f"--checkout {path}: not a directory; pass a Megatron-LM git checkout")
+        raise OwnTreeError(f"--checkout PATH '{path}' is not a directory: {EXPECTED}")
+    if not any(path.iterdir()):
+        raise OwnTreeError(f"--checkout PATH '{path}' is an empty directory: {EXPECTED}")
     version = version_of(path)
     if version is None or not (path / "pretrain_gpt.py").is_file():
         raise OwnTreeError(
-            f"--checkout {path}: not a Megatron-LM tree (it needs megatron/core/package_info.py with "
-            "MAJOR, MINOR, PATCH and pretrain_gpt.py); pass the root of a Megatron-LM checkout")
+            f"--checkout PATH '{path}' is not a Megatron-LM tree (it needs megatron/core/package_info.py with "
+            f"MAJOR, MINOR, PATCH and pretrain_gpt.py): {EXPECTED}")
     top = _git("rev-parse", "--show-toplevel", cwd=path, check=False)
     if top.returncode != 0 or Path(top.stdout.strip()).resolve() != path:
         raise OwnTreeError(
@@ -148,6 +177,79 @@ def check_source(path: Path) -> tuple:
             f"--checkout {path} has uncommitted changes to tracked files ({files}{' ...' if len(dirty) > 5 else ''}): "
             "the run trains its HEAD; commit or stash them, then rerun")
     return path, head, version
+
+
+def _subject(patch: Path) -> str:
+    """The Subject of a format-patch file, unfolded, without [PATCH] (apply_patches.sh's subject_of)."""
+    m = re.search(r"^Subject: (.*(?:\n[ \t].*)*)", patch.read_text(), re.M)
+    return re.sub(r"^\[PATCH[^]]*\] *", "", re.sub(r"\n([ \t])", r"\1", m.group(1))) if m else ""
+
+
+def _series_patches(series: Path) -> List[Path]:
+    names = [ln.strip() for ln in (series / "series").read_text().splitlines()
+             if ln.strip() and not ln.lstrip().startswith("#")]
+    return [series / n for n in names]
+
+
+def series_commits(source: Path, head: str, series: Path) -> Tuple[str, List[str]]:
+    """``(pre_series, commits)`` of a checkout that carries ``series``: its commits in HEAD's
+    history (by subject, as apply_patches.sh finds them: the newest commit with each patch's
+    subject, unless a revert of it is newer), oldest first, and the first parent of the oldest.
+
+    Raises:
+        OwnTreeError: a patch has no such commit (the series came in as one squashed commit, or
+            as files), or the oldest one is a root commit.
+    """
+    patches = _series_patches(series)
+    touched = sorted({f for p in patches for f in re.findall(r"^diff --git a/(\S+) b/", p.read_text(), re.M)})
+    log = _git("log", "--format=%H %s", "-n", "5000", head, "--", *touched, cwd=source).stdout.splitlines()
+    found, missing = {}, []
+    for p in patches:
+        s = _subject(p)
+        for line in log:
+            sha, _, subj = line.partition(" ")
+            if subj == f'Revert "{s}"':
+                break
+            if subj == s:
+                found[p.name] = sha
+                break
+        if p.name not in found:
+            missing.append(p.name)
+    if missing:
+        raise OwnTreeError(
+            f"--checkout {source} carries the series (scripts/apply_patches.sh --check says applied) but HEAD's "
+            f"history has no commit with the subject of {', '.join(missing)}, so the commit before the series is "
+            "unknown (a squashed or file-copied series): check out the commit before the series and pass that "
+            "(the run applies the series itself), or keep one commit per patch with the patches' subjects")
+    order = _git("rev-list", "--topo-order", "--reverse", head, cwd=source).stdout.split()
+    rank = {sha: i for i, sha in enumerate(order)}
+    commits = sorted(set(found.values()), key=lambda sha: rank[sha])
+    pre = _git("rev-parse", "-q", "--verify", f"{commits[0]}^1", cwd=source, check=False).stdout.strip()
+    if not pre:
+        raise OwnTreeError(f"--checkout {source}: the series' first commit {commits[0][:12]} has no parent, "
+                           "so there is no tree before the series to compare with")
+    return pre, commits
+
+
+def is_release(source: Path, commit: str, series: Path) -> bool:
+    """``commit`` of ``source`` is exactly a base of ``series``: its megatron-core version is the
+    manifest's ``base`` or ``also`` and every touched file has the manifest's pristine sha256
+    (absent where the manifest says '-'), as apply_patches.sh judges a tree it applies to exactly."""
+    manifest = [ln.split() for ln in (series / "manifest.sha256").read_text().splitlines()]
+    versions = {v for f in manifest if f and f[0] in ("base", "also") for v in f[1:]}
+    pinfo = _git("show", f"{commit}:megatron/core/package_info.py", cwd=source, check=False).stdout
+    parts = [re.search(rf"^{k}\s*=\s*(\d+)", pinfo, re.M) for k in ("MAJOR", "MINOR", "PATCH")]
+    if not all(parts) or ".".join(m.group(1) for m in parts) not in versions:
+        return False
+    for f in manifest:
+        if not f or f[0] != "file":
+            continue
+        blob = subprocess.run(["git", "show", f"{commit}:{f[3]}"], cwd=source, capture_output=True,
+                              env={**os.environ, "GIT_CONFIG_NOSYSTEM": "1", "GIT_OPTIONAL_LOCKS": "0"})
+        got = hashlib.sha256(blob.stdout).hexdigest() if blob.returncode == 0 else "-"
+        if got != f[1]:
+            return False
+    return True
 
 
 def _apply(target: Path, *args: str) -> subprocess.CompletedProcess:
@@ -200,19 +302,15 @@ def prepare(checkout: Path, work_root: Path = WORK_ROOT, log=print) -> OwnTree:
     """Check ``checkout`` and make (or reuse) its two scratch clones.
 
     Raises:
-        OwnTreeError: not a clean git checkout of a Megatron-LM tree; already patched; a tree the
-            series cannot serve, a conflict or missing blobs (apply_patches.sh's line).
+        OwnTreeError: not a clean git checkout of a Megatron-LM tree; a tree the series cannot
+            serve, a conflict or missing blobs (apply_patches.sh's line); a tree that carries the
+            series without one commit per patch (``series_commits``).
     """
     source, head, version = check_source(checkout)
     check = _apply(source, "--check")
     lines = check.stdout.splitlines()
     m = re.match(r"series: (\S+) \((.*)\)$", lines[0]) if lines else None
-    if check.returncode == 0:
-        raise OwnTreeError(
-            f"--checkout {source} already carries the series ({(lines or ['applied'])[-1]}); pass the "
-            "checkout without it (e.g. git -C PATH checkout the commit before the series), which the run "
-            "trains as it is and with the series")
-    if check.returncode != 3:
+    if check.returncode not in (0, 3):
         why = check.stderr.strip().removeprefix("apply_patches.sh: error: ")
         raise OwnTreeError(f"--checkout {source}: the series cannot be applied: {why}")
     series = Path(m.group(1)) if m else _series_for_version(version)
@@ -220,10 +318,21 @@ def prepare(checkout: Path, work_root: Path = WORK_ROOT, log=print) -> OwnTree:
         raise OwnTreeError(f"--checkout {source}: no series here names megatron-core {version}")
     why = m.group(2) if m else ""
     release = "three-way" not in why
+    pre, commits = series_commits(source, head, series) if check.returncode == 0 else (None, [])
+    if pre:  # the golden values count where the tree before the series is a release
+        release = is_release(source, pre, series)
     work = work_root / f"{source.name}-{head[:12]}"
     upstream, patched = work / "upstream", work / "patched"
     stamp = _stamp(head)
     apply_log = ""
+    if pre:
+        stamp = _stamp(f"{pre}..{head}")
+        others = [c for c in _git("rev-list", f"{pre}..{head}", cwd=source).stdout.split() if c not in commits]
+        apply_log = (f"carries patches/{series.name}: {len(commits)} commits {commits[0][:10]}..{commits[-1][:10]}; "
+                     f"comparing HEAD {head[:10]} with the commit before the series, {pre[:10]}"
+                     + (f" ({len(others)} other commits lie between them and are on the patched side only)"
+                        if others else "") + "\n")
+        log(f"  {source} {apply_log.strip()}")
     if (work / _STAMP).is_file() and (work / _STAMP).read_text().split("\n", 1)[0] == stamp \
             and (upstream / ".git").is_dir() and (patched / ".git").is_dir():
         apply_log = (work / _STAMP).read_text().split("\n", 1)[1]
@@ -232,15 +341,17 @@ def prepare(checkout: Path, work_root: Path = WORK_ROOT, log=print) -> OwnTree:
         log(f"  scratch clones of {source} at {head[:10]}: {work}/{{upstream,patched}}")
         work.mkdir(parents=True, exist_ok=True)
         (work / _STAMP).unlink(missing_ok=True)
-        _clone(source, head, upstream)
+        _clone(source, pre or head, upstream)
         _clone(source, head, patched)
-        proc = _apply(patched)
-        if proc.returncode != 0:
-            raise OwnTreeError(f"--checkout {source}: apply_patches.sh failed on the scratch clone {patched}: "
-                               f"{proc.stderr.strip()}")
-        apply_log = proc.stdout
+        if not pre:
+            proc = _apply(patched)
+            if proc.returncode != 0:
+                raise OwnTreeError(f"--checkout {source}: apply_patches.sh failed on the scratch clone {patched}: "
+                                   f"{proc.stderr.strip()}")
+            apply_log = proc.stdout
         for clone in (upstream, patched):
             place_helpers(clone, series)
         (work / _STAMP).write_text(stamp + "\n" + apply_log)
     return OwnTree(source=source, head=head, version=version, series=series, release=release, why=why,
-                   upstream=upstream, patched=patched, apply_log=apply_log)
+                   upstream=upstream, patched=patched, apply_log=apply_log, pre_series=pre,
+                   series_commits=tuple(commits))

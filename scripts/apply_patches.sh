@@ -1,13 +1,22 @@
 #!/usr/bin/env bash
 # scripts/apply_patches.sh: apply, check or reverse the patch series on your own megatron-core.
 #
-# The base is exactly megatron-core 0.17.1 (Megatron-LM tag core_v0.17.1): the version in
-# megatron/core/package_info.py and the sha256 of every touched file must be 0.17.1's. Other
-# versions are refused (exit 5) with one line that says what you have and what to do:
-#   0.17.0 and other 0.17.x: update to 0.17.1 first; the series is made and verified on its files.
-#   0.18 and later: do not apply. They already receive the layer-wise param all-gather into
-#     grad_data and zero it after the copy-back (upstream #3751 + #4609); the line also says
-#     what they still lack that this series fixes.
+# Two bases, one series each; a series' manifest.sha256 names its versions (`base`, `also`):
+#   patches/0.17.1/  megatron-core 0.17.1 exactly (Megatron-LM tag core_v0.17.1)
+#   patches/0.19/    megatron-core 0.19.2, and 0.19.1 and 0.19.0, which carry 0.19.2's touched files
+#                    byte for byte (Megatron-LM tag core_v0.19.0; its package_info.py says 0.19.1)
+# The series is the one whose manifest names the version in TARGET's megatron/core/package_info.py
+# (PATCHES_DIR overrides). It applies exactly (git am, or files rewritten in place) when every
+# touched file also has the manifest's pristine sha256. Other versions get one line, exit 5, that
+# says what you have and what to do:
+#   another 0.17.x or 0.19.x (0.17.0, 0.19.3): update to the base first (core_v0.17.1 / core_v0.19.0,
+#     or pip install megatron-core==0.17.1 / ==0.19.2).
+#   0.18.x: no series; update to 0.19.2 and apply patches/0.19/. 0.18 already receives the layer-wise
+#     param all-gather into grad_data and zeroes it after the copy-back (upstream #3751 + #4609);
+#     the line also says what it still lacks that the series fixes.
+#   0.20.x, the minor version after the newest base (upstream main carries it until its release):
+#     patches/0.19/, exactly where its touched files are 0.19.2's, else three-way (below).
+#   0.16 and older, 0.21 and later: no series here.
 #
 # Your own tree (docs/own_tree.md): a git checkout that is not exactly a base (a fork with its own
 # commits in the touched files, or the minor version after the newest base, which upstream main
@@ -16,16 +25,20 @@
 # series and why. It is worked out in a scratch clone (--shared, sparse: only the touched files);
 # the checkout moves only when every patch went in, by a fast-forward. It refuses with one line,
 # changing nothing, a tree whose touched code lacks what the series builds on (e.g. no grad_data
-# gather, exit 5), a conflict (exit 6: the patch, the file and the hunk, and what to do), a
-# repository without the base's blobs that the merge starts from (shallow clone, a copy without
-# history: exit 7, with the fetch that gets them), and such a tree that is not a git checkout
-# (exit 5). --check lists per patch "applies", "applies at shifted lines", "merges three-way"
-# or "conflicts in FILE, hunk @@ ... @@". "Applied" there means: every patch's subject is a
-# commit in HEAD's history (newer than any revert of it); --reverse reverts those commits.
+# gather, exit 5), a conflict (exit 6: the patch; every file git leaves unmerged, with the
+# patch's hunk and the line of the first conflict marker; how to merge by hand, after which
+# scripts/run_functional_test.sh --checkout TARGET compares the merged tree with its commit
+# before the series), a repository without the base's blobs that the merge starts from (shallow
+# clone, a copy without history: exit 7, with the fetch that gets them), and such a tree that is
+# not a git checkout (exit 5). --check lists per patch "applies", "applies at shifted lines",
+# "merges three-way" or "conflicts in FILE, hunk @@ ... @@ (markers from line N)", one entry per
+# conflicting file. "Applied" there means: every patch's subject is a commit in HEAD's history
+# (newer than any revert of it); --reverse reverts those commits.
 #
 # Usage: scripts/apply_patches.sh TARGET [--check | --reverse]
-#   TARGET   a Megatron-LM git checkout (at tag core_v0.17.1), or any directory that holds
-#            megatron/core (e.g. .../site-packages of an env with megatron-core==0.17.1).
+#   TARGET   a Megatron-LM git checkout (at tag core_v0.17.1 or core_v0.19.0, a fork of one,
+#            upstream main), or any directory that holds megatron/core (e.g. .../site-packages of
+#            an env with megatron-core==0.17.1 or ==0.19.2).
 #            Not the megatron/ package itself: pass the directory above it.
 #            The series' tests/unit_tests/ parts (each patch's own tests) apply only to a
 #            Megatron-LM checkout (TARGET has pretrain_gpt.py and tests/unit_tests/); any
@@ -39,23 +52,31 @@
 #              "Revert "<subject>"", made by reverse-applying the patch (works however the
 #              series got there: git am, cherry-pick, squash). Elsewhere: files rewritten.
 # Env:   PATCHES_DIR=DIR  use the series in DIR (series, *.patch, manifest.sha256) instead of
-#                         the folder of patches/ next to this script whose manifest's base is
-#                         TARGET's version (patches/0.17.1/; the tests use synthetic series).
+#                         the folder of patches/ next to this script whose manifest names
+#                         TARGET's version (patches/0.17.1/, patches/0.19/; the tests use
+#                         synthetic series).
 #
 # Exit codes (every error is one line on stderr that says what is wrong and what to do; on any
 # non-zero exit TARGET's files, and on a git checkout its HEAD, are as they were before):
 #   0  done: applied / reversed, or nothing to do (already applied / not applied); --check: applied
-#   1  error: TARGET missing or not megatron, series/manifest missing or corrupt, the dry run
-#      failed (or needed offsets/fuzz), TARGET not writable, uncommitted changes to touched
-#      files or an unfinished am/rebase in a git checkout, a git command failed (rolled back)
+#   1  error: TARGET does not exist, is a file, an empty directory, the megatron/ package itself
+#      or holds no megatron/core/package_info.py (the line says what belongs there: a Megatron-LM
+#      git checkout or the directory that holds megatron/core); series/manifest missing or
+#      corrupt; the dry run failed (or needed offsets/fuzz); TARGET not writable; in a git
+#      checkout, uncommitted changes to files the series touches (commit or stash them) or an
+#      unfinished am/rebase/merge; a git command failed (rolled back)
 #   2  usage error
 #   3  --check: not applied (every touched file is the pristine upstream one)
 #   4  partly applied or foreign changes: some touched file matches neither the pristine nor
-#      the patched sha256 in manifest.sha256, or they are mixed (all modes; nothing is changed)
-#   5  wrong base: megatron/core/package_info.py is not exactly the version the series is for
-#      (manifest.sha256 `base`, 0.17.1), and not the minor version after the newest base; or a
-#      tree the series cannot serve (above)
-#   6  three-way (a git checkout that is not exactly a base): a patch conflicts; nothing changed
+#      the patched sha256 in manifest.sha256, or they are mixed (all modes; nothing is changed);
+#      three-way: some of the series' commits are in HEAD's history, not all
+#   5  wrong base: megatron/core/package_info.py names no version a series is for (manifest.sha256
+#      `base` or `also`: 0.17.1; 0.19.0 to 0.19.2) and is not the minor version after the newest
+#      base (0.20); or a tree the series cannot serve (above)
+#   6  three-way (a git checkout that is not exactly a base): a patch conflicts. The line names
+#      every conflicting file, the hunk and the line of its first conflict marker, and how to merge
+#      by hand; HEAD, refs, status and files are unchanged (applying stores, as unreferenced
+#      objects, the series' intermediate file states that the hand merge's git am -3 needs)
 #   7  three-way: the repository lacks the base's blobs the merge starts from; nothing changed
 #   130 interrupted (INT/TERM/HUP) while writing; the touched files (git: HEAD too) were restored
 #
@@ -104,19 +125,33 @@ for a in "$@"; do
 done
 [[ -n "$TARGET" ]] || usage "TARGET is missing"
 
+# ---------------------------------------------------------------- the target: what it must be
+# Checked before anything reads it (the series is picked by its version): a wrong path gets
+# one line, exit 1, whatever PATCHES_DIR says.
+EXPECT="pass a Megatron-LM git checkout or the directory that holds megatron/core (e.g. site-packages)"
+[[ -e "$TARGET" ]] || die 1 "TARGET '$TARGET' does not exist: $EXPECT"
+[[ -d "$TARGET" ]] || die 1 "TARGET '$TARGET' is not a directory: $EXPECT"
+T="$(cd "$TARGET" && pwd -P)"
+PINFO="$T/megatron/core/package_info.py"
+if [[ ! -f "$PINFO" ]]; then
+    [[ -f "$T/core/package_info.py" ]] \
+        && die 1 "TARGET '$TARGET' is the megatron package itself: pass the directory above it, $(dirname "$T")"
+    [[ -n "$(ls -A "$T" 2>/dev/null)" ]] || die 1 "TARGET '$TARGET' is an empty directory, so it is not megatron-core: $EXPECT"
+    die 1 "TARGET '$TARGET' holds no megatron/core/package_info.py, so it is not megatron-core: $EXPECT"
+fi
+
 # ---------------------------------------------------------------- the series
 # patches/<base>/ holds the series of one base (its manifest.sha256 names it). Without
 # PATCHES_DIR, take the folder whose base is the version in TARGET's package_info.py, else
 # the first folder: its checks below refuse TARGET with a line that says what to do.
 # version_field PACKAGE_INFO NAME: MAJOR, MINOR or PATCH of megatron/core/package_info.py.
-version_field() { sed -nE "s/^$2[[:space:]]*=[[:space:]]*([0-9A-Za-z]+).*/\\1/p" "$1" 2>/dev/null | head -n1; }
+version_field() { { sed -nE "s/^$2[[:space:]]*=[[:space:]]*([0-9A-Za-z]+).*/\\1/p" "$1" 2>/dev/null || true; } | head -n1; }
 # NEWEST=1: PD is the series of the newest base here (or PATCHES_DIR's); only that series may
 # serve the next minor version three-way (upstream main after that base, see the header).
 NEWEST=1
 if [[ -z "$PD" ]]; then
-    pinfo="$TARGET/megatron/core/package_info.py"
-    want="$(version_field "$pinfo" MAJOR).$(version_field "$pinfo" MINOR).$(version_field "$pinfo" PATCH)"
-    newest="" newest_v="" matched=""
+    want="$(version_field "$PINFO" MAJOR).$(version_field "$PINFO" MINOR).$(version_field "$PINFO" PATCH)"
+    newest="" newest_v="" matched="" sameminor=""
     for m in "$ROOT"/patches/*/manifest.sha256; do
         [[ -f "$m" ]] || continue
         [[ -n "$PD" ]] || PD="$(dirname "$m")"
@@ -127,9 +162,13 @@ if [[ -z "$PD" ]]; then
         if [[ -z "$matched" ]] && awk -v v="$want" '($1 == "base" || $1 == "also") { for (i = 2; i <= NF; i++) if ($i == v) f = 1 } END { exit !f }' "$m"; then
             matched="$(dirname "$m")"
         fi
+        # Another patch release of a base's minor version (0.19.3): that series, whose refusal
+        # says which release to take.
+        [[ -n "$sameminor" || -z "$b" || "${b%.*}" != "${want%.*}" ]] || sameminor="$(dirname "$m")"
     done
     [[ -n "$PD" ]] || die 1 "no series under $ROOT/patches/ (patches/<base>/series); restore patches/ (git checkout -- patches) or set PATCHES_DIR to a series directory"
     if [[ -n "$matched" ]]; then PD="$matched"
+    elif [[ -n "$sameminor" ]]; then PD="$sameminor"
     elif [[ -n "$newest" ]]; then
         IFS=. read -r tmaj tmin _ <<<"$want"
         IFS=. read -r nmaj nmin _ <<<"$newest_v"
@@ -184,40 +223,40 @@ done
 checkout_only() { ! grep -E '^diff --git a/' "$PD/$1" | grep -vqE '^diff --git a/tests/unit_tests/[^ ]* b/tests/unit_tests/'; }
 
 # ---------------------------------------------------------------- the target
-[[ -e "$TARGET" ]] || die 1 "target '$TARGET' does not exist; pass a Megatron-LM checkout or the directory that holds megatron/core (e.g. site-packages)"
-[[ -d "$TARGET" ]] || die 1 "target '$TARGET' is not a directory; pass a Megatron-LM checkout or the directory that holds megatron/core (e.g. site-packages)"
-T="$(cd "$TARGET" && pwd -P)"
-PINFO="$T/megatron/core/package_info.py"
-if [[ ! -f "$PINFO" ]]; then
-    [[ -f "$T/core/package_info.py" ]] \
-        && die 1 "target '$TARGET' is the megatron package itself; pass the directory above it: $(dirname "$T")"
-    die 1 "target '$TARGET' holds no megatron/core/package_info.py, so it is not megatron-core; pass a Megatron-LM checkout or the directory that holds megatron/core"
-fi
 vmaj="$(version_field "$PINFO" MAJOR)" vmin="$(version_field "$PINFO" MINOR)" vpat="$(version_field "$PINFO" PATCH)"
 [[ "$vmaj" =~ ^[0-9]+$ && "$vmin" =~ ^[0-9]+$ ]] || die 1 "cannot read MAJOR/MINOR from $PINFO; is '$TARGET' really megatron-core?"
 HAVE="$vmaj.$vmin${vpat:+.$vpat}"
 IFS=. read -r bmaj bmin bpat <<<"$BASE"
 # `also` versions carry the base's touched files byte for byte (their sha256 is checked below).
 for v in "${ALSO[@]}"; do if [[ "$HAVE" == "$v" ]]; then HAVE="$BASE"; fi; done
+# The Megatron-LM tag a refusal names for this series: the oldest of its versions (base, also);
+# for patches/0.19/ that is core_v0.19.0, the tag there is (0.19.1 and 0.19.2 are wheels only).
+TAGV="$(printf '%s\n' "$BASE" "${ALSO[@]}" | sort -V | head -n1)"
 # PATCHES_DIR's series is the newest only if no series under patches/ has a later base.
+# LATEST: the newest base of them all, for the refusal of a version past it.
+LATEST="$BASE"
 for m in "$ROOT"/patches/*/manifest.sha256; do
     [[ -f "$m" ]] || continue
     b="$(awk '$1 == "base" {print $2; exit}' "$m")"
     [[ -n "$b" && "$b" != "$BASE" && "$(printf '%s\n%s\n' "$BASE" "$b" | sort -V | tail -n1)" == "$b" ]] && NEWEST=0
+    [[ -n "$b" && "$(printf '%s\n%s\n' "$LATEST" "$b" | sort -V | tail -n1)" == "$b" ]] && LATEST="$b"
 done
+IFS=. read -r lmaj lmin _ <<<"$LATEST"
 # NEXT=1: TARGET is the minor version after the newest base (upstream main between two
 # releases says the next one): the series serves it three-way, on a git checkout (decided below).
 NEXT=0
 if [[ "$HAVE" != "$BASE" && $NEWEST == 1 && "$vmaj" == "$bmaj" && "$vmin" == "$((bmin + 1))" ]]; then NEXT=1; fi
 if [[ "$HAVE" != "$BASE" && $NEXT == 0 ]]; then
-    if (( vmaj > bmaj || (vmaj == bmaj && vmin > bmin) )); then
+    if (( vmaj > lmaj || (vmaj == lmaj && vmin > lmin + 1) )); then
+        die 5 "target '$TARGET' has megatron-core $HAVE, past $LATEST, the newest base here, by more than one minor version (the one after it, $lmaj.$((lmin + 1)), is what upstream main carries until its release, and gets the newest base's series three-way): no series here is made or checked for $vmaj.$vmin, so do not apply one. This repository has series for: $(supported_bases). Use a tree at a base (pip install megatron-core==$LATEST, or a Megatron-LM checkout at its tag) or port the series by hand (patches/README.md)"
+    elif (( vmaj > bmaj || (vmaj == bmaj && vmin > bmin) )); then
         later=""
         (( vmaj > 0 || vmin >= 19 )) && later=" 0.19 also adds full_param_layout, which gathers in place into param_data with no grad_data reuse."
         die 5 "target '$TARGET' has megatron-core $HAVE, newer than $BASE, the exact base of this series: do not apply it. $vmaj.$vmin already receives the layer-wise param all-gather into grad_data.view(param_dtype) and zeroes grad_data after the copy-back (upstream #3751 + #4609), and skips the gather at DP size 1.$later What 0.18 still lacks, which this series fixes on $BASE: a forced sync (start_param_sync(force_sync=True)) or free_overlap_buffers() with a gather pending waits but drops the gathered params and leaves grad_data dirty; nothing guards a param sync while the grad buffers are offloaded; the local params are still flattened into a temporary; the optimizer's synchronous all-gather (no --overlap-param-gather) still allocates a receive tensor per rank every step. This repository has series for: $(supported_bases). On 0.18 update to 0.19.2 (pip install megatron-core==0.19.2, or git checkout core_v0.19.0) and apply patches/0.19/ with this script; otherwise keep your version (README.md says what that means for you)"
     elif (( vmaj == bmaj && vmin == bmin )); then
-        die 5 "target '$TARGET' has megatron-core $HAVE, not $BASE, the exact base of this series (made and verified on $BASE's files only): update to $BASE first (git checkout core_v$BASE in a Megatron-LM clone, or pip install megatron-core==$BASE), then rerun"
+        die 5 "target '$TARGET' has megatron-core $HAVE, not $BASE, the exact base of this series (made and verified on $BASE's files only): update to $BASE first (git checkout core_v$TAGV in a Megatron-LM clone, or pip install megatron-core==$BASE), then rerun"
     else
-        die 5 "target '$TARGET' has megatron-core $HAVE, older than $BASE, the exact base of this series: update to $BASE first (git checkout core_v$BASE in a Megatron-LM clone, or pip install megatron-core==$BASE), then rerun"
+        die 5 "target '$TARGET' has megatron-core $HAVE, older than $BASE, the exact base of this series: update to $BASE first (git checkout core_v$TAGV in a Megatron-LM clone, or pip install megatron-core==$BASE), then rerun"
     fi
 fi
 
@@ -298,7 +337,7 @@ else STATE=partial; fi
 partial_msg() {
     local joined
     joined="$(printf '%s; ' "${details[@]}")"
-    echo "partly applied or foreign changes in '$TARGET' (${joined%; }); restore those files to megatron-core $BASE (git checkout core_v$BASE -- <files> / pip install --force-reinstall megatron-core==$BASE) or to the fully patched state, then rerun; a fork of $BASE in a git checkout (whose history holds $BASE's files) gets the series by a three-way merge"
+    echo "partly applied or foreign changes in '$TARGET' (${joined%; }); restore those files to megatron-core $BASE (git checkout core_v$TAGV -- <files> / pip install --force-reinstall megatron-core==$BASE) or to the fully patched state, then rerun; a fork of $BASE in a git checkout (whose history holds $BASE's files) gets the series by a three-way merge"
 }
 
 # ---------------------------------------------------------------- three-way: a tree that is not exactly a base
@@ -385,8 +424,7 @@ if [[ $THREEWAY == 1 ]]; then
         git -C "$T" cat-file -e "$pre^{blob}" 2>/dev/null || lacking+=("$f (blob ${pre:0:12})")
     done
     if [[ ${#lacking[@]} -gt 0 ]]; then
-        tagv="$(printf '%s\n' "$BASE" "${ALSO[@]}" | sort -V | head -n1)"
-        how="git -C '$TARGET' fetch https://github.com/NVIDIA/Megatron-LM tag core_v$tagv --no-tags"
+        how="git -C '$TARGET' fetch https://github.com/NVIDIA/Megatron-LM tag core_v$TAGV --no-tags"
         [[ "$(git -C "$T" rev-parse --is-shallow-repository 2>/dev/null)" == true ]] \
             && how="git -C '$TARGET' fetch --unshallow (it is a shallow clone), or $how"
         die 7 "'$TARGET' lacks the git objects of megatron-core $BASE's files that a three-way merge starts from ($(IFS=,; echo "${lacking[*]}" | sed 's/,/, /g')): a shallow clone or a checkout without history. Fetch them: $how, then rerun; nothing was changed"
@@ -423,13 +461,52 @@ if [[ $THREEWAY == 1 ]]; then
             < <(sed -n 's#^diff --git a/.* b/\(.*\)$#\1#p' "$PD/$p")
     done
 
-    hunk_of() { # PATCH FILE LINE: the header of FILE's hunk of PATCH that starts at old line LINE (else its first)
-        awk -v f="$2" -v l="$3" '/^diff --git a\//{in_f = (substr($3, 3) == f)} in_f && /^@@ /{split($2, a, ","); if (!first) first = $0; if (substr(a[1], 2) == l) {print; found = 1; exit}} END{if (!found) print first}' "$1"
+    # After a failed git am -3 or revert in the scratch clone: the unmerged paths, as git has them
+    # (git am -q hides its CONFLICT lines, and the first hunk `git apply --check` rejects may be
+    # one that merges cleanly).
+    unmerged() { { sg diff --name-only --diff-filter=U 2>/dev/null; sg ls-files -u 2>/dev/null | cut -f2; } | sort -u | grep -v '^$' || true; }
+    # conflict_hunk PATCH FILE MERGED: the header of FILE's hunk of PATCH that the first conflict
+    # block of MERGED comes from: the hunk most of whose added lines are in the block's patch side
+    # and removed lines in its base side (merge.conflictStyle=diff3); without a match, the hunk
+    # that starts nearest the block's <<<<<<< line; without a block, FILE's first hunk.
+    conflict_hunk() {
+        awk -v f="$2" '
+            function trim(t) { gsub(/^[ \t]+|[ \t]+$/, "", t); return t }
+            FNR == NR {
+                if (/^diff --git a\//) { in_f = (substr($3, 3) == f); inh = 0; next }
+                if (!in_f) next
+                if (/^@@ /) { nh++; inh = 1; hdr[nh] = $0; split($2, a, ","); start[nh] = substr(a[1], 2) + 0; next }
+                if (!inh) next
+                t = trim(substr($0, 2))
+                if (t == "") next
+                if (/^\+/) add[nh, t] = 1; else if (/^-/) del[nh, t] = 1
+                next
+            }
+            /^<<<<<<< / && !side { side = "ours"; mark = FNR; next }
+            side && /^\|\|\|\|\|\|\| / { side = "base"; next }
+            side && /^=======$/ { side = "theirs"; next }
+            side && /^>>>>>>> / { exit }
+            side { t = trim($0); if (t != "") { if (side == "theirs") th[t] = 1; else if (side == "base") bs[t] = 1 } }
+            END {
+                if (!nh) exit
+                bi = 0; best = 0
+                for (i = 1; i <= nh; i++) {
+                    sc = 0
+                    for (t in th) if ((i, t) in add) sc++
+                    for (t in bs) if ((i, t) in del) sc++
+                    if (sc > best) { best = sc; bi = i }
+                }
+                if (!bi && mark) { bi = 1; for (i = 2; i <= nh; i++) if ((start[i] - mark) ^ 2 < (start[bi] - mark) ^ 2) bi = i }
+                print hdr[bi ? bi : 1]
+            }' "$1" "$3" 2>/dev/null || true
     }
+    marker_line() { grep -n -m1 '^<<<<<<<' "$1" 2>/dev/null | cut -d: -f1 || true; }
     if [[ $MODE == reverse ]]; then
         for ((i = ${#FOUND_AT[@]} - 1; i >= 0; i--)); do
-            if ! out="$(sg revert --no-edit "${FOUND_AT[$i]}" 2>&1)"; then
-                cf="$(sed -n 's/^CONFLICT ([^)]*): Merge conflict in //p' <<<"$out" | head -n1)"
+            if ! out="$(sg -c merge.conflictStyle=diff3 revert --no-edit "${FOUND_AT[$i]}" 2>&1)"; then
+                cf="$(unmerged | while read -r f; do m="$(marker_line "$S/$f")"; printf '%s%s; ' "$f" "${m:+, conflict markers from line $m}"; done)"
+                [[ -n "$cf" ]] || cf="$(sed -n 's/^CONFLICT ([^)]*): Merge conflict in //p' <<<"$out" | paste -sd' ')"
+                cf="${cf%; }"
                 die 6 "conflict: the revert of ${FOUND[$i]} (commit ${FOUND_AT[$i]:0:12}) does not merge in '$TARGET'${cf:+ ($cf)}: later commits changed its lines; nothing was changed (HEAD and status as before). Revert it by hand: git -C '$TARGET' revert ${FOUND_AT[$i]}, resolve, git revert --continue"
             fi
             echo "  ${FOUND[$i]}: reverted"
@@ -439,23 +516,50 @@ if [[ $THREEWAY == 1 ]]; then
         for p in "${PATCHES[@]}"; do
             if out="$(sg apply --check -v "${XCL[@]}" -- "$PD/$p" 2>&1)"; then
                 grep -qi 'offset' <<<"$out" && how="applies at shifted lines" || how="applies"
-                failed=""
             else
                 how="merges three-way"
-                failed="$(sed -n 's/^error: patch failed: //p' <<<"$out" | head -n1)"
             fi
-            if ! out="$(sg am -q -3 --keep-cr --no-scissors --whitespace=nowarn "${XCL[@]}" -- "$PD/$p" 2>&1)"; then
-                cf="$(sed -n 's/^CONFLICT ([^)]*): Merge conflict in //p' <<<"$out" | head -n1)"
-                [[ -n "$cf" ]] || cf="${failed%:*}"
-                line="${failed##*:}"; [[ "${failed%:*}" == "$cf" ]] || line=""
-                hk="$(hunk_of "$PD/$p" "$cf" "$line")"
-                mark="$( [[ -n "$cf" && -f "$S/$cf" ]] && grep -n -m1 '^<<<<<<<' "$S/$cf" | cut -d: -f1 || true)"
+            if ! out="$(sg -c merge.conflictStyle=diff3 am -q -3 --keep-cr --no-scissors --whitespace=nowarn "${XCL[@]}" -- "$PD/$p" 2>&1)"; then
+                # Every conflicting file, the patch's hunk its first conflict block comes from, and
+                # the line of its first <<<<<<< marker in HEAD + the patches before this one.
+                CF=() where=() short=()
+                while read -r f; do
+                    [[ -n "$f" ]] || continue
+                    hk="$(conflict_hunk "$PD/$p" "$f" "$S/$f")"; mark="$(marker_line "$S/$f")"
+                    CF+=("$f")
+                    short+=("$f, hunk ${hk:-?}${mark:+ (markers from line $mark)}")
+                    where+=("$f, hunk '${hk:-?}'${mark:+, conflict markers from line $mark}")
+                done < <(unmerged)
                 why="$(grep -m1 -E '^(error|fatal):' <<<"$out" | sed -E 's/^(error|fatal): //; s/\.+$//' || true)"
                 sg am --abort >/dev/null 2>&1 || true
-                echo "  $p: conflicts in ${cf:-?}, hunk ${hk:-?}"
+                if [[ ${#CF[@]} -eq 0 ]]; then short=("its files (git am: ${why:-failed}, no unmerged path)"); where=("${short[@]}"); fi
+                echo "  $p: conflicts in $(printf '%s; ' "${short[@]}" | sed 's/; $//')"
                 for q in "${PATCHES[@]:$((i + 1))}"; do echo "  $q: not tried (after the conflict)"; done
-                done_list="$(for q in "${PATCHES[@]:0:$i}"; do printf "'%s' " "$PD/$q"; done)"
-                die 6 "conflict: $p does not merge into '$TARGET': ${cf:-its files}, hunk '${hk:-?}'${mark:+ (the merge leaves conflict markers at line $mark of HEAD + the patches before it)}${why:+; git am: $why}. The checkout's own changes touch the lines this hunk changes; nothing was changed (HEAD and status as before). Either move your change off those lines and rerun, or merge by hand: git -C '$TARGET' am -3 ${done_list}'$PD/$p', then in '$TARGET' resolve ${cf:-the conflict}, git add it, git am --continue, and git am -3 the rest of the series; then check the result with scripts/run_functional_test.sh --checkout '$TARGET'"
+                all_list="$(for q in "${PATCHES[@]}"; do printf "'%s' " "$PD/$q"; done)"
+                # git am -3 in TARGET merges each patch from the blobs its index lines name: the
+                # base's files (TARGET has them, checked above) and the series' intermediate states,
+                # which only the scratch clone has. Applying stores the ones TARGET lacks (loose,
+                # unreferenced objects: HEAD, refs, index and files stay as they were), so that the
+                # advice below works; --check only says so.
+                need=()
+                for q in "${PATCHES[@]:0:$((i + 1))}"; do
+                    while read -r b; do
+                        [[ "$b" =~ ^0+$ ]] || git -C "$T" cat-file -e "$b^{blob}" 2>/dev/null || need+=("$b")
+                    done < <(sed -nE 's/^index ([0-9a-f]+)\.\.[0-9a-f]+.*$/\1/p' "$PD/$q" | sort -u)
+                done
+                blobs="" nb="${#need[@]} blob"; [[ ${#need[@]} -eq 1 ]] || nb+=s
+                if [[ ${#need[@]} -gt 0 && $MODE == check ]]; then
+                    blobs=" (git am -3 needs $nb of the series' intermediate file states that '$TARGET' lacks: rerun without --check, which stores them, first)"
+                elif [[ ${#need[@]} -gt 0 ]]; then
+                    for b in "${need[@]}"; do
+                        got="$(sg cat-file blob "$b" | git -C "$T" hash-object -w --no-filters --stdin 2>/dev/null)" && [[ "$got" == "$b"* ]] \
+                            || die 1 "cannot store blob $b of the series' intermediate file states in '$TARGET', which merging $p by hand needs; nothing else was changed"
+                    done
+                    blobs=" (the $nb of the series' intermediate file states it needs, which '$TARGET' lacked, now stored in its objects, unreferenced)"
+                fi
+                if [[ ${#CF[@]} -gt 1 ]]; then files="$(printf '%s, ' "${CF[@]:0:${#CF[@]}-1}" | sed 's/, $//') and ${CF[-1]}, git add them"
+                else files="${CF[0]:-the conflicting files}, git add it"; fi
+                die 6 "conflict: $p does not merge into '$TARGET': $(printf '%s; ' "${where[@]}" | sed 's/; $//') (lines of the file as git am -3 leaves it, HEAD and the patches before merged)${why:+; git am: $why}. The checkout's own changes touch the lines the patch changes there; nothing was changed (HEAD and status as before). Either move your change off those lines and rerun, or merge by hand: git -C '$TARGET' am -3 ${all_list}(it stops at $p)${blobs}, then in '$TARGET' resolve $files, git am --continue, and resolve likewise any later patch that stops; then check the result with scripts/run_functional_test.sh --checkout '$TARGET', which compares it with the commit before the series"
             fi
             echo "  $p: $how"
             i=$((i + 1))

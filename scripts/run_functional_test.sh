@@ -18,11 +18,19 @@
 #     written), with PATH's own pretrain_gpt.py and megatron.training; the default case is that
 #     series' base's; golden values are shown for information unless PATH is a release
 #     (docs/own_tree.md). Outputs under build/functional/checkout-<name>-<commit>/<case>/.
+#     A PATH that already carries the series (scripts/apply_patches.sh PATH ran, or you merged it
+#     by hand after a conflict) is compared with its commit before the series instead (the
+#     parent of the oldest commit with a patch's subject): HEAD as it is, nothing applied.
 # Writes: build/functional/<case>/{upstream,patched}/{metrics,memory}.json, comparison.json, loss_curves.png
 #         (memory.json: the param sync's megatron and NCCL bytes and the step peak per step, printed
 #         next to the verdict)
 # Exit:   0 when every case is "identical"; 1 diverged / outside golden tolerance / failed;
-#         2 bad arguments (unknown case; a --checkout PATH the series cannot serve, one line why).
+#         2 bad arguments, nothing trained, one line on stderr that says why: an unknown case or
+#           one of another base; --checkout PATH that does not exist, is a file or an empty
+#           directory, is not the top level of a Megatron-LM git checkout (the line says what
+#           belongs there), has uncommitted changes to tracked files, or that the series cannot
+#           serve (scripts/apply_patches.sh's line: a conflict, missing blobs, a version without
+#           a series); a PATH that carries the series without one commit per patch.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"

@@ -391,9 +391,9 @@ def _fake_tree(root: Path, minor: int, git_init: bool) -> Path:
 
 def test_run_functional_test_checkout_refuses_what_it_cannot_train_in_one_line(tmp_path, capsys):
     """scripts/run_functional_test.sh --checkout PATH: exit 2 and one line, before training and
-    with PATH unchanged, for a missing path, a non-git tree, a dirty checkout, a tree the series
-    cannot serve (apply_patches.sh's reason), a checkout that already has the series, a case of
-    another base, and --update-golden."""
+    with PATH unchanged, for a missing path, a file, an empty directory, a non-git tree, a dirty
+    checkout, a tree the series cannot serve (apply_patches.sh's reason), a case of another base,
+    and --update-golden."""
     from tests.functional_tests.python_test_utils import run_case
 
     def refuse(args, *needles, path=None):
@@ -406,7 +406,7 @@ def test_run_functional_test_checkout_refuses_what_it_cannot_train_in_one_line(t
         if path:
             assert all_files(path) == before, "PATH changed"
 
-    refuse([tmp_path / "nope"], "no such directory")
+    refuse([tmp_path / "nope"], "does not exist")
     plain = _fake_tree(tmp_path / "plain", 19, git_init=False)
     refuse([plain], "not a git checkout", path=plain)
     old = _fake_tree(tmp_path / "old", 16, git_init=True)
@@ -417,8 +417,101 @@ def test_run_functional_test_checkout_refuses_what_it_cannot_train_in_one_line(t
     git(fork, "checkout", "-q", "--", "pretrain_gpt.py")
     refuse([fork, "gpt_dp2_bf16_fp32grad_overlap_layerwise"], "not cases of megatron-core 0.19")
     refuse([fork, "--update-golden"], "--update-golden")
-    run(APPLY, fork, check=True)
-    refuse([fork], "already carries the series", path=fork)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    refuse([empty], "is an empty directory", "Megatron-LM git checkout", path=empty)
+    refuse([tmp_path / "nope"], "does not exist", "Megatron-LM git checkout")
+    (tmp_path / "file").write_text("x")
+    refuse([tmp_path / "file"], "is not a directory", "Megatron-LM git checkout")
+
+
+def _resolve_by_hand(path: Path) -> None:
+    """Resolve every conflict block of ``path`` as a user may: the patch's side, and a comment
+    line of the user's own after it (so the result is neither the base's nor the series' file)."""
+    out, side = [], None
+    for line in path.read_text().splitlines(keepends=True):
+        if line.startswith("<<<<<<< "):
+            side = "ours"
+        elif side and line.startswith("||||||| "):
+            side = "base"
+        elif side and line.startswith("======="):
+            side = "theirs"
+        elif side and line.startswith(">>>>>>> "):
+            side = None
+            out.append("# resolved by hand\n")
+        elif side in (None, "theirs"):
+            out.append(line)
+    path.write_text("".join(out))
+
+
+def test_prepare_of_a_checkout_that_carries_the_series_compares_it_with_the_commit_before_it(tmp_path):
+    """README's order taken literally: apply_patches.sh PATH, then --checkout PATH. A fork whose
+    local commit conflicts with the first patch gets the series by hand, as the exit-6 line says
+    (git am -3, resolve, git am --continue, the rest); --checkout accepts it and compares HEAD, the
+    hand-resolved commits included, with the parent of the first series commit, applying nothing;
+    PATH stays unchanged. (On that parent the series conflicts, so applying it there cannot work.)"""
+    from harness import own_tree
+
+    repo = mini_019(tmp_path, "fork")
+    names = series()
+    path, line = first_hunk_line(SERIES019 / names[0])
+    commit_edit(repo, path, line + "\n", line.rstrip() + "  # a fork's edit\n", "fork: edit a line the series changes")
+    pre = git(repo, "rev-parse", "HEAD").strip()
+    assert run(APPLY, repo, "--check").returncode == CONFLICT
+    with pytest.raises(own_tree.OwnTreeError, match="conflict"):
+        own_tree.prepare(repo, work_root=tmp_path / "work0", log=lambda m: None)
+
+    am = run("git", "-C", repo, "am", "-3", SERIES019 / names[0])
+    assert am.returncode != 0, am.stdout + am.stderr
+    unmerged = git(repo, "diff", "--name-only", "--diff-filter=U").split()
+    assert path in unmerged, unmerged
+    for f in unmerged:
+        _resolve_by_hand(repo / f)
+        git(repo, "add", f)
+    git(repo, "am", "--continue")
+    if names[1:]:
+        git(repo, "am", "-3", *[SERIES019 / n for n in names[1:]])
+    head = git(repo, "rev-parse", "HEAD").strip()
+    assert run(APPLY, repo, "--check").returncode == OK
+
+    before = all_files(repo)
+    logs = []
+    tree = own_tree.prepare(repo, work_root=tmp_path / "work", log=logs.append)
+    assert all_files(repo) == before, "PATH was written"
+    assert (tree.head, tree.pre_series, tree.series, tree.release) == (head, pre, SERIES019, False)
+    assert len(tree.series_commits) == len(names) and tree.series_commits[-1] == head
+    assert git(tree.upstream, "rev-parse", "HEAD").strip() == pre
+    assert git(tree.patched, "rev-parse", "HEAD").strip() == head  # nothing applied on top
+    assert git(tree.patched, "diff", "--stat", head) == ""
+    assert "comparing HEAD" in tree.apply_log and pre[:10] in tree.apply_log
+    assert any("carries patches/0.19" in m for m in logs), logs
+    assert tree.tree_labels()["upstream"].endswith("(before the series)")
+    again = own_tree.prepare(repo, work_root=tmp_path / "work", log=logs.append)
+    assert again == tree and "up to date" in logs[-1]
+
+
+def test_prepare_of_a_release_that_carries_the_series_counts_the_golden_values(tmp_path):
+    """apply_patches.sh on core_v0.19.0 (git am, one commit per patch), then --checkout: the
+    release is the commit before the series, so the golden values count."""
+    from harness import own_tree
+
+    repo = mini_019(tmp_path, "release")
+    tag = git(repo, "rev-parse", "HEAD").strip()
+    run(APPLY, repo, check=True)
+    tree = own_tree.prepare(repo, work_root=tmp_path / "work", log=lambda m: None)
+    assert (tree.pre_series, tree.release, len(tree.series_commits)) == (tag, True, len(series()))
+
+
+def test_prepare_refuses_a_series_it_cannot_find_as_commits(tmp_path):
+    """The series' files committed as one squashed commit: the commit before it is unknown."""
+    from harness import own_tree
+
+    repo = mini_019(tmp_path, "squashed")
+    run(APPLY, repo, check=True)
+    git(repo, "reset", "-q", "--soft", "core_v0.19.0")
+    git(repo, "commit", "-q", "-m", "the series, squashed")
+    with pytest.raises(own_tree.OwnTreeError, match="no commit with the subject of"):
+        own_tree.prepare(repo, work_root=tmp_path / "work", log=lambda m: None)
 
 
 def test_golden_values_are_information_only_where_the_tree_is_not_a_release():

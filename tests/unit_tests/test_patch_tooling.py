@@ -410,8 +410,26 @@ def test_missing_target(synthetic, tmp_path):
     env = {"PATCHES_DIR": str(synthetic[1])}
     missing = tmp_path / "nope"
     for mode in ([], ["--check"], ["--reverse"]):
-        expect_refusal(missing, mode, env, ERROR, "does not exist", "pass a Megatron-LM checkout")
+        expect_refusal(missing, mode, env, ERROR, "does not exist", "pass a Megatron-LM git checkout")
     assert not missing.exists()
+
+
+@pytest.mark.parametrize("env", [{}, "synthetic"], ids=["patches", "PATCHES_DIR"])
+def test_a_wrong_path_gets_one_line_saying_what_belongs_there(synthetic, tmp_path, env, request):
+    """Without PATCHES_DIR the series is picked by TARGET's version, which a wrong path lacks:
+    a missing path, an empty directory and a plain file each get one line and exit 1 (the
+    header's code for "TARGET missing or not megatron"), with or without PATCHES_DIR."""
+    env = {"PATCHES_DIR": str(synthetic[1])} if env == "synthetic" else {}
+    expected = "pass a Megatron-LM git checkout or the directory that holds megatron/core"
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    plain = tmp_path / "file"
+    plain.write_text("x")
+    for target, what in ((tmp_path / "nope", "does not exist"), (empty, "is an empty directory"),
+                         (plain, "is not a directory")):
+        for mode in ([], ["--check"]):
+            msg = expect_refusal(target, mode, env, ERROR, f"TARGET '{target}' {what}", expected)
+            assert msg.startswith("apply_patches.sh: error: "), msg
 
 
 def test_target_is_not_megatron(synthetic, tmp_path):
@@ -889,3 +907,152 @@ def test_the_series_is_picked_by_the_targets_version(tmp_path):
     shutil.rmtree(repo / "patches" / "0.19")
     proc = run(apply, t19, "--check")
     assert proc.returncode == WRONG_BASE and "series for: 0.17.1." in proc.stderr, proc.stderr
+
+
+# ------------------------------------------------------------------ three-way conflicts: the report
+# A git checkout of 0.17.1 with its own commit in the touched files (a fork) gets the synthetic
+# series by git am -3 in a scratch clone. Patch 2 inserts a line before the first class of both
+# param_and_grad_buffer.py and layer_wise_optimizer.py.
+
+
+def _edit_before_first_class(repo, path, how):
+    """``how`` = "insert": a line of the fork's own right before the file's first class (where patch
+    2 inserts its own: a conflict); "context": the fork edits the third line above it, the first
+    context line of patch 2's hunk (git apply rejects the hunk; the three-way merge is clean)."""
+    p = Path(repo) / path
+    text = p.read_text()
+    m = re.search(r"^class ", text, re.M)
+    head, tail = text[: m.start()], text[m.start():]
+    if how == "insert":
+        p.write_text(head + "# a fork's own line\n" + tail)
+    else:
+        lines = head.split("\n")  # head ends with "\n": lines[-1] == ""
+        assert lines[-4].strip(), lines[-4:]
+        lines[-4] += "  # a fork's edit"
+        p.write_text("\n".join(lines) + tail)
+
+
+def _hunk_header(patch, path):
+    part = re.search(rf"^diff --git a/{re.escape(path)} .*?(?=^diff --git |\Z)", Path(patch).read_text(), re.M | re.S)
+    return re.search(r"^@@ .*$", part.group(0), re.M).group(0)
+
+
+def _git_state(repo):
+    """What a refusal must leave as it was: HEAD, every ref, git status, the work tree."""
+    return (git(repo, "rev-parse", "HEAD"), git(repo, "for-each-ref"),
+            git(repo, "status", "--porcelain", "--untracked-files=all"), tree_hashes(repo))
+
+
+def _fork(tmp_path, edits):
+    repo = make_git_checkout(tmp_path / "fork")
+    for path, how in edits:
+        _edit_before_first_class(repo, path, how)
+    git(repo, "commit", "-q", "-a", "-m", "fork: its own lines in the touched files")
+    return repo
+
+
+def _refused_with_conflict(repo, pd, env):
+    """--check, then apply: exit 6, one line, HEAD/refs/status/files as before; the messages."""
+    out = []
+    for mode in (["--check"], []):
+        before = _git_state(repo)
+        proc = run(APPLY, repo, *mode, env=env)
+        assert proc.returncode == 6, f"exit {proc.returncode}:\n{proc.stdout}{proc.stderr}"
+        out.append((proc.stdout, one_line_error(proc, "conflict: ", "nothing was changed", "git am --continue")))
+        assert _git_state(repo) == before, "HEAD, refs, status or files changed"
+    return out
+
+
+def _hand_merge_stops_at(repo, pd):
+    """The advised hand merge (git am -3 the whole series): the unmerged files and the line of
+    each one's first <<<<<<< marker; then git am --abort."""
+    proc = run("git", "-C", repo, "am", "-3", *[pd / n for n in read_series(pd)])
+    assert proc.returncode != 0, proc.stdout
+    assert "lacks necessary blobs" not in proc.stderr, proc.stderr
+    files = git(repo, "diff", "--name-only", "--diff-filter=U").split()
+    marks = {f: next(i for i, ln in enumerate((repo / f).read_text().splitlines(), 1) if ln.startswith("<<<<<<<"))
+             for f in files}
+    git(repo, "am", "--abort")
+    return marks
+
+
+def test_three_way_conflict_names_the_file_that_conflicts_not_the_first_one_git_apply_rejects(synthetic, tmp_path):
+    """The fork edits a context line of patch 2's hunk in param_and_grad_buffer.py (git apply
+    rejects it, it merges cleanly) and inserts its own line where patch 2 inserts one in
+    layer_wise_optimizer.py (a conflict). git apply --check names param_and_grad_buffer.py
+    first; the report names layer_wise_optimizer.py alone, its hunk and the marker line the
+    advised hand merge leaves."""
+    _, pd = synthetic
+    env = {"PATCHES_DIR": str(pd)}
+    p1, p2 = read_series(pd)
+    repo = _fork(tmp_path, [(PGB, "context"), (LWO, "insert")])
+    scratch = tmp_path / "probe"
+    run("git", "clone", "-q", "--shared", repo, scratch, check=True)
+    git(scratch, "am", "-q", pd / p1)
+    rejected = run("git", "-C", scratch, "apply", "--check", pd / p2).stderr
+    assert re.search(r"^error: patch failed: (\S+):", rejected, re.M).group(1) == PGB, rejected
+
+    (stdout, msg), _ = _refused_with_conflict(repo, pd, env)
+    conflict_line = next(ln for ln in stdout.splitlines() if ln.startswith(f"  {p2}: conflicts in "))
+    assert PGB not in conflict_line and PGB not in msg.split(" (lines of")[0], (conflict_line, msg)
+    hunk = _hunk_header(pd / p2, LWO)
+    assert f"conflicts in {LWO}, hunk {hunk} (markers from line " in conflict_line, conflict_line
+    marks = _hand_merge_stops_at(repo, pd)
+    assert marks == {LWO: marks[LWO]} and f"{LWO}, hunk '{hunk}', conflict markers from line {marks[LWO]}" in msg, msg
+    assert f"resolve {LWO}, git add it" in msg
+
+
+def test_three_way_conflict_in_two_files_names_both(synthetic, tmp_path):
+    """The fork inserts its own line where patch 2 inserts one, in both files: the report names
+    each file, its hunk and its first marker's line, and the hand merge resolves both."""
+    _, pd = synthetic
+    env = {"PATCHES_DIR": str(pd)}
+    p2 = read_series(pd)[1]
+    repo = _fork(tmp_path, [(PGB, "insert"), (LWO, "insert")])
+    (stdout, _), (_, msg) = _refused_with_conflict(repo, pd, env)
+    marks = _hand_merge_stops_at(repo, pd)
+    assert sorted(marks) == sorted([PGB, LWO])
+    for f in (PGB, LWO):
+        hunk = _hunk_header(pd / p2, f)
+        assert f"{f}, hunk {hunk} (markers from line {marks[f]})" in stdout, stdout
+        assert f"{f}, hunk '{hunk}', conflict markers from line {marks[f]}" in msg, msg
+    assert f"resolve {PGB} and {LWO}, git add them" in msg
+
+
+# ------------------------------------------------------------------ --help and the refusals' tags
+
+
+def test_help_names_every_base_of_patches_and_the_tags_the_refusals_name():
+    """--help lists each series under patches/ with the versions its manifest names, and no
+    longer says the base is 0.17.1 alone."""
+    text = run(APPLY, "--help", check=True).stdout
+    for manifest in sorted((ROOT / "patches").glob("*/manifest.sha256")):
+        fields = [ln.split() for ln in manifest.read_text().splitlines() if ln.strip()]
+        versions = [v for f in fields if f[0] in ("base", "also") for v in f[1:]]
+        assert f"patches/{manifest.parent.name}/" in text
+        for v in versions:
+            assert v in text, (manifest, v)
+    assert "The base is exactly megatron-core 0.17.1" not in text
+    assert "0.18 and later: do not apply" not in text
+    assert "core_v0.19.2" not in text
+
+
+@pytest.mark.parametrize("patch", ["3"])
+def test_a_019_tree_of_another_patch_release_is_sent_to_the_tag_that_exists(tmp_path, patch):
+    """0.19.3 (not a version of patches/0.19's manifest): update to 0.19.2, by pip or by the
+    Megatron-LM tag that exists, core_v0.19.0 (the exit-7 fetch names the same tag)."""
+    target = _019_wheel_copy(tmp_path / "t")
+    pinfo = target / "megatron/core/package_info.py"
+    pinfo.write_text(re.sub(r"^PATCH = 2$", f"PATCH = {patch}", pinfo.read_text(), flags=re.M))
+    msg = expect_refusal(target, ["--check"], {}, WRONG_BASE, f"0.19.{patch}", "update to 0.19.2 first",
+                         "git checkout core_v0.19.0", "pip install megatron-core==0.19.2")
+    assert "core_v0.19.2" not in msg
+
+
+def test_two_minors_past_the_newest_base_hears_there_is_no_series(tmp_path):
+    target = _019_wheel_copy(tmp_path / "t")
+    pinfo = target / "megatron/core/package_info.py"
+    pinfo.write_text(re.sub(r"^MINOR = 19$", "MINOR = 21", pinfo.read_text(), flags=re.M))
+    msg = expect_refusal(target, ["--check"], {}, WRONG_BASE, "megatron-core 0.21", "no series here",
+                         "series for: 0.17.1; 0.19.2")
+    assert "#3751" not in msg and "What 0.18 still lacks" not in msg

@@ -18,7 +18,12 @@ the run there (its item 9), the tests not finished on every rank run once more, 
 
 ``python -m tests.upstream_tests.upstream_runner`` runs the whole matrix, writes
 ``build/upstream_tests/results.json`` and prints the per-file table of
-``docs/upstream_tests.md``. ``tests/upstream_tests/test_upstream_unit_tests.py`` runs the same
+``docs/upstream_tests.md``. With ``--checkout PATH`` it runs the tests of your own tree
+(``run_own``, docs/own_tree.md). Exit codes: 0 no regression; 1 a regression (a test that
+passes on pristine and not on patched, or one only patched has that does not pass);
+2 ``--checkout PATH`` refused, nothing run, one line on stderr (``harness.own_tree``: PATH does
+not exist, is a file or an empty directory, is not a Megatron-LM git checkout, is dirty, or the
+series cannot serve it). ``tests/upstream_tests/test_upstream_unit_tests.py`` runs the same
 matrix under pytest and asserts on it.
 """
 
@@ -455,7 +460,10 @@ def table(runs: Sequence[Run]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog="exit: 0 no regression; 1 a regression; 2 --checkout PATH refused, nothing run (one line "
+        "on stderr: what PATH must be, or why the series cannot serve it)")
     parser.add_argument("--nproc", type=int, action="append", help="rank counts (default 2 and 4)")
     parser.add_argument("--tree", action="append", choices=sorted(CHECKOUTS), help="default both")
     parser.add_argument("--checkout", type=Path, metavar="PATH",

@@ -560,7 +560,7 @@ def run_case(
     if own is not None:
         info = replace(info, version=own.version, series=f"patches/{own.series.name}"
                        + ("" if own.release else " (three-way)"),
-                       trees={"upstream": own.label, "patched": f"{own.label} + patches/{own.series.name}"},
+                       trees=own.tree_labels(),
                        released=own.release, golden_note=comparison.get("golden_note", ""))
     try:
         plot.plot_loss_curves(
@@ -576,7 +576,8 @@ def run_case(
 def case_header(case: Case, device: str, own=None) -> str:
     """The line the main job prints before training a case (with ``own``: which checkout)."""
     if own is not None:
-        return (f"== {case.name} ({own.label}, megatron-core {own.version}, patches/{own.series.name}, "
+        before = f" against {own.pre_series[:10]}, the commit before the series" if own.pre_series else ""
+        return (f"== {case.name} ({own.label}{before}, megatron-core {own.version}, patches/{own.series.name}, "
                 f"{case.test_type}, {case.nproc} ranks, {device})")
     return f"== {case.name} (megatron-core {case.base}, {case.test_type}, {case.nproc} ranks, {device})"
 
