@@ -283,6 +283,24 @@ FORCED_NOTE = (
 )
 
 
+def _estimates_text(records: List[dict]) -> str:
+    """megatron's step estimate (``theory_text``) of ``records``, once if they agree, else per
+    release ("272.98 (264.61 + 8.38) on 0.17.1; 61.89 (53.51 + 8.38) on 0.18.2, 0.19.2")."""
+    from harness.bench.real_shapes import RELEASE_OF_TREE
+
+    said: Dict[str, List[str]] = {}
+    for r in records:
+        text = theory_text(r)
+        if text != "-":
+            rel = RELEASE_OF_TREE.get(r["tree"], r["tree"])
+            said.setdefault(text, [])
+            if rel not in said[text]:
+                said[text].append(rel)
+    if len(said) <= 1:
+        return next(iter(said), "-")
+    return "; ".join(f"{text} on {', '.join(rels)}" for text, rels in said.items())
+
+
 def forced_table(cells: List[dict], trees: List[str]) -> str:
     """Markdown: per model and DP, megatron's estimate of the step's peak (``theory_text``)
     and each tree's forced-sync peak against it (``forced_against_step``)."""
@@ -294,7 +312,7 @@ def forced_table(cells: List[dict], trees: List[str]) -> str:
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for model, dp in keys:
         recs = [by.get((model, dp, t)) for t in trees]
-        estimate = next((theory_text(r) for r in recs if r and theory_text(r) != "-"), "-")
+        estimate = _estimates_text([r for r in recs if r])
         lines.append("| " + " | ".join([model, str(dp), estimate] + [
             forced_against_step(r) if r else "-" for r in recs]) + " |")  # fmt: skip
     return "\n".join(lines)
@@ -671,11 +689,8 @@ def flags_text(data: dict) -> str:
                              f"{p['launches']:>10}{gib(p['zeroed_grad_bytes']):>12}{against:>34}")  # fmt: skip
         pads = ", ".join(f"{r['tree']} {gib(r.get('padding_bytes', 0))}" for r in rs if "error" not in r)
         lines.append(f"   persistent padding GiB: {pads}")
-        steps: Dict[str, List[str]] = {}
-        for r in rs:
-            steps.setdefault(theory_text(r), []).append(r["tree"])
-        said = [text if len(steps) == 1 else f"{text} ({', '.join(ts)})" for text, ts in steps.items()]
-        lines.append(f"   megatron's step estimate GiB, weights + optimizer state + activations: {'; '.join(said)}")
+        lines.append("   megatron's step estimate GiB, weights + optimizer state + activations: "
+                     + _estimates_text([r for r in rs if "error" not in r]))
     claims = meta.get("series_claims") or []
     if claims:
         lines += ["", "The series' claims per path (README), checked on every cell of this run against pristine "
