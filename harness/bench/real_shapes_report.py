@@ -277,7 +277,8 @@ FORCED_NOTE = (
     "state plus activations. Its assumptions are megatron's: 18 bytes per param without "
     "`--use-distributed-optimizer` (so for `dist_muon` too, whose layer-wise optimizer shards Muon's "
     "state), activations without recomputation at `--micro-batch-size 1`, and on 0.17.1 experts "
-    "divided by TP only (0.18 and later divide them by EP too). A forced-sync peak that is a small "
+    "divided by TP only (0.18 and later divide them by EP too); with PP, the most loaded stage (the "
+    "first, with the embedding), not the stage audited. A forced-sync peak that is a small "
     "share of it cannot raise the run's peak by more than that share, wherever the step's peak "
     "matches megatron's estimate."
 )
