@@ -6,7 +6,8 @@ Usage (from the repo root, after scripts/setup.sh):
     .venv/bin/python scripts/audit_param_sync.py --quick      # 2 models x DP 8, 64 (the unit test's run)
     .venv/bin/python scripts/audit_param_sync.py --publish    # also docs/bench/real_shapes.{md,json,png}
     .venv/bin/python scripts/audit_param_sync.py --trees upstream,patched --models llama3_8b_tp1 --dp-sizes 64
-    .venv/bin/python scripts/audit_param_sync.py --dp-sizes 8,64 --label mine -- <pretrain_gpt.py flags>
+    .venv/bin/python scripts/audit_param_sync.py --dp-sizes 8,64 --label mine -- <pretrain_gpt.py flags> --vocab-size N
+    .venv/bin/python scripts/audit_param_sync.py --render-from docs/bench/real_shapes.json --publish  # no audit run
 
 Your model: after ``--``, the flags of your ``pretrain_gpt.py`` run. Each tree's own
 ``megatron.training.arguments`` parses and validates them and ``core_transformer_config_from_args``
@@ -15,12 +16,22 @@ spec the flags choose; Transformer Engine's parameters through harness/bench/te_
 where TE is not installed). TP, PP, VPP and EP come from the flags; the DP sizes from
 ``--dp-sizes``, or from ``--world-size`` (DP = world / (TP x PP x CP), megatron's own
 derivation). ``--label`` names the model in the outputs; ``--pp-stage`` picks the pipeline
-stage audited (default 0). Default trees: ``FLAGS_TREES`` (pristine and the series on both
-bases, and 0.19.2's layout path unless the flags say ``--no-use-layer-wise-param-layout``).
-Flags one tree refuses and another accepts are reported per tree; flags that every tree
-refuses exit 2 with megatron's message and write nothing. Besides the outputs below, a short
-table goes to stdout: per DP, path and tree, the temporaries, NCCL operations and launches,
-zeroing and padding, then whether the series' claims hold against pristine on each cell.
+stage audited (default 0). Trees: those of the user's release, ``--base`` (``TREES_OF_BASE``;
+default ``DEFAULT_BASE``, 0.19: pristine 0.19.2's legacy path, the series on it, and 0.19.2's
+layout path unless the flags say ``--no-use-layer-wise-param-layout``; ``--base all``: both
+bases, ``FLAGS_TREES``), or ``--trees``. Flags one tree refuses and another accepts are
+reported per tree; flags that every tree refuses exit 2 with megatron's message and write
+nothing. Besides the outputs below, a short table goes to stdout
+(``real_shapes_report.flags_text``): a legend of the paths (what each is, when
+``megatron.training`` takes it) and the trees, which path the flags take (their rows marked
+*); per DP, path and tree, the temporaries, NCCL operations and launches, zeroing, the path's
+peak temporaries next to megatron's own estimate of the step's peak (the tree's
+``theoretical_memory_usage.report_theoretical_memory`` for the same flags), and padding; then
+the series' claim of each path in the README's words, with "holds" or "does not hold" and why
+(``real_shapes_report.series_claims`` and ``claims_lines``).
+
+``--render-from JSON``: no audit run; the outputs again from a published JSON, each cell that
+lacks megatron's step estimate given it by its tree's worker (``--theory-only``).
 
 Models, trees and DP sizes are in harness/bench/real_shapes.py. One worker process per
 tree (harness/bench/real_shapes_worker.py, that tree first on PYTHONPATH) runs every cell
@@ -30,7 +41,8 @@ change of a tree (e.g. the series) changes the numbers on the next run, with no 
 here. Up to --jobs workers run at once.
 
 Outputs in --out-dir (default build/audit): real_shapes.json ({"meta", "cells"}: one record
-per tree x model x DP, rank 0 of DP; harness/bench/real_shapes_report.py slim()),
+per tree x model x DP, rank 0 of DP, with megatron's step estimate ``theoretical_memory``;
+harness/bench/real_shapes_report.py slim()),
 real_shapes.md (a table per model), real_shapes.png, and raw/<tree>.json (the workers'
 full records, per-rank shares included).
 

@@ -46,6 +46,11 @@ non-empty shares) and the persistent padding of DDP's buffers.
 
 A cell or path that raises records ``{"error": "Type: message"}``: a tree's crash is data.
 
+Per cell, too, megatron's own estimate of the step's peak memory per rank,
+``theoretical_memory`` (``theoretical_memory``: the tree's ``megatron.training.
+theoretical_memory_usage.report_theoretical_memory`` on the model's flags at that DP;
+``real_shapes.MODEL_FLAGS`` for the built-in models). ``--theory-only`` computes only that.
+
 ``--flags JOB`` audits the model that ``pretrain_gpt.py`` flags describe instead of
 ``--cells`` (``run_flags``, ``FlagsSpec``): the tree's own argument parser, ``validate_args``,
 ``core_transformer_config_from_args`` and its checkout's ``gpt_builder`` make the config and

@@ -24,6 +24,12 @@
    (stand-in); each kind of bad input gets megatron's message, and bad input exits 2 with no
    traceback and nothing written.
 
+5. What the flag path prints: the series' claim of each path in the README's words, with
+   "holds" or "does not hold" from ``series_claims`` (constructed cells, and the mutant); a
+   legend of paths and trees, the user's release only (0.19 by default) and the path the flags
+   take; each path's peak next to megatron's step estimate, which equals a direct call of
+   megatron's ``report_theoretical_memory`` on the same flags; a plot wide enough to read.
+
 Nothing here pins a count of the series (only the claimed 0 bytes and 0 zero-size calls):
 rerunning the audit after the series changes must change its numbers, not these tests.
 """
@@ -818,3 +824,25 @@ def test_step_estimate_is_megatrons_theoretical_memory(user_audit):
     forced = [ln for ln in stdout.splitlines() if ln.startswith(" * forced    patched_0.19")]
     (series,) = _cells(data, tree="patched_0.19")
     assert len(forced) == 1 and f"{gib(transient_peak(series, 'forced'))} / {gib(direct[2] * 2**20)}" in forced[0]
+
+
+def test_render_from_a_published_json_runs_no_audit(tmp_path, capsys):
+    """``--render-from``: the Markdown and plot again from a JSON whose cells all carry megatron's
+    step estimate: no worker runs, the cells are unchanged, the forced-sync section is there."""
+    from scripts.audit_param_sync import COLUMNS, dump_json, main
+
+    data = _flags_data(_claim_cells())
+    data["meta"].update(command="c", date="d", torch="t", wall_s=1.0, cpus=2, method="m", columns="old",
+                        trees={t: dict(m, dir="x") for t, m in data["meta"]["trees"].items()})  # fmt: skip
+    del data["meta"]["series_claims"]
+    src = tmp_path / "in.json"
+    src.write_text(dump_json(data))
+    assert main(["--render-from", str(src), "--out-dir", str(tmp_path / "out")]) == 0
+    assert "(0 given megatron's step estimate)" in capsys.readouterr().out
+    got = json.loads((tmp_path / "out" / "real_shapes.json").read_text())
+    assert got["cells"] == data["cells"] and got["meta"]["columns"] == COLUMNS
+    md = (tmp_path / "out" / "real_shapes.md").read_text()
+    assert "## Forced syncs against the step's peak" in md and "| m | 8 | 2.00 (1.00 + 1.00) |" in md
+    assert not (tmp_path / "out" / "raw-theory").exists()
+    with pytest.raises(SystemExit):
+        main(["--render-from", str(src), "--trees", "upstream", "--out-dir", str(tmp_path / "o2")])
