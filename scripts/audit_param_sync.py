@@ -6,7 +6,8 @@ Usage (from the repo root, after scripts/setup.sh):
     .venv/bin/python scripts/audit_param_sync.py --quick      # 2 models x DP 8, 64 (the unit test's run)
     .venv/bin/python scripts/audit_param_sync.py --publish    # also docs/bench/real_shapes.{md,json,png}
     .venv/bin/python scripts/audit_param_sync.py --trees upstream,patched --models llama3_8b_tp1 --dp-sizes 64
-    .venv/bin/python scripts/audit_param_sync.py --dp-sizes 8,64 --label mine -- <pretrain_gpt.py flags>
+    .venv/bin/python scripts/audit_param_sync.py --dp-sizes 8,64 --label mine -- <pretrain_gpt.py flags> --vocab-size N
+    .venv/bin/python scripts/audit_param_sync.py --render-from docs/bench/real_shapes.json --publish  # no audit run
 
 Your model: after ``--``, the flags of your ``pretrain_gpt.py`` run. Each tree's own
 ``megatron.training.arguments`` parses and validates them and ``core_transformer_config_from_args``
@@ -15,12 +16,22 @@ spec the flags choose; Transformer Engine's parameters through harness/bench/te_
 where TE is not installed). TP, PP, VPP and EP come from the flags; the DP sizes from
 ``--dp-sizes``, or from ``--world-size`` (DP = world / (TP x PP x CP), megatron's own
 derivation). ``--label`` names the model in the outputs; ``--pp-stage`` picks the pipeline
-stage audited (default 0). Default trees: ``FLAGS_TREES`` (pristine and the series on both
-bases, and 0.19.2's layout path unless the flags say ``--no-use-layer-wise-param-layout``).
-Flags one tree refuses and another accepts are reported per tree; flags that every tree
-refuses exit 2 with megatron's message and write nothing. Besides the outputs below, a short
-table goes to stdout: per DP, path and tree, the temporaries, NCCL operations and launches,
-zeroing and padding, then whether the series' claims hold against pristine on each cell.
+stage audited (default 0). Trees: those of the user's release, ``--base`` (``TREES_OF_BASE``;
+default ``DEFAULT_BASE``, 0.19: pristine 0.19.2's legacy path, the series on it, and 0.19.2's
+layout path unless the flags say ``--no-use-layer-wise-param-layout``; ``--base all``: both
+bases, ``FLAGS_TREES``), or ``--trees``. Flags one tree refuses and another accepts are
+reported per tree; flags that every tree refuses exit 2 with megatron's message and write
+nothing. Besides the outputs below, a short table goes to stdout
+(``real_shapes_report.flags_text``): a legend of the paths (what each is, when
+``megatron.training`` takes it) and the trees, which path the flags take (their rows marked
+*); per DP, path and tree, the temporaries, NCCL operations and launches, zeroing, the path's
+peak temporaries next to megatron's own estimate of the step's peak (the tree's
+``theoretical_memory_usage.report_theoretical_memory`` for the same flags), and padding; then
+the series' claim of each path in the README's words, with "holds" or "does not hold" and why
+(``real_shapes_report.series_claims`` and ``claims_lines``).
+
+``--render-from JSON``: no audit run; the outputs again from a published JSON, each cell that
+lacks megatron's step estimate given it by its tree's worker (``--theory-only``).
 
 Models, trees and DP sizes are in harness/bench/real_shapes.py. One worker process per
 tree (harness/bench/real_shapes_worker.py, that tree first on PYTHONPATH) runs every cell
@@ -30,7 +41,8 @@ change of a tree (e.g. the series) changes the numbers on the next run, with no 
 here. Up to --jobs workers run at once.
 
 Outputs in --out-dir (default build/audit): real_shapes.json ({"meta", "cells"}: one record
-per tree x model x DP, rank 0 of DP; harness/bench/real_shapes_report.py slim()),
+per tree x model x DP, rank 0 of DP, with megatron's step estimate ``theoretical_memory``;
+harness/bench/real_shapes_report.py slim()),
 real_shapes.md (a table per model), real_shapes.png, and raw/<tree>.json (the workers'
 full records, per-rank shares included).
 
@@ -120,8 +132,12 @@ COLUMNS = (
     "allocates on top; *ops (0-size) / launches* = NCCL collective calls per step (those of them "
     "moving 0 bytes) / NCCL group launches per step; *wire* = bytes this rank receives per step; "
     "*zeroed* = bytes `zero_`/`fill_(0)`/`_foreach_zero_` write into `grad_data` per step; *padding* = persistent buffer "
-    "padding on this rank, elements and GiB (grad_data fp32 + param_data bf16). 'crash' = the tree "
-    "raised there (its message)."
+    "padding on this rank, elements and GiB (grad_data fp32 + param_data bf16); *forced sync peak / "
+    "step estimate* = the forced sync's peak temporaries (megatron + NCCL; evaluation, checkpoint save, "
+    "only with `--overlap-param-gather`) against megatron's own estimate of the step's peak per rank "
+    "(`megatron/training/theoretical_memory_usage.py`, `report_theoretical_memory` of the tree, for the "
+    "model's flags at that DP: weights and optimizer state + activations; JSON `theoretical_memory`, MB = "
+    "2^20 bytes), and the peak as a share of it. 'crash' = the tree raised there (its message)."
 )
 MEMORY_NOTE = (
     "0.18.2's default pays its padding for the whole run, in every rank's `param_data` and "
@@ -146,9 +162,12 @@ class FlagsRejected(ValueError):
     per tree, in megatron's words."""
 
 
-#: Default trees of the flag path: pristine and the series on each base, and 0.19.2's layout
-#: path (dropped when the flags say --no-use-layer-wise-param-layout).
+#: Trees of the flag path: pristine and the series on each base, and 0.19.2's layout path
+#: (dropped when the flags say --no-use-layer-wise-param-layout). ``--base`` picks one base's
+#: (default ``DEFAULT_BASE``, the newest release with a series), or all of them.
 FLAGS_TREES = ("upstream", "patched", "mcore_0.19_legacy", "patched_0.19", "mcore_0.19_layout")
+TREES_OF_BASE = {"0.17.1": ("upstream", "patched"), "0.19": ("mcore_0.19_legacy", "patched_0.19", "mcore_0.19_layout")}
+DEFAULT_BASE = "0.19"
 
 
 def audited(tree: str, model: str) -> bool:
@@ -163,18 +182,19 @@ def build_cells(models, dp_sizes, tree: str) -> str:
     return ",".join(f"{m}:{dp}" for m in models if audited(tree, m) for dp in dp_sizes)
 
 
-def worker_command(label: str, cells: str, out: Path, detail: bool = False):
+def worker_command(label: str, cells: str, out: Path, detail: bool = False, theory_only: bool = False):
     """(argv, env) of the worker for tree ``label`` (harness.trees.env_for_tree of its tree).
-    ``cells``: the worker's --cells, or a Path: its --flags job file (``flags_job``)."""
+    ``cells``: the worker's --cells, or a Path: its --flags job file (``flags_job``);
+    ``theory_only``: megatron's step estimate per cell only (the worker's --theory-only)."""
     spec = real_shapes.TREES[label]
     env = env_for_tree(real_shapes.tree_dir(spec))
     env.update(MEGATRON_CPU_RUNTIME="force", OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", PYTHONUNBUFFERED="1")
     what = ["--flags", str(cells)] if isinstance(cells, Path) else ["--cells", cells]
     argv = [sys.executable, str(WORKER), "--tree", label, *what, "--out", str(out)]
-    return argv + (["--bucket-detail"] if detail else []), env
+    return argv + (["--bucket-detail"] if detail else []) + (["--theory-only"] if theory_only else []), env
 
 
-def run_workers(labels, cells, raw: Path, jobs: int) -> dict:
+def run_workers(labels, cells, raw: Path, jobs: int, theory_only: bool = False) -> dict:
     """Run one worker per tree on ``cells[tree]`` (``build_cells``), at most ``jobs`` at
     once; {tree: [records]}.
 
@@ -190,7 +210,7 @@ def run_workers(labels, cells, raw: Path, jobs: int) -> dict:
                 label = pending.pop(0)
                 out = raw / f"{label}.json"
                 log = raw / f"{label}.log"
-                argv, env = worker_command(label, cells[label], out)
+                argv, env = worker_command(label, cells[label], out, theory_only=theory_only)
                 proc = subprocess.Popen(argv, env=env, cwd=REPO_ROOT, stdout=log.open("w"),
                                         stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
                 running[label] = (proc, out, log, time.monotonic())
@@ -373,6 +393,12 @@ def main(argv=None) -> int:
                     help="with flags: comma list of world sizes; DP = world / (TP x PP x CP), as megatron derives it")
     ap.add_argument("--label", default="my_model", help="with flags: the model's name in the outputs")
     ap.add_argument("--pp-stage", type=int, default=0, help="with flags: the pipeline stage audited")
+    ap.add_argument("--base", choices=(*TREES_OF_BASE, "all"), default=None,
+                    help=f"with flags: the megatron-core release you run (its trees only; default {DEFAULT_BASE}; "
+                    "all: both bases)")
+    ap.add_argument("--render-from", metavar="JSON", default=None,
+                    help="no audit run: render real_shapes.{md,png} from a published real_shapes.json, adding "
+                    "megatron's step estimate (theoretical_memory) to cells that lack it")
     ap.add_argument("--jobs", type=int, default=2, help="worker processes at once")
     ap.add_argument("--out-dir", default=str(REPO_ROOT / "build" / "audit"))
     ap.add_argument("--publish", action="store_true", help="copy JSON, MD and PNG to docs/bench/")
@@ -381,8 +407,10 @@ def main(argv=None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     if flags is not None:
         return main_flags(ap, args, flags, argv)
-    if args.world_size or args.label != "my_model" or args.pp_stage:
-        ap.error("--world-size, --label and --pp-stage go with pretrain_gpt.py flags after --")
+    if args.world_size or args.label != "my_model" or args.pp_stage or args.base:
+        ap.error("--world-size, --label, --pp-stage and --base go with pretrain_gpt.py flags after --")
+    if args.render_from:
+        return main_render(ap, args, argv)
     trees = [t for t in args.trees.split(",") if t] or list(real_shapes.TREES)
     unknown = [t for t in trees if t not in real_shapes.TREES]
     if unknown:
@@ -460,13 +488,57 @@ def write_outputs(data: dict, out_dir: Path, publish: bool = False) -> None:
             shutil.copy(out_dir / name, DOCS / name)
 
 
+def main_render(ap, args, argv) -> int:
+    """``--render-from JSON``: real_shapes.{json,md,png} in --out-dir (and docs/bench/ with
+    --publish) from a published run's JSON, with no audit run: every cell that lacks megatron's
+    step estimate gets it from its tree's worker (``--theory-only``: that tree's
+    ``report_theoretical_memory`` on the model's flags at that DP), and meta says so
+    (``theory_added``). Every other figure stays the published run's.
+
+    Returns 0, or 2 (the JSON cannot be read, a worker failed)."""
+    if args.quick or args.models or args.trees or args.dp_sizes:
+        ap.error("--render-from takes the cells of its JSON: no --quick, --models, --trees or --dp-sizes")
+    try:
+        data = json.loads(Path(args.render_from).read_text())
+        meta, cells = data["meta"], data["cells"]
+    except (OSError, ValueError, KeyError) as exc:
+        print(f"[audit] --render-from {args.render_from}: {exc}", file=sys.stderr)
+        return 2
+    todo = [c for c in cells if "theoretical_memory" not in c]
+    trees = list(dict.fromkeys(c["tree"] for c in todo))
+    t0 = time.monotonic()
+    if trees:
+        cells_by_tree = {t: ",".join(f"{c['model']}:{c['dp']}" for c in todo if c["tree"] == t) for t in trees}
+        try:
+            results = run_workers(trees, cells_by_tree, Path(args.out_dir) / "raw-theory", max(1, args.jobs),
+                                  theory_only=True)  # fmt: skip
+        except WorkerError as exc:
+            print(f"[audit] {exc}", file=sys.stderr)
+            return 2
+        got = {(r["tree"], r["model"], r["dp"]): r["theoretical_memory"] for rs in results.values() for r in rs}
+        for c in todo:
+            c["theoretical_memory"] = got[(c["tree"], c["model"], c["dp"])]
+        command = shlex.join([".venv/bin/python", "scripts/audit_param_sync.py", *argv])
+        meta["theory_added"] = (
+            f"The step estimates were added on {datetime.now(timezone.utc).strftime('%Y-%m-%d %H:%M UTC')} by "
+            f"`{command}` ({len(todo)} cells, {time.monotonic() - t0:.0f} s: each tree's worker ran only "
+            f"`report_theoretical_memory`); every other figure is the audit run's of {meta['date']}.")  # fmt: skip
+    meta["columns"] = COLUMNS
+    write_outputs(data, Path(args.out_dir), args.publish)
+    print(f"[audit] rendered {len(cells)} cells ({len(todo)} given megatron's step estimate) into {args.out_dir}",
+          flush=True)  # fmt: skip
+    return 0
+
+
 def main_flags(ap, args, flags, argv) -> int:
     """The flag path of ``main`` (module docstring): one model from pretrain_gpt.py ``flags``.
 
     Returns the exit status: 0, 1 (a structural check failed) or 2 (bad input or a worker
     failure; nothing written)."""
-    if args.quick or args.models or args.publish:
-        ap.error("--quick, --models and --publish do not go with pretrain_gpt.py flags")
+    if args.quick or args.models or args.publish or args.render_from:
+        ap.error("--quick, --models, --publish and --render-from do not go with pretrain_gpt.py flags")
+    if args.trees and args.base:
+        ap.error("give --trees or --base, not both")
     if not flags:
         ap.error("no pretrain_gpt.py flags after --")
     if bool(args.dp_sizes) == bool(args.world_size):
@@ -475,8 +547,10 @@ def main_flags(ap, args, flags, argv) -> int:
         ap.error(f"--label {args.label!r}: letters, digits, '_', '.', '-' only")
     if args.pp_stage < 0:
         ap.error("--pp-stage: expected a stage >= 0")
+    base = None if args.trees else (args.base or DEFAULT_BASE)
+    of_base = FLAGS_TREES if base in (None, "all") else TREES_OF_BASE[base]
     trees = [t for t in args.trees.split(",") if t] or [
-        t for t in FLAGS_TREES if not (real_shapes.TREES[t].layout and "--no-use-layer-wise-param-layout" in flags)]
+        t for t in of_base if not (real_shapes.TREES[t].layout and "--no-use-layer-wise-param-layout" in flags)]
     unknown = [t for t in trees if t not in real_shapes.TREES]
     if unknown:
         ap.error(f"unknown trees {unknown}; known: {sorted(real_shapes.TREES)}")
@@ -490,7 +564,9 @@ def main_flags(ap, args, flags, argv) -> int:
             results = run_workers(trees, {t: job_file for t in trees}, Path(tmp) / "raw", max(1, args.jobs))
             ran, rejected = sort_flags_results(results, sizes)
         except FlagsRejected as exc:
-            print(f"[audit] {exc}", file=sys.stderr)
+            other = [b for b in TREES_OF_BASE if b != base] if base not in (None, "all") else []
+            print(f"[audit] {exc}" + (f"\n[audit] megatron-core {base}'s trees only (--base {base}); for "
+                  f"another release: --base {other[0]}" if other else ""), file=sys.stderr)  # fmt: skip
             return 2
         except WorkerError as exc:
             print(f"[audit] {exc}", file=sys.stderr)
@@ -509,7 +585,7 @@ def main_flags(ap, args, flags, argv) -> int:
     meta["method"] = METHOD.replace(_BUILTIN_MODEL, _FLAGS_MODEL)
     dps = sorted({c["dp"] for c in cells})
     meta.update(models={args.label: flags_model_meta(args.label, flags, ran)}, dp_sizes=dps,
-                flags=list(flags), flags_rejected=rejected)  # fmt: skip
+                flags=list(flags), flags_rejected=rejected, base=base)  # fmt: skip
     fails = checks(cells, {(c["tree"], c["model"], c["dp"]) for c in cells})
     meta["checks_failed"] = fails
     meta["series_claims"] = report.series_claims(cells)

@@ -19,6 +19,7 @@ Units: bytes in the records; GiB (2^30 bytes) in tables and plot; counts per ran
 from __future__ import annotations
 
 import statistics
+import textwrap
 from collections import Counter
 from pathlib import Path
 from typing import Dict, Iterable, List, Optional
@@ -111,6 +112,37 @@ def error_line(rec: dict) -> str:
     return rec["error"].split("\n")[0][:160].replace("|", "/")
 
 
+MIB = float(1 << 20)
+
+
+def theory_bytes(record: dict) -> Optional[float]:
+    """megatron's estimate of the step's peak memory per rank (``theoretical_memory``: the
+    tree's ``megatron.training.theoretical_memory_usage.report_theoretical_memory``, weights
+    and optimizer state plus activations), bytes; None where the record has none."""
+    t = record.get("theoretical_memory") or {}
+    return None if "total_mb" not in t else t["total_mb"] * MIB
+
+
+def theory_text(record: dict) -> str:
+    """'91.53 (67.31 + 24.23)': megatron's step estimate, GiB (weights and optimizer +
+    activations); '-' where there is none."""
+    t = record.get("theoretical_memory") or {}
+    if "total_mb" not in t:
+        return "-"
+    return f"{gib(t['total_mb'] * MIB)} ({gib(t['weight_and_optimizer_mb'] * MIB)} + {gib(t['activation_mb'] * MIB)})"
+
+
+def forced_against_step(record: dict) -> str:
+    """'0.53 / 91.53 (0.6%)': the forced sync's peak temporaries (megatron + NCCL) and
+    megatron's estimate of the step's peak, GiB, and the first as a share of the second."""
+    peak, step = transient_peak(record, "forced"), theory_bytes(record)
+    if peak is None:
+        forced = record.get("paths", {}).get("forced")
+        return "crash" if forced and "error" in forced else "-"
+    share = f" ({100 * peak / step:.1f}%)" if step else ""
+    return f"{gib(peak)} / {gib(step)}{share}"
+
+
 def cell_cells(record: dict) -> List[str]:
     """The table cells of one record after DP and tree (see ``TABLE_HEADER``); a crashed
     path shows "crash" (``crash_notes`` lists the messages)."""
@@ -135,6 +167,7 @@ def cell_cells(record: dict) -> List[str]:
         col(a, lambda r: gib(r["wire_bytes"])),
         f"{col(a, lambda r: gib(r['zeroed_grad_bytes']))} / {col(o, lambda r: gib(r['zeroed_grad_bytes']))}",
         f"{record.get('padding_elements', 0):,} ({gib(record.get('padding_bytes', 0))})",
+        forced_against_step(record),
     ]
 
 
@@ -142,7 +175,7 @@ TABLE_HEADER = [
     "DP (exp. DP)", "tree", "buckets", "gather forms (async)", "non-empty shares / bucket (min/med/max)",
     "megatron temp. GiB: async peak / optimizer", "NCCL temp. GiB: async / optimizer",
     "ops (0-size) / launches: async", "ops (0-size) / launches: optimizer", "wire GiB recv.",
-    "zeroed GiB: async / optimizer", "padding elems (GiB)",
+    "zeroed GiB: async / optimizer", "padding elems (GiB)", "forced sync peak / step estimate GiB",
 ]  # fmt: skip
 
 
@@ -231,6 +264,61 @@ def memory_table(rows: List[dict], legacy_trees: List[str], layout_tree: str) ->
     return "\n".join(lines)
 
 
+#: What real_shapes.md says of the forced sync against the step's peak (``forced_table``).
+FORCED_NOTE = (
+    "A forced sync (`start_param_sync(force_sync=True)`) runs only with `--overlap-param-gather`: "
+    "`megatron.training` forces one before each checkpoint save, at each evaluation (`--eval-interval`), "
+    "at the weight-hash check and at the end of training (`should_disable_forward_pre_hook`). It runs "
+    "outside the step, but its temporaries come on top of what the run holds then: the weights, the "
+    "gradient buffer and the optimizer state. Against it stands megatron's own estimate of the step's "
+    "peak per rank, `megatron/training/theoretical_memory_usage.py`'s `report_theoretical_memory` of the "
+    "tree (what `megatron.training` prints after the first iteration), called by the audit's worker on "
+    "the model's flags (`real_shapes.MODEL_FLAGS`, or the user's) at that DP: weights and optimizer "
+    "state plus activations. Its assumptions are megatron's: 18 bytes per param without "
+    "`--use-distributed-optimizer` (so for `dist_muon` too, whose layer-wise optimizer shards Muon's "
+    "state), activations without recomputation at `--micro-batch-size 1`, and on 0.17.1 experts "
+    "divided by TP only (0.18 and later divide them by EP too); with PP, the most loaded stage (the "
+    "first, with the embedding), not the stage audited. A forced-sync peak that is a small "
+    "share of it cannot raise the run's peak by more than that share, wherever the step's peak "
+    "matches megatron's estimate."
+)
+
+
+def _estimates_text(records: List[dict]) -> str:
+    """megatron's step estimate (``theory_text``) of ``records``, once if they agree, else per
+    release ("272.98 (264.61 + 8.38) on 0.17.1; 61.89 (53.51 + 8.38) on 0.18.2, 0.19.2")."""
+    from harness.bench.real_shapes import RELEASE_OF_TREE
+
+    said: Dict[str, List[str]] = {}
+    for r in records:
+        text = theory_text(r)
+        if text != "-":
+            rel = RELEASE_OF_TREE.get(r["tree"], r["tree"])
+            said.setdefault(text, [])
+            if rel not in said[text]:
+                said[text].append(rel)
+    if len(said) <= 1:
+        return next(iter(said), "-")
+    return "; ".join(f"{text} on {', '.join(rels)}" for text, rels in said.items())
+
+
+def forced_table(cells: List[dict], trees: List[str]) -> str:
+    """Markdown: per model and DP, megatron's estimate of the step's peak (``theory_text``)
+    and each tree's forced-sync peak against it (``forced_against_step``)."""
+    by = {(c["model"], c["dp"], c["tree"]): c for c in cells}
+    keys = sorted({(c["model"], c["dp"]) for c in cells}, key=lambda k: (list(dict.fromkeys(
+        c["model"] for c in cells)).index(k[0]), k[1]))  # fmt: skip
+    head = ["model", "DP", "megatron's step estimate GiB (weights + optimizer, activations)"] + [
+        f"{t}: forced peak / estimate GiB" for t in trees]  # fmt: skip
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for model, dp in keys:
+        recs = [by.get((model, dp, t)) for t in trees]
+        estimate = _estimates_text([r for r in recs if r])
+        lines.append("| " + " | ".join([model, str(dp), estimate] + [
+            forced_against_step(r) if r else "-" for r in recs]) + " |")  # fmt: skip
+    return "\n".join(lines)
+
+
 #: Hand-written reading of the tables (who should use which release and path, with the
 #: figures that decide it), placed after the column legend of real_shapes.md.
 FINDINGS = Path(__file__).with_name("real_shapes_findings.md")
@@ -277,6 +365,12 @@ def write_markdown(data: dict, path: Path, plot_name: str = "real_shapes.png") -
             out += [spec["notes"], ""]
         out += [model_table(recs, trees), ""]
     out += reproduce_section(meta)
+    if any(theory_bytes(c) is not None for c in cells):
+        forced_trees = [t for t in trees if any("forced" in c.get("paths", {}) for c in cells if c["tree"] == t)]
+        out += ["## Forced syncs against the step's peak", "", FORCED_NOTE, ""]
+        if meta.get("theory_added"):
+            out += [meta["theory_added"], ""]
+        out += [forced_table(cells, forced_trees), ""]
     if layout:
         out += ["## Memory: the layout path's padding against the legacy transients", "", meta["memory_note"], ""]
         out += [memory_table(memory_rows(cells, layout[0], legacy), legacy, layout[0]), ""]
@@ -335,7 +429,10 @@ def write_plot(data: dict, path: Path) -> None:
     models = [m for m in meta["models"] if any(c["model"] == m for c in cells)]
     trees = list(meta["trees"])
     ncol = max(1, len(models))
-    fig, axes = plt.subplots(2, ncol, figsize=(3.3 * ncol, 6.6), squeeze=False)
+    # At least PLOT_MIN_WIDTH_IN wide (one model gave a 363 px figure that cut off its title and
+    # legend); constrained layout places title and legend, bbox_inches="tight" keeps them in.
+    width_in = max(PLOT_MIN_WIDTH_IN, 3.3 * ncol)
+    fig, axes = plt.subplots(2, ncol, figsize=(width_in, 7.2), squeeze=False, layout="constrained")
     colors = {t: f"C{i}" for i, t in enumerate(trees)}
     width = {t: 1.0 + 0.9 * (len(trees) - 1 - i) for i, t in enumerate(trees)}
     for j, model in enumerate(models):
@@ -373,18 +470,50 @@ def write_plot(data: dict, path: Path) -> None:
         Line2D([], [], color="k", ls=":", label="optimizer path (allgather_params)"),
         Line2D([], [], color="k", ls="--", marker="s", ms=3, label="persistent padding"),
     ]  # fmt: skip
-    fig.legend(handles=handles, loc="lower center", ncol=len(handles), fontsize=7)
-    fig.suptitle("Layer-wise param sync on real shapes: transient peak and padding per rank (top), "
-                 "launches per step (bottom)", fontsize=9)  # fmt: skip
-    fig.tight_layout(rect=(0, 0.05, 1, 0.97))
-    fig.savefig(path, dpi=110)
+    per_row = max(1, min(len(handles), int(width_in // 2.4)))
+    fig.legend(handles=handles, loc="outside lower center", ncol=per_row, fontsize=7)
+    title = ("Layer-wise param sync on real shapes: transient peak and padding per rank (top), "
+             "launches per step (bottom)")  # fmt: skip
+    fig.suptitle(textwrap.fill(title, width=int(width_in * 13)), fontsize=9)
+    fig.savefig(path, dpi=110, bbox_inches="tight", pad_inches=0.1)
     plt.close(fig)
+
+
+#: The plot's least width in inches (x 110 dpi: 880 px), whatever the number of models.
+PLOT_MIN_WIDTH_IN = 8.0
 
 
 # ---------------------------------------------------------------- the flag path's summary
 #: What the series claims per cell and path (README): these are 0.
 ZERO_KEYS = ("megatron_temporary_bytes", "megatron_peak_bytes", "nccl_temporary_bytes", "nccl_peak_bytes",
              "zero_size_ops")  # fmt: skip
+
+
+#: Each path's name, when ``megatron.training`` takes it, and the series' claim on it (README,
+#: "What the series claims"): the words ``flags_text`` prints and ``series_claims`` checks.
+PATH_NAMES = {
+    "async": "async forward gather",
+    "optimizer": "optimizer-step gather",
+    "forced": "forced sync",
+}
+PATH_WHEN = {
+    "async": "with --overlap-param-gather: DDP's forward pre-hooks gather each bucket's params during the first "
+             "forward of every training step",
+    "optimizer": "without --overlap-param-gather: the layer-wise optimizer gathers every param at the end of "
+                 "every step() (allgather_params)",
+    "forced": "with --overlap-param-gather only: every bucket gathered at once outside the step, before each "
+              "checkpoint save, at each evaluation (--eval-interval), at the weight-hash check and at the end "
+              "of training (megatron.training's should_disable_forward_pre_hook)",
+}  # fmt: skip
+CLAIMS = {
+    "async": "nothing allocated in megatron or inside NCCL, no zero-size operation, at most pristine's NCCL "
+             "operations and group launches",
+    "optimizer": "nothing allocated in megatron or inside NCCL, each param broadcast in place (one NCCL operation "
+                 "per sharded param), no zero-size operation, at most pristine's group launches",
+    "forced": "a temporary of one bucket at a time in megatron (peak at most the largest bucket's params, as "
+              "0.17.1), nothing inside NCCL, no zero-size operation, at most pristine's NCCL operations and group "
+              "launches",
+}  # fmt: skip
 
 
 def series_claims(cells: List[dict], pairs: Optional[Dict[str, str]] = None) -> List[dict]:
@@ -395,8 +524,8 @@ def series_claims(cells: List[dict], pairs: Optional[Dict[str, str]] = None) -> 
         pairs: series tree -> pristine tree (default ``real_shapes.SERIES_PAIRS``).
 
     Returns:
-        per series cell and path, ``{"tree", "pristine", "model", "dp", "path", "holds": bool,
-        "why": str}``: ``holds`` when NCCL temporaries (bytes, peaks) and zero-size operations
+        per series cell and path, ``{"tree", "pristine", "model", "dp", "path", "claim", "holds": bool,
+        "why": str}`` (``claim``: ``CLAIMS[path]``, the words of what is checked): ``holds`` when NCCL temporaries (bytes, peaks) and zero-size operations
         are 0 and the group launches at most pristine's; on the async and optimizer paths
         megatron's temporaries are 0 too; the NCCL operations are at most pristine's on the
         async and forced paths and one per sharded param on the optimizer path; the forced
@@ -418,7 +547,8 @@ def series_claims(cells: List[dict], pairs: Optional[Dict[str, str]] = None) -> 
             r = c.get("paths", {}).get(path)
             if r is None:
                 continue
-            row = dict(tree=c["tree"], pristine=base, model=c["model"], dp=c["dp"], path=path, holds=True, why="")
+            row = dict(tree=c["tree"], pristine=base, model=c["model"], dp=c["dp"], path=path, claim=CLAIMS[path],
+                       holds=True, why="")  # fmt: skip
             why = []
             if "error" in r:
                 why.append(f"the series raised: {error_line(r)}")
@@ -451,48 +581,122 @@ def series_claims(cells: List[dict], pairs: Optional[Dict[str, str]] = None) -> 
     return out
 
 
+def claims_lines(claims: List[dict]) -> List[str]:
+    """The series' claims as ``flags_text`` prints them: per series tree and path, the claim in
+    the README's words (``CLAIMS``) and whether it holds on this run's cells, from ``claims``
+    (``series_claims``' rows, the same check): "holds (DP 8, 64)", or "does not hold" with the
+    cells where it fails and why; notes where pristine was not compared."""
+    lines = []
+    for tree in dict.fromkeys(c["tree"] for c in claims):
+        mine = [c for c in claims if c["tree"] == tree]
+        lines.append(f"  {tree} against {mine[0]['pristine']}:")
+        for path in [p for p in ("async", "optimizer", "forced") if any(c["path"] == p for c in mine)]:
+            rows = [c for c in mine if c["path"] == path]
+            failed = [c for c in rows if not c["holds"]]
+            dps = ", ".join(str(c["dp"]) for c in rows)
+            if failed:
+                verdict = "does not hold: " + "; ".join(f"DP {c['dp']}: {c['why']}" for c in failed)
+            else:
+                verdict = f"holds (DP {dps})"
+            lines.append(f"    {PATH_NAMES[path]}: {rows[0]['claim']}: {verdict}")
+            lines += [f"      (DP {c['dp']}: {c['why']})" for c in rows if c["holds"] and c["why"]]
+    return lines
+
+
+def your_paths(cells: List[dict]) -> List[str]:
+    """The paths the user's flags take (``flags.overlap_param_gather`` of a flag-path record,
+    parsed by megatron): ["async", "forced"] or ["optimizer"]; [] for built-in cells."""
+    parsed = [c["flags"]["overlap_param_gather"] for c in cells if "overlap_param_gather" in c.get("flags", {})]
+    if not parsed:
+        return []
+    return ["async", "forced"] if parsed[0] else ["optimizer"]
+
+
+#: What each tree is to a user of ``pretrain_gpt.py`` (the flag path's legend), beyond its title.
+TREE_USE = {
+    "upstream": "what a 0.17.1 run gets today",
+    "patched": "the same run with patches/0.17.1/ applied",
+    "mcore_0.19_legacy": "what pretrain_gpt.py runs on 0.19.x today, whatever --use-layer-wise-param-layout says",
+    "patched_0.19": "the same run with patches/0.19/ applied",
+    "mcore_0.19_layout": "pretrain()'s model-provider API by default; pretrain_gpt.py does not take this path",
+    "mcore_0.18_legacy": "0.18.x with --no-use-layer-wise-param-layout (no series: update to 0.19.2)",
+    "mcore_0.18_layout": "0.18.x by default (no series)",
+}  # fmt: skip
+
+
+def legend_lines(meta: dict, cells: List[dict]) -> List[str]:
+    """The flag path's legend: the paths (what each is, when megatron.training takes it), the
+    trees of the run (title, what each is to a pretrain_gpt.py user), which path the flags take,
+    and the rows of the run's base (``meta["base"]``)."""
+    mine = your_paths(cells)
+    lines = ["", "Paths (one sync of the params each DP rank updated, as megatron.training runs it):"]
+    lines += [f"  {p:<10}{PATH_NAMES[p]}: {PATH_WHEN[p]}" for p in ("async", "optimizer", "forced")]
+    lines += ["Trees:"]
+    lines += [f"  {t:<20}{m['title']}" + (f"; {TREE_USE[t]}" if t in TREE_USE else "")
+              for t, m in meta["trees"].items()]  # fmt: skip
+    if meta.get("base"):
+        lines.append(f"Rows of megatron-core {meta['base']} only (--base {meta['base']}; --base 0.17.1, 0.19 or all "
+                     f"for the others).")  # fmt: skip
+    if mine == ["optimizer"]:
+        lines.append("Your flags take the optimizer-step gather (no --overlap-param-gather) every step; "
+                     "megatron.training forces no sync without --overlap-param-gather. Their rows are marked * (legacy trees: pretrain_gpt.py's path).")
+    elif mine:
+        lines.append("Your flags take the async forward gather (--overlap-param-gather) every step, and a forced "
+                     "sync at each evaluation, checkpoint save and the end of training. Their rows are marked * (legacy "
+                     "trees: pretrain_gpt.py's path).")
+    lines.append("Step estimate: megatron's theoretical_memory_usage.report_theoretical_memory for these flags "
+                 "(weights and optimizer state + activations, per rank), next to each path's peak temporaries.")
+    return lines
+
+
 def flags_text(data: dict) -> str:
-    """The flag path's short table (stdout): per DP and path, per tree, megatron's temporaries
-    (bytes allocated, peak), NCCL's (peak), NCCL operations (zero-size ones), group launches
-    and bytes zeroed in ``grad_data``; per tree the persistent padding; then the series' claims
-    (``series_claims``, from ``data["meta"]["series_claims"]``) and the trees that refused the
-    flags. GiB = 2^30 bytes; counts per step (async, optimizer) or per forced sync."""
+    """The flag path's short table (stdout): the legend (``legend_lines``); per DP and path, per
+    tree, megatron's temporaries (bytes allocated, peak), NCCL's (peak), NCCL operations
+    (zero-size ones), group launches, bytes zeroed in ``grad_data``, and the path's peak
+    temporaries (megatron + NCCL) next to megatron's estimate of the step's peak
+    (``theoretical_memory``); rows of the paths the flags take marked *; per tree the persistent
+    padding; then the series' claims per path (``claims_lines`` of ``data["meta"]
+    ["series_claims"]``) and the trees that refused the flags. GiB = 2^30 bytes; counts per step
+    (async, optimizer) or per forced sync."""
     meta, cells = data["meta"], data["cells"]
     trees = list(meta["trees"])
+    mine = your_paths(cells)
     lines = []
     for label, m in meta["models"].items():
         lines += [f"== {m['title']}", f"   {m['summary']}", f"   {m['notes']}"]
-    head = f"  {'path':<10}{'tree':<20}{'megatron temp. GiB: all (peak)':>31}{'NCCL temp. GiB':>16}" \
-           f"{'ops (0-size)':>16}{'launches':>10}{'zeroed GiB':>12}"
+    lines += legend_lines(meta, cells)
+    head = f"   {'path':<10}{'tree':<20}{'megatron temp. GiB: all (peak)':>31}{'NCCL temp. GiB':>16}" \
+           f"{'ops (0-size)':>16}{'launches':>10}{'zeroed GiB':>12}{'peak temp. / step estimate GiB':>34}"
     for dp in sorted({c["dp"] for c in cells}):
         rs = _ordered([c for c in cells if c["dp"] == dp], trees)
         edp = f", expert DP {rs[0]['expert_dp']}" if rs[0].get("ep", 1) > 1 and "expert_dp" in rs[0] else ""
         lines += ["", f"DP {dp}{edp}", head]
-        lines += [f"  {'(cell)':<10}{r['tree']:<20}  crash: {error_line(r)[:90]}" for r in rs if "error" in r]
-        for path, name in (("async", "async"), ("optimizer", "optimizer"), ("forced", "forced")):
+        lines += [f"   {'(cell)':<10}{r['tree']:<20}  crash: {error_line(r)[:90]}" for r in rs if "error" in r]
+        for path in ("async", "optimizer", "forced"):
             for r in rs:
+                # pretrain_gpt.py takes the legacy path (README), so the layout tree's rows are not the user's
+                mark = "*" if path in mine and not meta["trees"][r["tree"]].get("layout") else " "
                 p = r.get("paths", {}).get(path)
                 if p is None:
                     continue
                 if "error" in p:
-                    lines.append(f"  {name:<10}{r['tree']:<20}  crash: {error_line(p)[:90]}")
+                    lines.append(f" {mark} {path:<10}{r['tree']:<20}  crash: {error_line(p)[:90]}")
                     continue
                 temp = f"{gib(p['megatron_temporary_bytes'])} ({gib(p['megatron_peak_bytes'])})"
                 ops = f"{p['ops']} ({p['zero_size_ops']})"
-                lines.append(f"  {name:<10}{r['tree']:<20}{temp:>31}{gib(nccl_peak(p)):>16}{ops:>16}"
-                             f"{p['launches']:>10}{gib(p['zeroed_grad_bytes']):>12}")  # fmt: skip
+                peak, step = transient_peak(r, path), theory_bytes(r)
+                against = f"{gib(peak)} / {gib(step)}" + (f" ({100 * peak / step:.1f}%)" if peak and step else "")
+                lines.append(f" {mark} {path:<10}{r['tree']:<20}{temp:>31}{gib(nccl_peak(p)):>16}{ops:>16}"
+                             f"{p['launches']:>10}{gib(p['zeroed_grad_bytes']):>12}{against:>34}")  # fmt: skip
         pads = ", ".join(f"{r['tree']} {gib(r.get('padding_bytes', 0))}" for r in rs if "error" not in r)
-        lines.append(f"  persistent padding GiB: {pads}")
+        lines.append(f"   persistent padding GiB: {pads}")
+        lines.append("   megatron's step estimate GiB, weights + optimizer state + activations: "
+                     + _estimates_text([r for r in rs if "error" not in r]))
     claims = meta.get("series_claims") or []
     if claims:
-        lines += ["", "series' claims per cell and path (0 temporaries in megatron and NCCL, no zero-size operation, "
-                  "ops and launches <= pristine's):"]  # fmt: skip
-        for tree in dict.fromkeys(c["tree"] for c in claims):
-            mine = [c for c in claims if c["tree"] == tree]
-            held = sum(c["holds"] for c in mine)
-            lines.append(f"  {tree} vs {mine[0]['pristine']}: holds on {held} of {len(mine)}")
-            lines += [f"    DP {c['dp']} {c['path']}: {'' if c['holds'] else 'FAILS: '}{c['why']}" for c in mine
-                      if not c["holds"] or c["why"]]  # fmt: skip
+        lines += ["", "The series' claims per path (README), checked on every cell of this run against pristine "
+                  "(series_claims):"]  # fmt: skip
+        lines += claims_lines(claims)
     for x in meta.get("flags_rejected") or []:
         lines.append(f"refused by {x['tree']} ({x['size']}): {x['message']}")
     return "\n".join(lines)

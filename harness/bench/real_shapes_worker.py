@@ -46,6 +46,11 @@ non-empty shares) and the persistent padding of DDP's buffers.
 
 A cell or path that raises records ``{"error": "Type: message"}``: a tree's crash is data.
 
+Per cell, too, megatron's own estimate of the step's peak memory per rank,
+``theoretical_memory`` (``theoretical_memory``: the tree's ``megatron.training.
+theoretical_memory_usage.report_theoretical_memory`` on the model's flags at that DP;
+``real_shapes.MODEL_FLAGS`` for the built-in models). ``--theory-only`` computes only that.
+
 ``--flags JOB`` audits the model that ``pretrain_gpt.py`` flags describe instead of
 ``--cells`` (``run_flags``, ``FlagsSpec``): the tree's own argument parser, ``validate_args``,
 ``core_transformer_config_from_args`` and its checkout's ``gpt_builder`` make the config and
@@ -900,6 +905,53 @@ def parse_cells(text: str) -> list:
     return cells
 
 
+def theoretical_memory(args) -> dict:
+    """megatron's own estimate of a training step's peak memory per rank for the parsed flags
+    ``args`` (``parse_flags``): the tree's ``megatron.training.theoretical_memory_usage.
+    report_theoretical_memory``, called as ``megatron.training.training.training_log`` calls it
+    after the first iteration, with ``num_microbatches`` = global batch / (micro batch x DP),
+    what megatron's microbatch calculator gives without batch-size ramp-up. It runs on a shallow
+    copy of ``args`` (it sets ``num_query_groups``); its printout is swallowed. MB = 2^20 bytes,
+    per rank, the most loaded pipeline stage.
+
+    Returns:
+        {"weight_and_optimizer_mb", "activation_mb", "total_mb", "num_microbatches"}, or
+        {"error": message} where megatron's function raises or declines (hybrid models).
+    """
+    import contextlib
+    import copy
+    import io
+
+    try:
+        from megatron.training.theoretical_memory_usage import report_theoretical_memory
+
+        a = copy.copy(args)
+        micro = a.global_batch_size // (a.micro_batch_size * a.data_parallel_size)
+        with contextlib.redirect_stdout(io.StringIO()) as said:
+            got = report_theoretical_memory(a, num_microbatches=micro, verbose=False)
+    except Exception as exc:  # noqa: BLE001 - an estimate megatron cannot make is reported, not fatal
+        return {"error": f"{type(exc).__name__}: {_megatron_message(exc)}"}
+    if got is None:
+        return {"error": _last_line(said.getvalue()) or "report_theoretical_memory returned nothing"}
+    weights, activations, total = (round(float(x), 2) for x in got)
+    return dict(weight_and_optimizer_mb=weights, activation_mb=activations, total_mb=total, num_microbatches=micro)
+
+
+def builtin_theoretical_memory(spec, dp: int) -> dict:
+    """``theoretical_memory`` of a built-in model (``real_shapes.MODEL_FLAGS``, the flags that
+    describe it) at DP ``dp``, parsed and validated by the tree's own ``megatron.training``
+    (``FlagsSpec``: it also pads the vocabulary, as megatron's tokenizer set-up does);
+    {"error": ...} for a model with no flags or flags the tree refuses."""
+    flags = real_shapes.MODEL_FLAGS.get(spec.label)
+    if flags is None:
+        return {"error": f"{spec.label}: no pretrain_gpt.py flags (real_shapes.MODEL_FLAGS)"}
+    try:
+        args = FlagsSpec(spec.label, flags, dp=dp, pp_stage=spec.pp_stage).args  # sets padded_vocab_size
+    except FlagsError as exc:
+        return {"error": str(exc)}
+    return theoretical_memory(args)
+
+
 def run_flags(mc, tree: real_shapes.TreeSpec, job: dict, paths, detail: bool = False) -> list:
     """The cells of the flags' model (``job``: see ``--flags``) on ``tree``, DP rank 0 each:
     per DP size (or world size) a ``run_cell`` record with ``size`` (["dp" | "world", n], as
@@ -923,8 +975,9 @@ def run_flags(mc, tree: real_shapes.TreeSpec, job: dict, paths, detail: bool = F
         except FlagsError as exc:
             records.append(dict(base, size=[kind, n], flags_error=str(exc)))
             continue
+        theory = theoretical_memory(spec.args)
         rec = run_cell(mc, tree, spec, spec.dp, 0, paths, detail)
-        rec.update(size=[kind, n], flags=spec.describe(), layer_spec=layer_spec)
+        rec.update(size=[kind, n], flags=spec.describe(), layer_spec=layer_spec, theoretical_memory=theory)
         records.append(rec)
         print(f"[real_shapes_worker] {tree.label} {label} dp={spec.dp} {time.perf_counter() - t0:.1f} s"
               + (f" FLAGS {rec['flags_error'][:200]}" if "flags_error" in rec else "")
@@ -942,6 +995,9 @@ def main(argv=None) -> int:
                     help="also the param names of every bucket and per-rank share (small models)")
     ap.add_argument("--flags", help='JSON file {"label", "flags": [pretrain_gpt.py flags], "dp_sizes" or '
                     '"world_sizes", "pp_stage"}: audit that model (FlagsSpec) instead of --cells')
+    ap.add_argument("--theory-only", action="store_true",
+                    help="with --cells: only megatron's theoretical step memory per cell (theoretical_memory), "
+                    "no sync run")
     args = ap.parse_args(argv)
     tree_dir = check_expected_tree()
     tree = real_shapes.TREES[args.tree]
@@ -957,7 +1013,12 @@ def main(argv=None) -> int:
         return 0
     records = []
     for spec, dp, rank in parse_cells(args.cells):
+        if args.theory_only:
+            records.append(dict(tree=tree.label, model=spec.label, dp=dp, dp_rank=rank, tree_dir=tree_dir,
+                                theoretical_memory=builtin_theoretical_memory(spec, dp)))  # fmt: skip
+            continue
         rec = run_cell(mc, tree, spec, dp, rank, args.paths.split(","), args.bucket_detail)
+        rec["theoretical_memory"] = builtin_theoretical_memory(spec, dp)
         rec["tree_dir"] = tree_dir
         records.append(rec)
         print(f"[real_shapes_worker] {tree.label} {spec.label} dp={dp} {rec['wall_s']:.1f} s"

@@ -24,6 +24,12 @@
    (stand-in); each kind of bad input gets megatron's message, and bad input exits 2 with no
    traceback and nothing written.
 
+5. What the flag path prints: the series' claim of each path in the README's words, with
+   "holds" or "does not hold" from ``series_claims`` (constructed cells, and the mutant); a
+   legend of paths and trees, the user's release only (0.19 by default) and the path the flags
+   take; each path's peak next to megatron's step estimate, which equals a direct call of
+   megatron's ``report_theoretical_memory`` on the same flags; a plot wide enough to read.
+
 Nothing here pins a count of the series (only the claimed 0 bytes and 0 zero-size calls):
 rerunning the audit after the series changes must change its numbers, not these tests.
 """
@@ -353,6 +359,14 @@ def test_series_claims_fail_on_a_mutant(audit, tmp_path):
         cells.append(rec)
     fails = series_claim_failures(cells, _cells(data, tree="upstream"))
     assert fails and all("/async: megatron_" in f and "claimed 0" in f for f in fails), fails
+    # The audit's own check and its printed claims say the same: the async path's does not hold.
+    from harness.bench.real_shapes_report import CLAIMS, claims_lines, series_claims, slim
+
+    claims = series_claims([slim(c) for c in cells] + _cells(data, tree="upstream"))
+    assert {c["path"] for c in claims if not c["holds"]} == {"async"}, claims
+    printed = claims_lines(claims)
+    assert any(ln.strip().startswith(f"async forward gather: {CLAIMS['async']}: does not hold: DP 64: megatron_")
+               for ln in printed), printed  # fmt: skip
 
 
 VPP_MODEL = "llama3_70b_tp4_pp4_vpp5"
@@ -481,14 +495,16 @@ def test_flags_report_the_series_claims_against_pristine(flags_audit):
     """The flag path's claims (``series_claims``) on Llama-3-8B: every series cell and path is
     judged against pristine, and holds; judged as if pristine were the series, every cell
     fails, named by the claim it breaks."""
-    from harness.bench.real_shapes_report import series_claims
+    from harness.bench.real_shapes_report import CLAIMS, PATH_NAMES, series_claims
 
     data, stdout = flags_audit
     claims = data["meta"]["series_claims"]
     assert claims == series_claims(data["cells"])
     assert len(claims) == len(real_shapes.QUICK_DP_SIZES) * len(PATHS)
     assert all(c["holds"] for c in claims), claims
-    assert "patched vs upstream: holds on 6 of 6" in stdout
+    assert "  patched against upstream:" in stdout
+    for path in PATHS:
+        assert f"{PATH_NAMES[path]}: {CLAIMS[path]}: holds (DP 8, 64)" in stdout, path
     # A claim that fails is named: the pristine cell as the "series" one.
     pristine_as_series = series_claims(data["cells"], pairs={"upstream": "patched"})
     assert pristine_as_series and not any(c["holds"] for c in pristine_as_series)
@@ -651,3 +667,182 @@ def test_flags_refused_by_one_base_are_reported_per_tree():
     with pytest.raises(FlagsRejected, match="at DP 16 on every tree"):
         sort_flags_results({"upstream": [dict(refused, size=["dp", 16])], "mcore_0.19_legacy": [ok, big]},
                            [("dp", 8), ("dp", 16)])  # fmt: skip
+
+
+# ---------------------------------------------------------------- what the flag path prints
+def _claim_cells(series_async_peak: int = 0):
+    """A pristine and a series cell (slim records, 2 layer-wise buckets of 4 params, DP 8) whose
+    counts satisfy every claim; ``series_async_peak`` > 0 breaks the async path's."""
+    buckets = [dict(expert=False, layerwise=True, numel=1000, param_numel=1000, params=4, max_param_numel=400,
+                    ranks=8, nonempty_shares=3, max_share=400, shares_equal=False) for _ in range(2)]
+
+    def path(ops, zero, launches, megatron=0, peak=0):
+        return dict(calls=launches, forms={"broadcast": launches}, ops=ops, zero_size_ops=zero, launches=launches,
+                    wire_bytes=2000, zeroed_grad_bytes=0, megatron_temporary_bytes=megatron,
+                    megatron_peak_bytes=peak, nccl_temporary_bytes=0, nccl_peak_bytes=0)
+
+    base = dict(model="m", dp=8, expert_dp=8, ep=1, param_bytes=4000, param_numel=2000, buckets=buckets,
+                exact_receive_bytes=2000, theoretical_memory=dict(weight_and_optimizer_mb=1024.0, activation_mb=1024.0,
+                                                                  total_mb=2048.0, num_microbatches=1))  # fmt: skip
+    pristine = dict(base, tree="mcore_0.19_legacy", paths={
+        "async": path(16, 10, 2, 4000, 2000), "forced": path(16, 10, 2, 4000, 2000),
+        "optimizer": path(8, 0, 1, 4000, 4000)})  # fmt: skip
+    series = dict(base, tree="patched_0.19", paths={
+        "async": path(6, 0, 2, series_async_peak, series_async_peak), "forced": path(6, 0, 2, 2000, 1000),
+        "optimizer": path(8, 0, 1)})  # fmt: skip
+    return [pristine, series]
+
+
+def _flags_data(cells):
+    from harness.bench.real_shapes_report import series_claims
+
+    trees = {t: dict(title=real_shapes.TREES[t].title, layout=False) for t in ("mcore_0.19_legacy", "patched_0.19")}
+    meta = dict(models={"m": dict(title="m (pretrain_gpt.py flags)", summary="", notes="")}, trees=trees, base="0.19",
+                series_claims=series_claims(cells))  # fmt: skip
+    return {"meta": meta, "cells": cells}
+
+
+def test_printed_claims_are_series_claims_per_path():
+    """The flag path prints, per path, the series' claim in the README's words and whether it
+    holds, from ``series_claims`` (the same check): every claim holds on a series cell whose
+    counts meet them (195 operations against pristine's 32 on the optimizer path is the claim:
+    one per sharded param), and a cell with a temporary on the async path prints "does not
+    hold" for that path and for no other."""
+    from harness.bench.real_shapes_report import CLAIMS, PATH_NAMES, claims_lines, flags_text, series_claims
+
+    good = _flags_data(_claim_cells())
+    text = flags_text(good)
+    assert claims_lines(series_claims(good["cells"])) == claims_lines(good["meta"]["series_claims"])
+    assert "\n".join(claims_lines(good["meta"]["series_claims"])) in text
+    for path in PATHS:
+        assert f"    {PATH_NAMES[path]}: {CLAIMS[path]}: holds (DP 8)" in text, path
+    assert "does not hold" not in text and "0 temporaries in megatron and NCCL" not in text
+    bad = _flags_data(_claim_cells(series_async_peak=512))
+    text = flags_text(bad)
+    assert f"    async forward gather: {CLAIMS['async']}: does not hold: DP 8: megatron_temporary_bytes 512, " \
+           "claimed 0; megatron_peak_bytes 512, claimed 0" in text
+    assert text.count("does not hold") == 1
+
+
+def test_flags_text_legend_and_the_users_path():
+    """The flag path's stdout names every path (what it is, when megatron.training takes it)
+    and every tree, says which rows are the user's release (``--base``) and path (from the
+    flags megatron parsed), and shows each path's peak next to megatron's step estimate."""
+    from harness.bench.real_shapes_report import PATH_WHEN, flags_text
+
+    cells = _claim_cells()
+    for c in cells:
+        c["flags"] = dict(overlap_param_gather=False)
+    cells[1]["paths"]["forced"]["megatron_peak_bytes"] = 1 << 29  # 0.5 GiB against an estimate of 2 GiB
+    text = flags_text(_flags_data(cells))
+    for path in PATHS:
+        assert PATH_WHEN[path] in text
+    assert "patched_0.19        0.19.2 + its series" in text and "Rows of megatron-core 0.19 only (--base 0.19" in text
+    assert "Your flags take the optimizer-step gather (no --overlap-param-gather)" in text
+    opt = [ln for ln in text.splitlines() if ln.startswith(" * ")]
+    assert len(opt) == 2 and all(" optimizer " in ln for ln in opt), opt
+    assert "megatron's step estimate GiB, weights + optimizer state + activations: 2.00 (1.00 + 1.00)" in text
+    forced = [ln for ln in text.splitlines() if "forced    patched_0.19" in ln]
+    assert len(forced) == 1 and forced[0].endswith(" 0.50 / 2.00 (25.0%)"), forced
+
+
+def test_plot_is_readable_with_one_model(tmp_path):
+    """One model's plot is at least PLOT_MIN_WIDTH_IN wide (880 px), title and legend inside."""
+    from harness.bench.real_shapes_report import PLOT_MIN_WIDTH_IN, write_plot
+
+    data = _flags_data(_claim_cells())
+    data["meta"]["trees"] = {t: dict(m, layout=False) for t, m in data["meta"]["trees"].items()}
+    write_plot(data, tmp_path / "p.png")
+    png = (tmp_path / "p.png").read_bytes()
+    width = int.from_bytes(png[16:20], "big")
+    assert width >= PLOT_MIN_WIDTH_IN * 110 * 0.95, width
+
+
+#: The user's run of the flag path's end-to-end test: Llama-3-8B TP 2 with the forward's gathers
+#: overlapped, at DP 8, on the default base (0.19).
+USER_FLAGS = [*real_shapes.MODEL_FLAGS["llama3_8b_tp2"], "--overlap-grad-reduce", "--overlap-param-gather"]
+DIRECT_THEORY = """
+import json, sys
+from harness.bench import real_shapes_worker as W
+from megatron.core.tokenizers.utils.build_tokenizer import vocab_size_with_padding
+from megatron.training.theoretical_memory_usage import report_theoretical_memory
+flags, dp = json.loads(sys.argv[1])
+args = W.parse_flags(flags, dp=dp)
+args.padded_vocab_size = vocab_size_with_padding(args.vocab_size, args)
+report_theoretical_memory(args, num_microbatches=1, verbose=False)
+"""
+
+
+@pytest.fixture(scope="module")
+def user_audit(tmp_path_factory):
+    """(data, stdout, out dir) of ``audit_param_sync.py --dp-sizes 8 -- USER_FLAGS`` (no --base)."""
+    d = tmp_path_factory.mktemp("user")
+    proc = run_audit_flags(d, USER_FLAGS, "--dp-sizes", "8", "--label", "llama8b_tp2")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads((d / "real_shapes.json").read_text()), proc.stdout, d
+
+
+def test_flags_default_to_the_019_rows_and_say_the_users_path(user_audit):
+    """No --base: only megatron-core 0.19's trees run and print; the flags' path (async and
+    forced, --overlap-param-gather) is named and its legacy rows marked; the plot is readable."""
+    from harness.bench.real_shapes_report import PLOT_MIN_WIDTH_IN
+
+    data, stdout, out = user_audit
+    assert list(data["meta"]["trees"]) == ["mcore_0.19_legacy", "patched_0.19", "mcore_0.19_layout"]
+    assert data["meta"]["base"] == "0.19" and "Rows of megatron-core 0.19 only" in stdout
+    assert "Your flags take the async forward gather (--overlap-param-gather) every step, and a forced sync" in stdout
+    marked = [ln.split()[1:3] for ln in stdout.splitlines() if ln.startswith(" * ")]
+    assert sorted(marked) == sorted([p, t] for p in ("async", "forced") for t in ("mcore_0.19_legacy", "patched_0.19"))
+    png = (out / "real_shapes.png").read_bytes()
+    assert int.from_bytes(png[16:20], "big") >= PLOT_MIN_WIDTH_IN * 110 * 0.95
+
+
+def test_step_estimate_is_megatrons_theoretical_memory(user_audit):
+    """Every cell's step estimate is what megatron's own report_theoretical_memory prints for
+    the same flags at that DP (a direct call in a process of the tree), and the stdout table,
+    the Markdown table and the forced-sync section show it next to the forced sync's peak."""
+    from harness.bench.real_shapes_report import forced_against_step, gib, theory_text, transient_peak
+
+    data, stdout, out = user_audit
+    env = env_for_tree(real_shapes.tree_dir(real_shapes.TREES["mcore_0.19_legacy"]))
+    env.update(MEGATRON_CPU_RUNTIME="force", OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    proc = subprocess.run([sys.executable, "-P", "-c", DIRECT_THEORY, json.dumps([USER_FLAGS, 8])],
+                          cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("Theoretical memory footprints:"))
+    direct = [float(x) for x in __import__("re").findall(r"=([0-9.]+) MB", line)]
+    assert len(direct) == 3 and direct[2] > 1000
+    md = (out / "real_shapes.md").read_text()
+    for c in data["cells"]:
+        t = c["theoretical_memory"]
+        assert [t["weight_and_optimizer_mb"], t["activation_mb"], t["total_mb"]] == direct, (c["tree"], t, line)
+        assert t["num_microbatches"] == 1
+        peak = transient_peak(c, "forced")
+        assert f"{gib(peak)} / {gib(t['total_mb'] * 2**20)}" in md.split("## Forced syncs")[1]
+        assert forced_against_step(c) in md.split("## Forced syncs")[0]  # the model table's column
+    assert f"megatron's step estimate GiB, weights + optimizer state + activations: {theory_text(data['cells'][0])}" in stdout
+    forced = [ln for ln in stdout.splitlines() if ln.startswith(" * forced    patched_0.19")]
+    (series,) = _cells(data, tree="patched_0.19")
+    assert len(forced) == 1 and f"{gib(transient_peak(series, 'forced'))} / {gib(direct[2] * 2**20)}" in forced[0]
+
+
+def test_render_from_a_published_json_runs_no_audit(tmp_path, capsys):
+    """``--render-from``: the Markdown and plot again from a JSON whose cells all carry megatron's
+    step estimate: no worker runs, the cells are unchanged, the forced-sync section is there."""
+    from scripts.audit_param_sync import COLUMNS, dump_json, main
+
+    data = _flags_data(_claim_cells())
+    data["meta"].update(command="c", date="d", torch="t", wall_s=1.0, cpus=2, method="m", columns="old",
+                        trees={t: dict(m, dir="x") for t, m in data["meta"]["trees"].items()})  # fmt: skip
+    del data["meta"]["series_claims"]
+    src = tmp_path / "in.json"
+    src.write_text(dump_json(data))
+    assert main(["--render-from", str(src), "--out-dir", str(tmp_path / "out")]) == 0
+    assert "(0 given megatron's step estimate)" in capsys.readouterr().out
+    got = json.loads((tmp_path / "out" / "real_shapes.json").read_text())
+    assert got["cells"] == data["cells"] and got["meta"]["columns"] == COLUMNS
+    md = (tmp_path / "out" / "real_shapes.md").read_text()
+    assert "## Forced syncs against the step's peak" in md and "| m | 8 | 2.00 (1.00 + 1.00) |" in md
+    assert not (tmp_path / "out" / "raw-theory").exists()
+    with pytest.raises(SystemExit):
+        main(["--render-from", str(src), "--trees", "upstream", "--out-dir", str(tmp_path / "o2")])
