@@ -22,7 +22,8 @@ OUT = {"0.17.1": ROOT / "tests" / "mutants", "0.19": ROOT / "tests" / "mutants" 
 PGB = "megatron/core/distributed/param_and_grad_buffer.py"
 DDP = "megatron/core/distributed/distributed_data_parallel.py"
 LWO = "megatron/core/optimizer/layer_wise_optimizer.py"
-ZERO = "            torch._foreach_zero_(bucket.layerwise_gather_list)\n"
+ZERO = ("            if bucket.layerwise_gather_in_grad_data:\n"
+        "                torch._foreach_zero_(bucket.layerwise_gather_list)\n")
 
 MUTANTS = {
     "no_zeroing": (
@@ -37,7 +38,9 @@ MUTANTS = {
         "The copy-out zeroes the slots only when a forward pre-hook finishes the gather\n"
         "(finish_param_sync), not when a forced sync or free_overlap_buffers() completes it.",
         PGB, [(ZERO, "            import sys\n\n"
-                     "            if sys._getframe(1).f_code.co_name == \"finish_param_sync\":\n"
+                     "            if bucket.layerwise_gather_in_grad_data and (\n"
+                     "                sys._getframe(1).f_code.co_name == \"finish_param_sync\"\n"
+                     "            ):\n"
                      "                torch._foreach_zero_(bucket.layerwise_gather_list)\n")]),
     "copy_back_skips_rank1": (
         "The copy-out skips DP rank 1's slot: the other ranks keep stale values of what rank 1\n"
@@ -70,7 +73,7 @@ MUTANTS = {
     "zero_grad_buffer_under_pending_gather": (
         "zero_grad_buffer() zeroes grad_data under a pending layer-wise gather instead\n"
         "of completing it first.",
-        DDP, [("        self._finish_layerwise_param_gathers()\n        for buffer in self.buffers + self.expert_parallel_buffers:\n            buffer.reset()\n",
+        DDP, [("        self.finish_layerwise_param_gathers()\n        for buffer in self.buffers + self.expert_parallel_buffers:\n            buffer.reset()\n",
                "        for buffer in self.buffers + self.expert_parallel_buffers:\n            buffer.reset()\n")]),
     "optimizer_broadcast_from_wrong_owner": (
         "The optimizer path's in-place broadcasts (allgather_params(), no\n"
@@ -79,7 +82,7 @@ MUTANTS = {
                "                        src = torch.distributed.get_global_rank(group, (r + 1) % len(params_list))\n")]),
 }
 
-# Rules of patch 0003 (grad_data only while idle; the step resyncs), in guards/: caught by
+# Rules of patches 0001 (the step re-arms) and 0004 (grad_data only while idle), in guards/: caught by
 # tests/unit_tests/test_grad_data_guards.py.
 MUTANTS.update({
     "guards/backward_hook_leaves_grad_data_idle": (
@@ -99,17 +102,25 @@ MUTANTS.update({
     "guards/backward_hook_does_not_raise": (
         "DDP's backward hook lets a grad land while its bucket group's gather into grad_data\n"
         "is in flight (the RuntimeError dropped).",
-        DDP, [("                if bucket_group.grad_data_idle and (",
-               "                if False and bucket_group.grad_data_idle and (")]),
+        DDP, [("                if any(bucket.layerwise_gather_in_grad_data for bucket in",
+               "                if False and any(bucket.layerwise_gather_in_grad_data for bucket in")]),
     "guards/step_keeps_dispatch_mark": (
         "The optimizer step does not clear param_gather_dispatched: after a forced sync between\n"
         "finish_grad_sync() and the step, the next forward computes with the other ranks'\n"
         "params of before the step.",
-        LWO, [("            bucket_group.param_gather_dispatched = False\n", "            pass\n")]),
+        LWO, [("model_chunk.reset_param_sync_dispatch_state()\n", "pass\n")]),
     "guards/step_leaves_gather_pending": (
         "The optimizer step does not complete a pending gather before it clears the dispatch\n"
         "mark: the next forward's pre-hook starts another gather over it (0.17.1's assertion).",
-        LWO, [("            bucket_group.finish_layerwise_param_gather()\n", "            pass\n")]),
+        LWO, [("model_chunk.finish_layerwise_param_gathers()\n", "pass\n")]),
+})
+
+# Patch 0002 reverted, in handles/: caught by tests/unit_tests/test_layerwise_param_sync.py.
+MUTANTS.update({
+    "handles/wait_on_last_handle_only": (
+        "patch 0002 reverted: a bucket group's handle waits on its last work only (as pristine).",
+        PGB, [("        for handle in self.handles or []:\n            handle.wait()\n",
+               "        if self.handles:\n            self.handles[-1].wait()\n")]),
 })
 
 # The real-shape audit's teeth (tests/unit_tests/test_real_shapes_audit.py), in audit/.

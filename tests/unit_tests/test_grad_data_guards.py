@@ -681,13 +681,13 @@ def test_every_prefix_is_as_safe_as_pristine(runs, tmp_path, base, k):
     above), every hazard of PREFIX_HAZARDS on 2 ranks: either it raises as pristine does
     (the same type, step and phase) or with the series' backward-hook error, or it trains
     3 steps bitwise equal to pristine's same scenario or to the same tree's run without the
-    misuse. Offload on 0.19 prefixes before patch 0003 is left out as on pristine 0.19.2
+    misuse. Offload on 0.19 prefixes before patch 0004 is left out as on pristine 0.19.2
     (NOT_RUN_ON: a gather into freed grad_data, SIGSEGV by timing): their offload path is
     pristine's."""
     pristine = BASES[base][0]
     if base != "0.17.1":
         _skip_without_019()
-    skip = set(NOT_RUN_ON.get(str(pristine), ())) if k < 3 else set()
+    skip = set(NOT_RUN_ON.get(str(pristine), ())) if k < 4 else set()
     hazards = {h: r for h, r in PREFIX_HAZARDS.items() if h not in skip}
     tree = make_prefix_tree(k, tmp_path / "tree", base)
     names = sorted(set(hazards) | {ref for _, ref in hazards.values()})

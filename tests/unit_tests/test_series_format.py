@@ -167,7 +167,7 @@ _DSV2 = "DeepSeek-V2-Lite/Moonlight-like MoE, 64 experts top-6 + shared, EP 8"
 MESSAGE_NUMBERS = {
     "0.19": {
         # pristine 0.19.2: grad norm 0.0 after a forced sync before the step
-        "0003": {
+        "0004": {
             "0.0": "tests/unit_tests/test_grad_data_guards.py::test_019_pristine_forced_sync_before_step_zeroes_every_grad"
         },
         "0005": {
@@ -185,6 +185,10 @@ MESSAGE_NUMBERS = {
         },
     },
     "0.17.1": {
+        "0004": {  # GiB of temporaries of the forward path, at DP 64
+            "1.31": audit(_8B, 64, "upstream"),
+            "64": audit(_8B, 64, "upstream"),
+        },
         "0005": {
             "4160": audit(_8B, 64, "upstream"),  # NCCL operations of the pre-hook path
             "3970": audit(_8B, 64, "upstream"),  # of them zero-size
@@ -216,8 +220,9 @@ def added_lines(base: str, rev: str = "") -> tuple:
     return ("lines", base, rev)
 
 
-#: The v5 series, for the cover letters' comparison.
+#: The v5 and v6 series, for the cover letters' comparisons.
 V5 = "c1ca879"
+V6 = "9a0fad1"
 #: Base -> each number its cover letter's blurb states -> its source.
 COVER_NUMBERS = {
     "0.17.1": {
@@ -230,7 +235,8 @@ COVER_NUMBERS = {
         "14.96": audit(_8B, 64, "patched"),  # GiB zeroed per step; optimizer temporaries
         "195": audit(_8B, 8, "patched"),
         "300": added_lines("0.17.1", V5),
-        "162": added_lines("0.17.1"),
+        "162": added_lines("0.17.1", V6),
+        "141": added_lines("0.17.1"),
         "0.98": largest_bucket("llama3_8b_tp1", 8),
         "2.68": largest_bucket("llama3_8b_tp1", 1024),
         "1024": largest_bucket("llama3_8b_tp1", 1024),
@@ -248,7 +254,8 @@ COVER_NUMBERS = {
         "14.96": audit(_8B, 8, "patched_0.19"),
         "195": audit(_8B, 8, "patched_0.19"),
         "287": added_lines("0.19", V5),
-        "169": added_lines("0.19"),
+        "169": added_lines("0.19", V6),
+        "140": added_lines("0.19"),
         "0.98": largest_bucket("llama3_8b_tp1", 8),
         "2.68": largest_bucket("llama3_8b_tp1", 1024),
         "1024": largest_bucket("llama3_8b_tp1", 1024),

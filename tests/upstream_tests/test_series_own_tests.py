@@ -40,12 +40,23 @@ CHECKOUT_OF = ur.CHECKOUTS_OF_BASE
 #: patch must keep, not behaviour it adds.
 ALREADY_ON_BASE = {
     "0.19": {
-        # 0.19.2 receives the forward's gather into grad_data (upstream #3751); patch 0003 keeps
+        # 0.19.2 receives the forward's gather into grad_data (upstream #3751); patch 0004 keeps
         # that for a gather started while grad_data is idle and adds the rest of its tests.
         "test_forward_gather_receives_into_idle_grad_data",
-        # 0.19.2 skips the gather at DP size 1 (upstream #4138); patch 0002 fixes the expert
-        # buckets ([expert]).
+        # 0.19.2 skips the gather at DP size 1 (upstream #4138); patch 0003 fixes the expert
+        # buckets ([expert]), and expert-DP size 1 already works there.
         "test_dp_size_one_builds_and_trains[dense]",
+        "test_expert_dp_size_one_builds_and_trains",
+        # Nothing is gathered at DP size 1, so no backward can meet a gather.
+        "test_backward_without_pre_hooks_is_fine_where_nothing_is_gathered",
+    },
+    "0.17.1": {
+        # 0.17.1 receives every gather into temporaries, so these rules of patch 0004 (what a
+        # gather into grad_data must leave alone) hold there already: the patch keeps them.
+        "test_param_sync_after_backward_leaves_main_grad_unchanged",
+        "test_forced_sync_between_backward_and_step_keeps_main_grad",
+        "test_backward_after_step_without_zero_grad_buffer_adds_onto_the_grads",
+        "test_backward_without_pre_hooks_is_fine_where_nothing_is_gathered",
     },
 }
 _RUNS: dict = {}
