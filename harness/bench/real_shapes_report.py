@@ -634,7 +634,9 @@ def legend_lines(meta: dict, cells: List[dict]) -> List[str]:
     lines += ["Trees:"]
     lines += [f"  {t:<20}{m['title']}" + (f"; {TREE_USE[t]}" if t in TREE_USE else "")
               for t, m in meta["trees"].items()]  # fmt: skip
-    if meta.get("base"):
+    if meta.get("base") == "all":
+        lines.append("Rows of megatron-core 0.17.1 and 0.19 (--base all; --base 0.17.1 or 0.19 for one release).")
+    elif meta.get("base"):
         lines.append(f"Rows of megatron-core {meta['base']} only (--base {meta['base']}; --base 0.17.1, 0.19 or all "
                      f"for the others).")  # fmt: skip
     if mine == ["optimizer"]:
