@@ -529,8 +529,9 @@ def series_claims(cells: List[dict], pairs: Optional[Dict[str, str]] = None) -> 
     Returns:
         per series cell and path, ``{"tree", "pristine", "model", "dp", "path", "claim", "holds": bool,
         "why": str}`` (``claim``: ``CLAIMS[path]``, the words of what is checked): ``holds``
-        when NCCL temporaries (bytes, peaks) and zero-size operations are 0 and the group launches at most pristine's; on the async and optimizer paths
-        megatron's temporaries are 0 too; the NCCL operations are at most pristine's on the
+        when NCCL temporaries (bytes, peaks) and zero-size operations are 0 and the group
+        launches at most pristine's; on the async and optimizer paths megatron's temporaries
+        are 0 too; the NCCL operations are at most pristine's on the
         async and forced paths and one per sharded param on the optimizer path; the forced
         sync's megatron peak is at most the largest layer-wise bucket's params (one bucket's
         temporary at a time, as 0.17.1);
