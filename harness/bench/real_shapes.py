@@ -276,8 +276,9 @@ TREES: Dict[str, TreeSpec] = {
 #: The megatron-core release each tree's ``megatron.training`` comes from (its estimate of the
 #: step's memory, ``theoretical_memory_usage``, differs between releases).
 RELEASE_OF_TREE: Dict[str, str] = {
-    "upstream": "0.17.1", "exact_list_slots": "0.17.1", "patched": "0.17.1", "mcore_0.18_legacy": "0.18.2",
-    "mcore_0.18_layout": "0.18.2", "mcore_0.19_legacy": "0.19.2", "mcore_0.19_layout": "0.19.2", "patched_0.19": "0.19.2",
+    "upstream": "0.17.1", "exact_list_slots": "0.17.1", "patched": "0.17.1",
+    "mcore_0.18_legacy": "0.18.2", "mcore_0.18_layout": "0.18.2",
+    "mcore_0.19_legacy": "0.19.2", "mcore_0.19_layout": "0.19.2", "patched_0.19": "0.19.2",
 }  # fmt: skip
 
 #: Each series tree and the pristine tree it patches (the claims compare them cell by cell).

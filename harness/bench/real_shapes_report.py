@@ -10,7 +10,10 @@ x DP, rank ``dp_rank``). Output:
   comparison of 0.18.2's layout path (persistent padding) with the legacy trees'
   transients;
 * ``write_plot``: per model, param-sync memory per rank and NCCL group launches per step
-  against DP, one line per tree.
+  against DP, one line per tree;
+* ``forced_table``: the forced sync's peak against megatron's own estimate of the step's
+  peak (``theoretical_memory`` of each record);
+* ``flags_text``: the flag path's stdout (legend, table, the series' claims per path).
 
 Units: bytes in the records; GiB (2^30 bytes) in tables and plot; counts per rank and step
 (async and optimizer path) or per sync (forced).
@@ -525,9 +528,10 @@ def series_claims(cells: List[dict], pairs: Optional[Dict[str, str]] = None) -> 
 
     Returns:
         per series cell and path, ``{"tree", "pristine", "model", "dp", "path", "claim", "holds": bool,
-        "why": str}`` (``claim``: ``CLAIMS[path]``, the words of what is checked): ``holds`` when NCCL temporaries (bytes, peaks) and zero-size operations
-        are 0 and the group launches at most pristine's; on the async and optimizer paths
-        megatron's temporaries are 0 too; the NCCL operations are at most pristine's on the
+        "why": str}`` (``claim``: ``CLAIMS[path]``, the words of what is checked): ``holds``
+        when NCCL temporaries (bytes, peaks) and zero-size operations are 0 and the group
+        launches at most pristine's; on the async and optimizer paths megatron's temporaries
+        are 0 too; the NCCL operations are at most pristine's on the
         async and forced paths and one per sharded param on the optimizer path; the forced
         sync's megatron peak is at most the largest layer-wise bucket's params (one bucket's
         temporary at a time, as 0.17.1);
@@ -634,12 +638,15 @@ def legend_lines(meta: dict, cells: List[dict]) -> List[str]:
     lines += ["Trees:"]
     lines += [f"  {t:<20}{m['title']}" + (f"; {TREE_USE[t]}" if t in TREE_USE else "")
               for t, m in meta["trees"].items()]  # fmt: skip
-    if meta.get("base"):
+    if meta.get("base") == "all":
+        lines.append("Rows of megatron-core 0.17.1 and 0.19 (--base all; --base 0.17.1 or 0.19 for one release).")
+    elif meta.get("base"):
         lines.append(f"Rows of megatron-core {meta['base']} only (--base {meta['base']}; --base 0.17.1, 0.19 or all "
                      f"for the others).")  # fmt: skip
     if mine == ["optimizer"]:
         lines.append("Your flags take the optimizer-step gather (no --overlap-param-gather) every step; "
-                     "megatron.training forces no sync without --overlap-param-gather. Their rows are marked * (legacy trees: pretrain_gpt.py's path).")
+                     "megatron.training forces no sync without --overlap-param-gather. Their rows are marked * "
+                     "(legacy trees: pretrain_gpt.py's path).")
     elif mine:
         lines.append("Your flags take the async forward gather (--overlap-param-gather) every step, and a forced "
                      "sync at each evaluation, checkpoint save and the end of training. Their rows are marked * (legacy "

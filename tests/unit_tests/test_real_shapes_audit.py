@@ -820,7 +820,8 @@ def test_step_estimate_is_megatrons_theoretical_memory(user_audit):
         peak = transient_peak(c, "forced")
         assert f"{gib(peak)} / {gib(t['total_mb'] * 2**20)}" in md.split("## Forced syncs")[1]
         assert forced_against_step(c) in md.split("## Forced syncs")[0]  # the model table's column
-    assert f"megatron's step estimate GiB, weights + optimizer state + activations: {theory_text(data['cells'][0])}" in stdout
+    estimate = theory_text(data["cells"][0])
+    assert f"megatron's step estimate GiB, weights + optimizer state + activations: {estimate}" in stdout
     forced = [ln for ln in stdout.splitlines() if ln.startswith(" * forced    patched_0.19")]
     (series,) = _cells(data, tree="patched_0.19")
     assert len(forced) == 1 and f"{gib(transient_peak(series, 'forced'))} / {gib(direct[2] * 2**20)}" in forced[0]
