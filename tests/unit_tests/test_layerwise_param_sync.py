@@ -820,6 +820,21 @@ def test_019_expert_dp_index_error_confirmed_and_fixed(runs):
     assert r["params_sha256_overlap"] == r["params_sha256_sync"] == ref
 
 
+def test_019_expert_dp_size_1(runs):
+    """EP 2 on 2 ranks on 0.19: dense DP 2, expert-DP 1 (the converse of the case above,
+    where pristine 0.19.2 raised IndexError). The series trains, overlap == sync, bitwise
+    equal to pristine 0.19.2's synchronous path; pristine's overlapped run, for
+    reference, trains the same (0.19.2 returns early from a gather over one rank)."""
+    _skip_without_019()
+    u = runs("upstream-0.19", 2, "expert_dp1,expert_dp1_sync", CONFIGS[:1], ep=2)
+    r = result(runs("patched-0.19", 2, "expert_dp1", CONFIGS[:1], ep=2), CONFIGS[0], "expert_dp1")
+    assert r["params_overlap_equal_sync"] and r["grad_norms_equal"], r
+    ref = result(u, CONFIGS[0], "expert_dp1_sync")["params_sha256_sync"]
+    assert r["params_sha256_overlap"] == r["params_sha256_sync"] == ref
+    pristine = result(u, CONFIGS[0], "expert_dp1")
+    assert pristine["params_sha256_overlap"] == ref, pristine
+
+
 def test_019_every_gather_of_a_bucket_group_is_waited_on(runs):
     """Patch 0001 on 0.19: the bucket group of two buckets under deferred completion (see
     test_every_gather_of_a_bucket_group_is_waited_on) equals its forced-sync run on the
