@@ -11,8 +11,12 @@ Every scenario trains a DDP-wrapped TinyNet (tests/unit_tests/layerwise_worker.p
 built the way megatron.training builds it, `main_grad` a view into `grad_data`, and the
 LayerWiseDistributedOptimizer with overlapped param gather) for STEPS optimizer steps of
 MICROBATCHES microbatches, and injects one call sequence at a fixed point of each step
-(see SCENARIOS). After the last step one forward pass with every module (no grad)
-completes whatever gather is left, so the final params are comparable.
+(see SCENARIOS). A scenario that starts a pending gather names its point
+(Scenario.gather_start, one of START_POINTS); its "<name>_idle" twin (IDLE_TWINS) starts
+the same calls right after zero_grad_buffer() of steps 1 and 2, where grad_data (the
+bucket's flat grad buffer, which every param's main_grad views) holds no grad and the
+series receives the gather into it. After the last step one forward pass with every
+module (no grad) completes whatever gather is left, so the final params are comparable.
 
 Outputs, per scenario and config:
     DIR/<config>.<scenario>.rank<R>.pt   torch.save of {"main_grads": [[tensor]] per

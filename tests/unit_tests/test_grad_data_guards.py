@@ -1,14 +1,20 @@
 """grad_data is shared state: public DDP calls while a layer-wise param all-gather is pending.
 
+Words used below. Each DDP bucket owns a flat grad buffer, its grad_data; every param's
+main_grad is a view into it, where backward adds the param's grads and where the optimizer
+step reads them. The idle window is the time in a step when grad_data holds no grad: from
+zero_grad_buffer() until the first backward hook, grad reduce or offload of the bucket's
+group.
+
 The series (patch 0003) receives the forward pre-hooks' layer-wise param all-gather into
-the bucket's grad_data, but only while grad_data holds no grad: from zero_grad_buffer()
-until DDP's backward hook, the grad reduce (start_grad_sync()) or offload_grad_buffers()
-says otherwise (the bucket group's grad_data_idle). A forced sync (evaluation, checkpoint)
-and any gather over grads receive into a temporary, as pristine 0.17.1 always did.
-zero_grad_buffer(), offload_grad_buffers(), start_grad_sync() and the optimizer step
-complete pending gathers first; DDP's backward hook raises where a param gets a grad while
-its bucket group's gather into grad_data is still in flight. Each scenario below trains 3
-steps on 2 gloo ranks with real DDP and LayerWiseDistributedOptimizer, once on each tree
+the bucket's grad_data, but only in the idle window: from zero_grad_buffer() until DDP's
+backward hook, the grad reduce (start_grad_sync()) or offload_grad_buffers() says otherwise
+(the bucket group's grad_data_idle). A forced sync (evaluation, checkpoint) and any gather
+over grads receive into a temporary, as pristine 0.17.1 always did. zero_grad_buffer(),
+offload_grad_buffers(), start_grad_sync() and the optimizer step complete pending gathers
+first; DDP's backward hook raises where a param gets a grad while its bucket group's
+gather into grad_data is still in flight. Each scenario below trains 3 steps on 2 gloo
+ranks with real DDP and LayerWiseDistributedOptimizer, once on each tree
 (tests/unit_tests/grad_data_guard_worker.py, config bf16-fp32grad-layers: one bucket group
 per layer), and pins:
 
@@ -18,23 +24,36 @@ per layer), and pins:
   sync, forced or not, between backward and the step: after backward, during the grad
   all-reduce, after no_sync() microbatches, with and without --overlap-grad-reduce, after
   a backward without DDP's hooks, a forced sync with gathers of start_param_sync()
-  pending; a gather pending where no grads were accumulated, at the grad reduce; a direct
-  allgather_params() after a no_sync() microbatch; a bucket group of a bf16 and an fp32
-  bucket): the params after every step and the main_grad of every step, bitwise equal to
-  pristine's where pristine is right, and to the run without the call where it is not (a
-  forced sync before the step: pristine computes the next step with stale params). A
-  gather that meets grads receives into a temporary (the worker classifies every gather
-  collective by where its tensors lie, per phase, on every tree);
+  pending, in the idle window too; a gather pending where no grads were accumulated, at
+  the grad reduce; a direct allgather_params() after a no_sync() microbatch; a bucket
+  group of a bf16 and an fp32 bucket): the params after every step and the main_grad of
+  every step, bitwise equal to pristine's where pristine is right, and to the run without
+  the call where it is not (a forced sync before the step: pristine computes the next step
+  with stale params). A gather that meets grads receives into a temporary (the worker
+  classifies every gather collective by where its tensors lie, per phase, on every tree);
 - the series, where it is not: a RuntimeError from DDP's backward hook where a param gets
   a grad while its bucket group's gather into grad_data is pending (a param used without
   its module's forward pre-hook), naming finish_param_sync().
 
-Every prefix of each series runs the hazard scenarios too (test_every_prefix_is_as_safe_
-as_pristine): each equals pristine, or the same tree's run without the misuse, or raises
-as pristine does or with the series' error. Some scenarios run on a model with an expert
-layer too (suffix _moe: expert-parallel bucket groups, gathered over the expert-DP group).
-test_guard_mutants_are_caught runs every scenario on each guard mutant
-(tests/mutants/guards/), on both bases (tests/mutants/0.19/).
+Every prefix of each series, and the whole series, runs the hazard scenarios too
+(test_every_prefix_is_as_safe_as_pristine, extended tier): each equals pristine, or the
+same tree's clean run (the run without the misuse, itself equal to pristine's), or raises
+as pristine does or with the series' error (as_safe_as_pristine). Where a hazard starts a
+pending gather matters: a gather started after a step, after backward or before the step
+meets grads in grad_data, so the series receives it into a temporary, and dropping it
+loses nothing the next backward reads; the same gather started in the idle window lands
+in grad_data, so any call that drops it without copying it back and zeroing grad_data
+leaves param bytes where the next backward adds its grads. So every gather-starting hazard
+runs at both start points (the worker's Scenario.gather_start; its "<name>_idle" twins
+start right after zero_grad_buffer() in steps 1 and 2). Issue 48, finding 1: with gathers
+started only after a step, 0.17.1 + patches 0001-0003 passed the sweep, yet an idle-window
+start_param_sync() then a forced sync (what disable_forward_pre_hook() does) gives grad
+norms 4.07 / 4.09 at steps 1 and 2 instead of 0.152 / 0.143: until the copy-back patch, a
+forced sync drops a pending gather. The default run checks that sequence on the prefix
+just before the patch whose subject says "copy back" and on the whole series. Some
+scenarios run on a model with an expert layer too (suffix _moe: expert-parallel bucket
+groups, gathered over the expert-DP group). test_guard_mutants_are_caught runs every
+scenario on each guard mutant (tests/mutants/guards/), on both bases (tests/mutants/0.19/).
 """
 
 from __future__ import annotations
