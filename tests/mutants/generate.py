@@ -106,6 +106,16 @@ MUTANTS.update({
         "finish_grad_sync() and the step, the next forward computes with the other ranks'\n"
         "params of before the step.",
         LWO, [("            bucket_group.param_gather_dispatched = False\n", "            pass\n")]),
+    "guards/completion_keyed_on_overlap_grad_reduce": (
+        "zero_grad_buffer() and offload_grad_buffers() complete pending layer-wise gathers only\n"
+        "with --overlap-grad-reduce (the wrong flag): with --overlap-param-gather alone, a gather\n"
+        "started in the idle window is zeroed under its landed data.",
+        DDP, [("        if self.ddp_config.overlap_param_gather and not self.ddp_config.use_distributed_optimizer:\n"
+               "            for bucket_group in self.bucket_groups + self.expert_parallel_bucket_groups:\n"
+               "                bucket_group.finish_layerwise_param_gather()\n",
+               "        if self.ddp_config.overlap_grad_reduce and not self.ddp_config.use_distributed_optimizer:\n"
+               "            for bucket_group in self.bucket_groups + self.expert_parallel_bucket_groups:\n"
+               "                bucket_group.finish_layerwise_param_gather()\n")]),
     "guards/step_leaves_gather_pending": (
         "The optimizer step does not complete a pending gather before it clears the dispatch\n"
         "mark: the next forward's pre-hook starts another gather over it (0.17.1's assertion).",

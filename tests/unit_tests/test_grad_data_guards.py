@@ -95,7 +95,7 @@ SCENARIOS = (
     "hookless_forced_before_grad_sync_no_ogr,allgather_after_no_sync,baseline_two_dtypes,"
     "zero_grad_two_dtypes,forced_before_step_two_dtypes,gather_after_backward_two_dtypes,"
     "accumulate_across_steps,accumulate_across_steps_optimizer_gather,"
-    "gather_then_forced_before_step_idle"
+    "gather_then_forced_before_step_idle,zero_grad_no_ogr_idle"
 )
 RANKS = (0, 1)
 TIMEOUT_S = 600
@@ -460,6 +460,12 @@ EXPECT = {
     "gather_then_forced_before_step_idle": lambda runs, tree: trains_like(
         runs, tree, "gather_then_forced_before_step_idle", ref_tree=tree, ref_scenario="baseline"
     ),
+    # Issue 48: with --overlap-param-gather alone (no --overlap-grad-reduce), a second
+    # zero_grad_buffer() with an idle-window gather pending completes it first (the
+    # completion is keyed on overlap_param_gather): equal to pristine, which is right.
+    "zero_grad_no_ogr_idle": lambda runs, tree: trains_like(
+        runs, tree, "zero_grad_no_ogr_idle", ref_tree=tree, ref_scenario="baseline_no_ogr"
+    ) or trains_like(runs, tree, "zero_grad_no_ogr_idle"),
 }
 
 
@@ -976,6 +982,9 @@ GUARD_MUTANT_MUST_FAIL = {
     },
     # The step clears the dispatch mark of a gather still pending: the next pre-hook starts
     # another gather over it (0.17.1's assertion).
+    # zero_grad_buffer() and offload complete pending gathers on the wrong flag
+    # (overlap_grad_reduce): without it, the idle-window gather is zeroed under its data.
+    "completion_keyed_on_overlap_grad_reduce": {"zero_grad_no_ogr_idle"},
     "step_leaves_gather_pending": {
         "gather_after_backward",
         "gather_after_backward_two_dtypes",
