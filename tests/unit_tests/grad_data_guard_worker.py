@@ -794,6 +794,11 @@ def run(scenario: Scenario, cfg):
             rec["pending_state_kept"] = all_ranks(state_equals(s, phase.snap, pending_only=True))
     finally:
         spy.__exit__(None, None, None)
+        # A scenario that raised may leave gathers (into grad_data, on pristine 0.19.2) or
+        # grad reduces in flight: let them land before this model is freed, so that no
+        # late write of gloo's threads hits the next scenario's memory (SIGSEGV by timing).
+        with contextlib.suppress(Exception):
+            _pending_works(s)
     rec["grad_data_gathers"] = spy.counts["grad_data"]
     rec["temporaries"] = spy.counts["temporary"]
     rec["reentry_errors"] = s.reentry_errors
@@ -811,6 +816,8 @@ def main(argv=None):
     summary = {"_meta": {"tree": tree, "world_size": dist.get_world_size()}}
     for cfg in map(parse_config, args.configs.split(",")):
         for name in args.scenarios.split(","):
+            if os.environ.get("LAYERWISE_WORKER_DEBUG"):
+                print(f"rank {rank}: {cfg.name}/{name}", file=sys.stderr, flush=True)
             rec = run(SCENARIOS[name](), cfg)
             torch.save(rec, out / f"{cfg.name}.{name}.rank{rank}.pt")
             keys = (
