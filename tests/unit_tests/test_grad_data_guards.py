@@ -102,8 +102,8 @@ TIMEOUT_S = 600
 #: What DDP's backward hook raises (patch 0003) where a param gets a grad while its bucket
 #: group's layer-wise gather into grad_data is in flight: what happened and what to call.
 HOOK_ERROR = re.compile(
-    r"^RuntimeError: A param gets a grad while the layer-wise param all-gather of its bucket "
-    r"group, received into grad_data, is in flight: call finish_param_sync\(\)"
+    r"^RuntimeError: A param gets a grad while its bucket group's layer-wise param gather into "
+    r"grad_data is pending: run its module's forward pre-hook first"
 )
 
 pytestmark = [pytest.mark.gloo]
@@ -984,12 +984,10 @@ GUARD_MUTANT_MUST_FAIL = {
     # another gather over it (0.17.1's assertion).
     # zero_grad_buffer() and offload complete pending gathers on the wrong flag
     # (overlap_grad_reduce): without it, the idle-window gather is zeroed under its data.
-    "completion_keyed_on_overlap_grad_reduce": {"zero_grad_no_ogr_idle"},
-    "completion_on_dense_groups_only": set(),
-    "offload_clears_idle_on_dense_groups_only": set(),
-    "offload_leaves_grad_data_idle": set(),
-    "backward_hook_clears_idle_only_with_grad": set(),
-    "optimizer_gather_skips_expert_params": set(),
+    "completion_keyed_on_overlap_grad_reduce": {
+        "zero_grad_no_ogr_idle",
+        "hookless_gather_before_step_no_ogr",
+    },
     "step_leaves_gather_pending": {
         "gather_after_backward",
         "gather_after_backward_two_dtypes",
@@ -1013,9 +1011,31 @@ def mutant_patch(name, base="0.17.1"):
     return patch if patch.exists() else MUTANT_DIRS[base] / f"{name}.patch"
 
 
+#: Bugs that issue 48's review planted in series v6 one at a time, which passed the
+#: expectations above: each rule applied to the dense bucket groups only or to one call site
+#: less. Each must fail exactly these hazards of the prefix sweep (sweep_hazards(), both start
+#: points), by the sweep's own rule (as_safe_as_pristine, RANKS_AGREE).
+SWEEP_MUTANT_MUST_FAIL = {
+    "completion_on_dense_groups_only": set(),
+    "offload_clears_idle_on_dense_groups_only": set(),
+    "offload_leaves_grad_data_idle": set(),
+    "backward_hook_clears_idle_only_with_grad": set(),
+    "optimizer_gather_skips_expert_params": set(),
+}
+
+
+@pytest.mark.extended
+@pytest.mark.parametrize("mutant", sorted(SWEEP_MUTANT_MUST_FAIL))
+def test_review_mutants_fail_the_sweep(runs, tmp_path, mutant):
+    tree = make_mutant_tree(mutant_patch(mutant), tmp_path / "tree", BASES["0.17.1"][1])
+    got = set(check_prefix(runs, tree, "0.17.1", sweep_hazards()))
+    want = SWEEP_MUTANT_MUST_FAIL[mutant]
+    assert got == want, f"not failed {sorted(want - got)}; failed unexpectedly {sorted(got - want)}"
+
+
 @pytest.mark.parametrize("base", BASES)
 def test_guard_mutants_exist(base):
-    must_fail = GUARD_MUTANT_MUST_FAIL
+    must_fail = {**GUARD_MUTANT_MUST_FAIL, **SWEEP_MUTANT_MUST_FAIL}
     assert {p.stem for p in (MUTANT_DIRS[base] / "guards").glob("*.patch")} <= set(must_fail)
     assert all(mutant_patch(m, base).is_file() for m in must_fail)
 
