@@ -148,11 +148,11 @@ MUTANTS.update({
         DDP, [("        for bucket_group in self.bucket_groups + self.expert_parallel_bucket_groups:\n"
                "            bucket_group.grad_data_idle = False  # no layer-wise gather into freed grad_data\n",
                "")]),
-    "guards/backward_hook_clears_idle_only_with_grad": (
-        "DDP's backward hook clears grad_data_idle only where the param has a .grad: with fused\n"
-        "wgrad the grad is already in main_grad, and a later gather receives over it.",
+    "guards/backward_hook_clears_idle_only_where_it_adds": (
+        "DDP's backward hook clears grad_data_idle only where it adds the grad itself: with\n"
+        "fused wgrad the grad is already in main_grad, and a later gather receives over it.",
         DDP, [("                bucket_group.grad_data_idle = False\n",
-               "                bucket_group.grad_data_idle &= param.grad is None\n")]),
+               "                bucket_group.grad_data_idle &= param.grad_added_to_main_grad\n")]),
     "guards/optimizer_gather_skips_expert_params": (
         "The optimizer's gather (no --overlap-param-gather) leaves out the expert-DP group: the\n"
         "expert params differ across expert-DP ranks after every step.",

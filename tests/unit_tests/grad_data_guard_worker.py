@@ -524,21 +524,24 @@ def _hookless_backward(s, loss):
 
 def _fused_wgrad_backward(s, loss):
     """Backward as gradient_accumulation_fusion runs it: the wgrad kernel adds each grad
-    straight into main_grad and sets grad_added_to_main_grad; DDP sees no .grad, so no
-    backward hook of DDP runs (emulated: the grads of torch.autograd.grad, which runs no
-    AccumulateGrad hook, added into main_grad by hand)."""
+    straight into main_grad and sets grad_added_to_main_grad, and the autograd function
+    returns a dummy grad (megatron's LinearWithGradAccumulationAndAsyncCommunication, TE's
+    get_dummy_wgrad), so DDP's backward hook still runs and adds nothing. Emulated: the
+    grads of torch.autograd.grad added into main_grad by hand, then a backward of zeros
+    that reaches every param's AccumulateGrad, hence DDP's hook."""
     grads = torch.autograd.grad(loss, s.params, allow_unused=True)
     with torch.no_grad():
         for p, g in zip(s.params, grads):
             if g is not None:
                 p.main_grad.add_(g)
                 p.grad_added_to_main_grad = True
+    sum((p * 0).sum() for p, g in zip(s.params, grads) if g is not None).backward()
 
 
 class FusedWgradNoOverlapGradReduce(Scenario):
     """Every backward through the fused-wgrad path (_fused_wgrad_backward), without
-    --overlap-grad-reduce: nothing but grad_added_to_main_grad says grad_data holds grads
-    until finish_grad_sync() reduces them."""
+    --overlap-grad-reduce: DDP's hook sees only a dummy grad and grad_added_to_main_grad
+    until finish_grad_sync() reduces the grads."""
 
     overlap_grad_reduce = False
 

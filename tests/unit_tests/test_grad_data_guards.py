@@ -1019,7 +1019,7 @@ SWEEP_MUTANT_MUST_FAIL = {
     "completion_on_dense_groups_only": set(),
     "offload_clears_idle_on_dense_groups_only": set(),
     "offload_leaves_grad_data_idle": set(),
-    "backward_hook_clears_idle_only_with_grad": set(),
+    "backward_hook_clears_idle_only_where_it_adds": set(),
     "optimizer_gather_skips_expert_params": set(),
 }
 
