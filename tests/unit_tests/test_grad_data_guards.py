@@ -1016,11 +1016,20 @@ def mutant_patch(name, base="0.17.1"):
 #: less. Each must fail exactly these hazards of the prefix sweep (sweep_hazards(), both start
 #: points), by the sweep's own rule (as_safe_as_pristine, RANKS_AGREE).
 SWEEP_MUTANT_MUST_FAIL = {
-    "completion_on_dense_groups_only": set(),
-    "offload_clears_idle_on_dense_groups_only": set(),
-    "offload_leaves_grad_data_idle": set(),
-    "backward_hook_clears_idle_only_where_it_adds": set(),
-    "optimizer_gather_skips_expert_params": set(),
+    # A fused-wgrad backward (the grad already in main_grad, a dummy grad to DDP's hook)
+    # leaves grad_data idle: a gather before the grad reduce receives over the grads.
+    "backward_hook_clears_idle_only_where_it_adds": {
+        "fused_wgrad_gather_after_backward_no_ogr",
+        "fused_wgrad_gather_after_no_sync_no_ogr",
+    },
+    # An expert bucket group's pending gather is not completed before zero_grad_buffer(),
+    # offload or the step.
+    "completion_on_dense_groups_only": {"gather_after_backward_moe", "offload_moe_idle", "zero_grad_moe_idle"},
+    # A gather after offload receives into an expert group's freed grad_data.
+    "offload_clears_idle_on_dense_groups_only": {"gather_into_offloaded_moe_idle"},
+    "offload_leaves_grad_data_idle": {"gather_into_offloaded_idle", "gather_into_offloaded_moe_idle"},
+    # The expert params differ across ranks after every step (RANKS_AGREE).
+    "optimizer_gather_skips_expert_params": {"optimizer_gather_moe"},
 }
 
 
