@@ -27,14 +27,14 @@ from tests.functional_tests.python_test_utils import memory_report, tensorboard_
 from tests.functional_tests.python_test_utils import run_case as rc
 from tests.tiers import tiered
 
-MUTANTS_DIR = REPO_ROOT / "tests" / "mutants"
+MUTANTS_DIR = REPO_ROOT / "tests" / "mutants" / "0.17.1"
 # Mutants that cannot change the default case's numerics in megatron.training, whose
 # train_step calls zero_grad_buffer() (which completes pending gathers and zeroes every
 # grad_data, setting it idle) before each step's first forward, so that every pre-hook
 # gather runs over idle grad_data and no forced sync or sync over unreset grads happens:
 # zeroing_only_in_pre_hooks and zeroes_all_of_grad_data differ only after a sync that no
 # pre-hook completes or that received into a temporary (forced sync at eval/checkpoint,
-# free_overlap_buffers); gather_into_busy_grad_data and forced_sync_into_grad_data need a
+# free_overlap_buffers); gather_over_grads and forced_sync_into_grad_data need a
 # sync over grads that no zero_grad_buffer() reset, or a forced one, which the default
 # case never runs; zero_grad_buffer_under_pending_gather needs a gather pending at
 # zero_grad_buffer(), which the training loop never leaves; optimizer_broadcast_from_wrong_owner
@@ -47,7 +47,7 @@ MUTANTS_DIR = REPO_ROOT / "tests" / "mutants"
 INVISIBLE_TO_TRAINING = {
     "zeroing_only_in_pre_hooks",
     "zeroes_all_of_grad_data",
-    "gather_into_busy_grad_data",
+    "gather_over_grads",
     "forced_sync_into_grad_data",
     "zero_grad_buffer_under_pending_gather",
     "optimizer_broadcast_from_wrong_owner",

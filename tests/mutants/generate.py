@@ -18,7 +18,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 BASE_TREES = {"0.17.1": ROOT, "0.19": ROOT / "build" / "patched-0.19"}
-OUT = {"0.17.1": ROOT / "tests" / "mutants", "0.19": ROOT / "tests" / "mutants" / "0.19"}
+OUT = {base: ROOT / "tests" / "mutants" / base for base in BASE_TREES}
 PGB = "megatron/core/distributed/param_and_grad_buffer.py"
 DDP = "megatron/core/distributed/distributed_data_parallel.py"
 LWO = "megatron/core/optimizer/layer_wise_optimizer.py"
@@ -60,7 +60,7 @@ MUTANTS = {
         "0), not packed in rank order: all_gather_into_tensor's chunks no longer are the slots.",
         PGB, [("                gather_list = list(recv.split(bucket.layerwise_param_flat_sizes))\n",
                "                gather_list = list(recv.split(bucket.layerwise_param_flat_sizes[::-1]))[::-1]\n")]),
-    "gather_into_busy_grad_data": (
+    "gather_over_grads": (
         "The pre-hook path receives into grad_data whatever grad_data_idle says: a sync over\n"
         "grads that no zero_grad_buffer() reset overwrites them, and its copy-out zeroes them.",
         PGB, [("                    self.grad_data_idle\n                    and not force_sync\n",
@@ -109,10 +109,55 @@ MUTANTS.update({
         "finish_grad_sync() and the step, the next forward computes with the other ranks'\n"
         "params of before the step.",
         LWO, [("model_chunk.reset_param_sync_dispatch_state()\n", "pass\n")]),
+    "guards/completion_keyed_on_overlap_grad_reduce": (
+        "zero_grad_buffer() and offload_grad_buffers() complete pending layer-wise gathers only\n"
+        "with --overlap-grad-reduce (the wrong flag): with --overlap-param-gather alone, a gather\n"
+        "started in the idle window is zeroed under its landed data.",
+        DDP, [("        if self.ddp_config.overlap_param_gather and not self.ddp_config.use_distributed_optimizer:\n"
+               "            for bucket_group in self.bucket_groups + self.expert_parallel_bucket_groups:\n"
+               "                bucket_group.finish_layerwise_param_gather()\n",
+               "        if self.ddp_config.overlap_grad_reduce and not self.ddp_config.use_distributed_optimizer:\n"
+               "            for bucket_group in self.bucket_groups + self.expert_parallel_bucket_groups:\n"
+               "                bucket_group.finish_layerwise_param_gather()\n")]),
     "guards/step_leaves_gather_pending": (
         "The optimizer step does not complete a pending gather before it clears the dispatch\n"
         "mark: the next forward's pre-hook starts another gather over it (0.17.1's assertion).",
         LWO, [("model_chunk.finish_layerwise_param_gathers()\n", "pass\n")]),
+})
+
+# The same rules applied to the dense bucket groups only, or to one call site less (issue 48's
+# review planted each of these and the earlier tests missed them), in guards/.
+MUTANTS.update({
+    "guards/completion_on_dense_groups_only": (
+        "zero_grad_buffer(), offload_grad_buffers() and the step complete pending gathers of the\n"
+        "dense bucket groups only: an expert group's gather into idle grad_data is zeroed under it.",
+        DDP, [("            for bucket_group in self.bucket_groups + self.expert_parallel_bucket_groups:\n"
+               "                bucket_group.finish_layerwise_param_gather()\n",
+               "            for bucket_group in self.bucket_groups:\n"
+               "                bucket_group.finish_layerwise_param_gather()\n")]),
+    "guards/offload_clears_idle_on_dense_groups_only": (
+        "offload_grad_buffers() clears grad_data_idle of the dense bucket groups only: a gather\n"
+        "after offload receives into an expert group's freed grad_data.",
+        DDP, [("        for bucket_group in self.bucket_groups + self.expert_parallel_bucket_groups:\n"
+               "            bucket_group.grad_data_idle = False",
+               "        for bucket_group in self.bucket_groups:\n"
+               "            bucket_group.grad_data_idle = False")]),
+    "guards/offload_leaves_grad_data_idle": (
+        "offload_grad_buffers() leaves grad_data_idle set: zero_grad_buffer(), offload, then a\n"
+        "non-forced gather receives into the freed storage.",
+        DDP, [("        for bucket_group in self.bucket_groups + self.expert_parallel_bucket_groups:\n"
+               "            bucket_group.grad_data_idle = False  # no layer-wise gather into freed grad_data\n",
+               "")]),
+    "guards/backward_hook_clears_idle_only_with_grad": (
+        "DDP's backward hook clears grad_data_idle only where the param has a .grad: with fused\n"
+        "wgrad the grad is already in main_grad, and a later gather receives over it.",
+        DDP, [("                bucket_group.grad_data_idle = False\n",
+               "                bucket_group.grad_data_idle &= param.grad is None\n")]),
+    "guards/optimizer_gather_skips_expert_params": (
+        "The optimizer's gather (no --overlap-param-gather) leaves out the expert-DP group: the\n"
+        "expert params differ across expert-DP ranks after every step.",
+        LWO, [("        if self.expt_dp_params_list:\n            _allgather_helper(",
+               "        if False and self.expt_dp_params_list:\n            _allgather_helper(")]),
 })
 
 # Patch 0002 reverted, in handles/: caught by tests/unit_tests/test_layerwise_param_sync.py.

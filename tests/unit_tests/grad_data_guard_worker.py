@@ -11,8 +11,12 @@ Every scenario trains a DDP-wrapped TinyNet (tests/unit_tests/layerwise_worker.p
 built the way megatron.training builds it, `main_grad` a view into `grad_data`, and the
 LayerWiseDistributedOptimizer with overlapped param gather) for STEPS optimizer steps of
 MICROBATCHES microbatches, and injects one call sequence at a fixed point of each step
-(see SCENARIOS). After the last step one forward pass with every module (no grad)
-completes whatever gather is left, so the final params are comparable.
+(see SCENARIOS). A scenario that starts a pending gather names its point
+(Scenario.gather_start, one of START_POINTS); its "<name>_idle" twin (IDLE_TWINS) starts
+the same calls right after zero_grad_buffer() of steps 1 and 2, where grad_data (the
+bucket's flat grad buffer, which every param's main_grad views) holds no grad and the
+series receives the gather into it. After the last step one forward pass with every
+module (no grad) completes whatever gather is left, so the final params are comparable.
 
 Outputs, per scenario and config:
     DIR/<config>.<scenario>.rank<R>.pt   torch.save of {"main_grads": [[tensor]] per
@@ -247,22 +251,52 @@ class Scenario:
     # the caller's ddp.start_grad_sync() after it, as megatron's pipeline schedules do
     # through config.grad_sync_func.
     grad_sync_by_caller = False
+    # Where start_gather() runs (one of START_POINTS), for a scenario that starts a pending
+    # gather; None for one that starts none. Every gather-starting scenario of the prefix
+    # sweep has a twin "<name>_idle" whose gather_start is "idle" (see IDLE_TWINS).
+    gather_start = None
 
     def backward(self, s, loss):
         """One microbatch's backward: autograd with DDP's backward hooks."""
         loss.backward()
 
+    def start_gather(self, s, k, phase):
+        """The calls that start a pending gather and what the scenario then does with it
+        pending (at gather_start)."""
+
+    def _at(self, point, s, k, phase):
+        if self.gather_start == point:
+            self.start_gather(s, k, phase)
+
+    def after_zero_grad(self, s, k, phase):
+        """Right after zero_grad_buffer() of step k, before its first forward: the idle
+        window (grad_data holds no grad). The "idle" start point uses it in steps 1 and 2,
+        whose params the previous step changed (step 0's are equal on every rank)."""
+        if k > 0:
+            self._at("idle", s, k, phase)
+
     def after_step(self, s, k, phase):
         """After optimizer.step() of step k (the next step's zero_grad_buffer follows)."""
+        self._at("after_step", s, k, phase)
 
     def after_no_sync_backward(self, s, k, phase):
         """After the backward of each microbatch inside no_sync() of step k."""
+        self._at("after_no_sync_backward", s, k, phase)
 
     def after_backward(self, s, k, phase):
         """After the last microbatch's backward of step k, before finish_grad_sync."""
+        self._at("after_backward", s, k, phase)
 
     def before_step(self, s, k, phase):
         """After finish_grad_sync of step k, before optimizer.step()."""
+        self._at("before_step", s, k, phase)
+
+
+#: Where a scenario's pending gather can start (Scenario.gather_start): the injection points
+#: of a step. "idle" is right after zero_grad_buffer(), where the series receives a gather
+#: into grad_data; at the others grad_data holds grads (or the consumed grads of the step
+#: before), and the series receives into temporaries.
+START_POINTS = ("idle", "after_no_sync_backward", "after_backward", "before_step", "after_step")
 
 
 class Baseline(Scenario):
@@ -273,23 +307,48 @@ class ZeroGradWhilePending(Scenario):
     """(a) start_param_sync() right after the step (gathers dispatched early, e.g. to
     overlap them with data loading); the next step's zero_grad_buffer() runs before the
     forward pre-hooks finish them, once their data has landed (wait_for_pending_gathers:
-    deterministic, and what a fast network gives)."""
+    deterministic, and what a fast network gives). Started in the idle window, the
+    zero_grad_buffer() with the gathers pending is a second one, called here."""
 
-    def after_step(self, s, k, phase):
+    gather_start = "after_step"
+
+    def start_gather(self, s, k, phase):
         phase("start_param_sync")
         s.ddp.start_param_sync()
         wait_for_pending_gathers(s)
+        if self.gather_start != "after_step":
+            phase("zero_grad_buffer_again")
+            s.ddp.zero_grad_buffer()
 
 
 class OffloadWhilePending(Scenario):
     """(b) offload_grad_buffers() then restore_grad_buffers() while the gathers that
     start_param_sync() dispatched are pending (RL loops free grads between rollouts)."""
 
-    def after_step(self, s, k, phase):
+    gather_start = "after_step"
+
+    def start_gather(self, s, k, phase):
         phase("start_param_sync")
         s.ddp.start_param_sync()
         phase("offload_grad_buffers")
         s.ddp.offload_grad_buffers()
+        phase("restore_grad_buffers")
+        s.ddp.restore_grad_buffers()
+
+
+class GatherIntoOffloaded(Scenario):
+    """offload_grad_buffers(), then a non-forced start_param_sync() while grad_data's
+    storage is freed (it must not receive there), then restore_grad_buffers() with those
+    gathers pending, and training goes on (the forward's pre-hooks finish them)."""
+
+    gather_start = "after_step"
+
+    def start_gather(self, s, k, phase):
+        phase("offload_grad_buffers")
+        s.ddp.offload_grad_buffers()
+        phase("start_param_sync")
+        s.ddp.start_param_sync()
+        wait_for_pending_gathers(s)
         phase("restore_grad_buffers")
         s.ddp.restore_grad_buffers()
 
@@ -299,7 +358,9 @@ class ForwardOnlyProbe(Scenario):
     that runs only the first PROBE_DEPTH layers: the gather chained to the next bucket
     group (next_param_gather_bucket_group) is left pending into the next step."""
 
-    def after_step(self, s, k, phase):
+    gather_start = "after_step"
+
+    def start_gather(self, s, k, phase):
         phase("forward_only_probe")
         set_forward(s, _forward_probe)
         try:
@@ -323,8 +384,9 @@ class GatherAfterBackward(Scenario):
     already received this step's grads."""
 
     snap_phases = frozenset({"start_param_sync", "finish_grad_sync"})
+    gather_start = "after_backward"
 
-    def after_backward(self, s, k, phase):
+    def start_gather(self, s, k, phase):
         phase("start_param_sync")
         s.ddp.start_param_sync()
 
@@ -413,7 +475,9 @@ class GatherAfterNoSync(Scenario):
     """start_param_sync() (async) after a microbatch's backward inside no_sync(); the next
     microbatch's forward pre-hooks finish it."""
 
-    def after_no_sync_backward(self, s, k, phase):
+    gather_start = "after_no_sync_backward"
+
+    def start_gather(self, s, k, phase):
         phase("start_param_sync")
         s.ddp.start_param_sync()
 
@@ -432,11 +496,17 @@ class GatherThenForcedBeforeStep(Scenario):
     """After finish_grad_sync(): start_param_sync() (grad_data holds the reduced grads the
     step will read, so a gather must not receive there), then start_param_sync(
     force_sync=True), what disable_forward_pre_hook() does, with those gathers pending;
-    then the step."""
+    then the step. Started in the idle window (issue 48, finding 1): the gathers receive
+    into grad_data, their data lands (waited on), and the forced sync must copy them back
+    and leave grad_data zeroed for the backward that follows."""
 
-    def before_step(self, s, k, phase):
+    gather_start = "before_step"
+
+    def start_gather(self, s, k, phase):
         phase("start_param_sync")
         s.ddp.start_param_sync()
+        if self.gather_start == "idle":
+            wait_for_pending_gathers(s)
         _forced_sync(s, phase)
 
 
@@ -450,6 +520,54 @@ def _hookless_backward(s, loss):
         for p, g in zip(s.params, grads):
             if g is not None:
                 p.main_grad.add_(g)
+
+
+def _fused_wgrad_backward(s, loss):
+    """Backward as gradient_accumulation_fusion runs it: the wgrad kernel adds each grad
+    straight into main_grad and sets grad_added_to_main_grad; DDP sees no .grad, so no
+    backward hook of DDP runs (emulated: the grads of torch.autograd.grad, which runs no
+    AccumulateGrad hook, added into main_grad by hand)."""
+    grads = torch.autograd.grad(loss, s.params, allow_unused=True)
+    with torch.no_grad():
+        for p, g in zip(s.params, grads):
+            if g is not None:
+                p.main_grad.add_(g)
+                p.grad_added_to_main_grad = True
+
+
+class FusedWgradNoOverlapGradReduce(Scenario):
+    """Every backward through the fused-wgrad path (_fused_wgrad_backward), without
+    --overlap-grad-reduce: nothing but grad_added_to_main_grad says grad_data holds grads
+    until finish_grad_sync() reduces them."""
+
+    overlap_grad_reduce = False
+
+    def backward(self, s, loss):
+        _fused_wgrad_backward(s, loss)
+
+
+class FusedWgradGatherAfterBackward(FusedWgradNoOverlapGradReduce):
+    """An async start_param_sync() after the last microbatch's fused-wgrad backward,
+    before finish_grad_sync(): it must not receive over the grads added to main_grad."""
+
+    gather_start = "after_backward"
+
+    def start_gather(self, s, k, phase):
+        phase("start_param_sync")
+        s.ddp.start_param_sync()
+
+
+class FusedWgradGatherAfterNoSync(FusedWgradGatherAfterBackward):
+    """The same after the first microbatch's fused-wgrad backward inside no_sync(); the
+    next microbatch's forward pre-hooks finish the gathers."""
+
+    gather_start = "after_no_sync_backward"
+
+
+class OptimizerGather(Scenario):
+    """Without --overlap-param-gather: the optimizer's allgather_params() in step()."""
+
+    overlap_param_gather = False
 
 
 class HooklessNoOverlapGradReduce(Scenario):
@@ -578,6 +696,33 @@ SCENARIOS = {
 # over the expert-DP group: 2 at EP 1 on 2 ranks).
 for _name in ("baseline", "zero_grad", "forward_only", "bypass_prehook", "forced_before_step"):
     SCENARIOS[f"{_name}_moe"] = type(f"{SCENARIOS[_name].__name__}MoE", (SCENARIOS[_name],), {"expert": True})
+# Issue 48: every rule on the expert bucket groups as on the dense ones.
+for _name in ("offload", "gather_after_backward", "gather_then_forced_before_step"):
+    SCENARIOS[f"{_name}_moe"] = type(f"{SCENARIOS[_name].__name__}MoE", (SCENARIOS[_name],), {"expert": True})
+SCENARIOS["gather_into_offloaded"] = GatherIntoOffloaded
+SCENARIOS["gather_into_offloaded_moe"] = type("GatherIntoOffloadedMoE", (GatherIntoOffloaded,), {"expert": True})
+SCENARIOS["optimizer_gather_moe"] = type("OptimizerGatherMoE", (OptimizerGather,), {"expert": True})
+SCENARIOS["fused_wgrad_no_ogr"] = FusedWgradNoOverlapGradReduce
+SCENARIOS["fused_wgrad_gather_after_backward_no_ogr"] = FusedWgradGatherAfterBackward
+SCENARIOS["fused_wgrad_gather_after_no_sync_no_ogr"] = FusedWgradGatherAfterNoSync
+# Without --overlap-grad-reduce (overlap_param_gather alone): the completion of pending
+# gathers is keyed on overlap_param_gather.
+for _name in ("zero_grad", "offload"):
+    SCENARIOS[f"{_name}_no_ogr"] = type(
+        f"{SCENARIOS[_name].__name__}NoOverlapGradReduce", (SCENARIOS[_name],), {"overlap_grad_reduce": False}
+    )
+#: Gather-starting scenarios whose twin "<name>_idle" starts the same gather right after
+#: zero_grad_buffer() (Scenario.gather_start "idle"), where grad_data is idle.
+IDLE_TWINS = (
+    "zero_grad", "offload", "forward_only", "gather_after_backward", "gather_then_forced_before_step",
+    "zero_grad_moe", "offload_moe", "forward_only_moe", "gather_after_backward_moe",
+    "gather_then_forced_before_step_moe", "gather_into_offloaded", "gather_into_offloaded_moe",
+    "fused_wgrad_gather_after_backward_no_ogr", "fused_wgrad_gather_after_no_sync_no_ogr",
+    "zero_grad_no_ogr", "offload_no_ogr",
+)
+for _name in IDLE_TWINS:
+    assert SCENARIOS[_name].gather_start is not None, _name
+    SCENARIOS[f"{_name}_idle"] = type(f"{SCENARIOS[_name].__name__}Idle", (SCENARIOS[_name],), {"gather_start": "idle"})
 # The same on one bucket group of a bf16 and an fp32 bucket (Scenario.two_dtypes).
 for _name in ("baseline", "zero_grad", "forced_before_step", "gather_after_backward"):
     SCENARIOS[f"{_name}_two_dtypes"] = type(
@@ -608,6 +753,7 @@ def run(scenario: Scenario, cfg):
                 phase("zero_grad_buffer")
                 s.ddp.zero_grad_buffer()
                 s.opt.zero_grad()
+                scenario.after_zero_grad(s, k, phase)
             for mb in range(MICROBATCHES):
                 last = mb == MICROBATCHES - 1
                 synced = last and not scenario.grad_sync_by_caller
@@ -648,6 +794,11 @@ def run(scenario: Scenario, cfg):
             rec["pending_state_kept"] = all_ranks(state_equals(s, phase.snap, pending_only=True))
     finally:
         spy.__exit__(None, None, None)
+        # A scenario that raised may leave gathers (into grad_data, on pristine 0.19.2) or
+        # grad reduces in flight: let them land before this model is freed, so that no
+        # late write of gloo's threads hits the next scenario's memory (SIGSEGV by timing).
+        with contextlib.suppress(Exception):
+            _pending_works(s)
     rec["grad_data_gathers"] = spy.counts["grad_data"]
     rec["temporaries"] = spy.counts["temporary"]
     rec["reentry_errors"] = s.reentry_errors
@@ -665,6 +816,8 @@ def main(argv=None):
     summary = {"_meta": {"tree": tree, "world_size": dist.get_world_size()}}
     for cfg in map(parse_config, args.configs.split(",")):
         for name in args.scenarios.split(","):
+            if os.environ.get("LAYERWISE_WORKER_DEBUG"):
+                print(f"rank {rank}: {cfg.name}/{name}", file=sys.stderr, flush=True)
             rec = run(SCENARIOS[name](), cfg)
             torch.save(rec, out / f"{cfg.name}.{name}.rank{rank}.pt")
             keys = (

@@ -41,9 +41,9 @@ from tests.tiers import tiered
 WORKER = Path(__file__).with_name("layerwise_worker.py")
 PROGRESS = "[layerwise_worker] done"  # the worker's per-scenario progress line
 MUTANTS = REPO_ROOT / "tests" / "mutants"
-#: Base (harness.trees.BASES) -> its mutants: tests/mutants/0.19/ holds, at the same
-#: relative paths, the same bugs as tests/mutants/ written against build/patched-0.19.
-MUTANT_DIRS = {"0.17.1": MUTANTS, "0.19": MUTANTS / "0.19"}
+#: Base (harness.trees.BASES) -> its mutants: tests/mutants/<base>/ (as patches/<base>/), the
+#: same bugs at the same relative paths, each written against its base's patched tree.
+MUTANT_DIRS = {"0.17.1": MUTANTS / "0.17.1", "0.19": MUTANTS / "0.19"}
 # Models (layerwise_worker.MODELS) by the share patterns of their buckets:
 # - mixed: at DP 2 one bucket with equal shares (all_gather_into_tensor) and unequal ones
 #   with single-param, multi-param and empty owners; at DP 4 unequal ones only, one with two
@@ -669,7 +669,7 @@ MUTANT_MUST_FAIL = {
     | _calls(("mixed", "equal"), _PRE_HOOK_PATHS, ("form",))
     | _calls(("mixed", "one", "one_samegrad"), _PRE_HOOK_PATHS, ("disjoint", "packed")),
     # A sync over grads no zero_grad_buffer() reset receives into them and zeroes them.
-    "gather_into_busy_grad_data": {"gather.not_idle_grad_data_untouched", "gather.not_idle_temporaries_are_the_gathered_size"},
+    "gather_over_grads": {"gather.not_idle_grad_data_untouched", "gather.not_idle_temporaries_are_the_gathered_size"},
     # The forced sync receives into idle grad_data: the consumed grads there are zeroed,
     # and its calls are not in a temporary (mixed's buckets after the first also lie at an
     # offset of the grad buffer's storage, so not packed from a temporary's element 0).
@@ -698,7 +698,7 @@ MUTANT_MUST_FAIL = {
 MUTANTS_ON_019 = (
     "no_zeroing",
     "zeroes_all_of_grad_data",
-    "gather_into_busy_grad_data",
+    "gather_over_grads",
     "forced_sync_into_grad_data",
     "zero_grad_buffer_under_pending_gather",
     "optimizer_broadcast_from_wrong_owner",
@@ -759,14 +759,14 @@ def test_every_mutant_has_its_checks(base):
 
 
 def test_every_mutant_has_a_019_counterpart():
-    """Every mutant of tests/mutants/ (guards/, handles/, offload/ included) has its 0.19
+    """Every mutant of tests/mutants/0.17.1/ (guards/, handles/ included) has its 0.19
     counterpart at the same relative path of tests/mutants/0.19/, and nothing else is there."""
 
     def rel(folder, skip=()):
         paths = (p.relative_to(folder) for p in folder.rglob("*.patch"))
         return {p.as_posix() for p in paths if p.parts[0] not in skip}
 
-    assert rel(MUTANTS, skip=("0.19",)) == rel(MUTANT_DIRS["0.19"])
+    assert rel(MUTANT_DIRS["0.17.1"]) == rel(MUTANT_DIRS["0.19"])
 
 
 @pytest.mark.parametrize("base", BASES)
@@ -852,6 +852,21 @@ def test_019_expert_dp_index_error_confirmed_and_fixed(runs):
     assert r["params_overlap_equal_sync"] and r["grad_norms_equal"], r
     ref = result(u, CONFIGS[0], "expert_dp1_sync")["params_sha256_sync"]
     assert r["params_sha256_overlap"] == r["params_sha256_sync"] == ref
+
+
+def test_019_expert_dp_size_1(runs):
+    """EP 2 on 2 ranks on 0.19: dense DP 2, expert-DP 1 (the converse of the case above,
+    where pristine 0.19.2 raised IndexError). The series trains, overlap == sync, bitwise
+    equal to pristine 0.19.2's synchronous path; pristine's overlapped run, for
+    reference, trains the same (0.19.2 returns early from a gather over one rank)."""
+    _skip_without_019()
+    u = runs("upstream-0.19", 2, "expert_dp1,expert_dp1_sync", CONFIGS[:1], ep=2)
+    r = result(runs("patched-0.19", 2, "expert_dp1", CONFIGS[:1], ep=2), CONFIGS[0], "expert_dp1")
+    assert r["params_overlap_equal_sync"] and r["grad_norms_equal"], r
+    ref = result(u, CONFIGS[0], "expert_dp1_sync")["params_sha256_sync"]
+    assert r["params_sha256_overlap"] == r["params_sha256_sync"] == ref
+    pristine = result(u, CONFIGS[0], "expert_dp1")
+    assert pristine["params_sha256_overlap"] == ref, pristine
 
 
 def test_019_every_gather_of_a_bucket_group_is_waited_on(runs):

@@ -57,7 +57,7 @@ AUDIT_MODEL = "dsv2_lite_ep8"  # the MoE of the quick audit: expert-DP buckets, 
 PATHS = ("async", "forced", "optimizer")
 #: A deliberate bug for the claims' check: a single-param owner's broadcast goes through a
 #: copy of the param (megatron allocates it), on the model whose owners mostly send one param.
-CLAIM_MUTANT = REPO_ROOT / "tests" / "mutants" / "audit" / "grad_data_never_idle.patch"
+CLAIM_MUTANT = REPO_ROOT / "tests" / "mutants" / "0.17.1" / "audit" / "grad_data_never_idle.patch"
 CLAIM_MUTANT_CELL = "llama3_8b_tp1:64"
 TIMEOUT_S = 600
 #: The ping-pong deal of LayerWiseDistributedOptimizer.shard_params (0.17.1), and reversed.

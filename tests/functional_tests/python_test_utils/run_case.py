@@ -98,6 +98,9 @@ GOLDEN_DATA = CASES_DIR / "golden_data.json"
 # Exit code of main() when a case has no golden file for the device (nothing was trained).
 EXIT_NO_GOLDEN = 3
 TEST_TYPES = ("regular", "ckpt-resume")
+#: How the main job's header says each TEST_TYPE (Megatron's names): a regular case trains once;
+#: a ckpt-resume case trains, saves a checkpoint, and trains on from it in a second run.
+TEST_TYPE_WORDS = {"regular": "one training run", "ckpt-resume": "trained, saved and resumed"}
 # Per run, the folder the ranks write their param-sync records into (harness.param_sync_recorder).
 RECORD_DIR = "param_sync"
 
@@ -578,8 +581,9 @@ def case_header(case: Case, device: str, own=None) -> str:
     if own is not None:
         before = f" against {own.pre_series[:10]}, the commit before the series" if own.pre_series else ""
         return (f"== {case.name} ({own.label}{before}, megatron-core {own.version}, patches/{own.series.name}, "
-                f"{case.test_type}, {case.nproc} ranks, {device})")
-    return f"== {case.name} (megatron-core {case.base}, {case.test_type}, {case.nproc} ranks, {device})"
+                f"{TEST_TYPE_WORDS[case.test_type]}, {case.nproc} ranks, {device})")
+    return (f"== {case.name} (megatron-core {case.base}, {TEST_TYPE_WORDS[case.test_type]}, "
+            f"{case.nproc} ranks, {device})")
 
 
 def golden_for_information(comparison: dict) -> dict:
