@@ -57,12 +57,29 @@ def series_fingerprint(root: Path) -> dict:
 RECORDED = {ALL_MARKEXPR: "scripts/test.sh --all", "extended": "scripts/test.sh -m extended"}
 
 
+def file_seconds(reports: Iterable) -> dict:
+    """Per test file (the node id up to ``::``), the summed duration of its tests' setup,
+    call and teardown phases, in seconds to 1 decimal, by path. ``reports``: the terminal
+    reporter's stats, every category together; entries that are not a test phase's report
+    (collection reports, warnings, deselected items) are left out. Under pytest-xdist the
+    workers' reports reach the controller's reporter, so the sums cover every worker."""
+    total: dict = {}
+    for r in reports:
+        if getattr(r, "when", None) not in ("setup", "call", "teardown"):
+            continue
+        path = r.nodeid.split("::", 1)[0]
+        total[path] = total.get(path, 0.0) + float(r.duration)
+    return {path: round(total[path], 1) for path in sorted(total)}
+
+
 def record_full_run(session, exitstatus: int) -> None:
     """At the end of a run of every test of ``tests/`` selected by one of RECORDED (no path or
     ``-k``, not ``--collect-only``) that passed, write RECORD: the command, the fingerprint,
-    the outcome counts, the wall time (s) and the UTC date. A run in which no test passed
-    (``--collect-only`` exits 0 having run none) leaves RECORD as it is. Called by
-    conftest.py's ``pytest_sessionfinish`` in the controlling process."""
+    the outcome counts, the wall time (s), the UTC date and each test file's summed test
+    duration (``file_seconds``). A run in which no test passed (``--collect-only`` exits 0
+    having run none) leaves RECORD as it is; so does every other run, the default one
+    included (nothing is computed or printed there). Called by conftest.py's
+    ``pytest_sessionfinish`` in the controlling process."""
     config = session.config
     if exitstatus != 0 or config.option.markexpr not in RECORDED or config.option.keyword:
         return
@@ -81,5 +98,6 @@ def record_full_run(session, exitstatus: int) -> None:
         **count,
         "wall_s": round(time.time() - started) if started else None,
         "date": time.strftime("%Y-%m-%d", time.gmtime()),
+        "file_seconds": file_seconds(r for reports in stats.values() for r in reports),
     }
     RECORD.write_text(json.dumps(data, indent=1) + "\n")

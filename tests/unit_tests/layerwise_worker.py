@@ -23,15 +23,15 @@ reduced with MIN (all ranks must agree), plus numbers for the report. Rank 0 wri
 records {"error": "<type>: <message>"} instead, so that the pristine tree's crashes are
 data. One that raises on some ranks only ends the job (exit 1) with the first failing
 rank's traceback on stderr (harness.ranks.Outcomes). Rank 0 prints a progress line per
-scenario. The "collectives" scenario builds its own models (COLLECTIVE_MODELS) and runs
-once per job, as "models/collectives".
-"""
+scenario. The "collectives" and "share_patterns" scenarios build their own models
+(COLLECTIVE_MODELS; ShareNet) and run once per job, as "models/<scenario>"."""
 
 from __future__ import annotations
 
 import argparse
 import contextlib
 import hashlib
+import itertools
 import json
 import os
 import sys
@@ -955,6 +955,97 @@ def sc_collectives(_cfg=None):
     return res
 
 
+class ShareNet(MegatronModule):
+    """1-D params of the given numels in one ParameterList: the params of one DDP bucket
+    whose per-rank shares sc_share_patterns chooses."""
+
+    def __init__(self, config, numels):
+        super().__init__(config=config)
+        self.ps = torch.nn.ParameterList(torch.nn.Parameter(torch.zeros(n)) for n in numels)
+
+
+#: sc_share_patterns' settings: (param dtype, grad_reduce_in_fp32): bf16 params over fp32
+#: grad_data (twice their width) and over bf16 grad_data (their width).
+SHARE_PATTERN_DTYPES = {"bf16_in_fp32": (torch.bfloat16, True), "bf16_in_bf16": (torch.bfloat16, False)}
+
+
+def share_patterns(world, most=2):
+    """Every pattern of per-rank shares (0 to `most` elements each, not all 0) of `world`
+    ranks, in itertools.product order."""
+    return [s for s in itertools.product(range(most + 1), repeat=world) if max(s) > 0]
+
+
+def share_pattern_owners(shares):
+    """Per rank, the numels of the params it owns for `shares`: rank 1 owns its share as
+    one-element params (a multi-param owner when it is 2), the others as one param."""
+    return [[1] * n if r == 1 else ([n] if n else []) for r, n in enumerate(shares)]
+
+
+def _share_pattern_bucket(shares, dtype, fp32_grad):
+    """A DDP (megatron's, built as training builds it: one bucket, main_grad views its
+    grad_data) over ShareNet whose bucket's per-rank param lists give `shares`: set through
+    the bucket's set_layerwise_params_list(), the call by which the layer-wise optimizer
+    hands each bucket its owners. Returns (ddp, bucket group, per-rank params)."""
+    config = TransformerConfig(num_layers=1, hidden_size=IN_DIM, num_attention_heads=1,
+                               params_dtype=dtype, bf16=dtype == torch.bfloat16,
+                               use_cpu_initialization=True)
+    owners = share_pattern_owners(shares)
+    module = ShareNet(config, [n for ns in owners for n in ns]).to(dtype)
+    ddp = DDP(config, DDPConfig(grad_reduce_in_fp32=fp32_grad, overlap_grad_reduce=True,
+                                overlap_param_gather=True, use_distributed_optimizer=False), module)
+    (g,) = ddp.bucket_groups
+    (bk,) = g.buckets
+    it = iter(module.ps)
+    params_by_rank = [[next(it) for _ in ns] for ns in owners]
+    bk.set_layerwise_params_list(params_by_rank)
+    return ddp, g, params_by_rank
+
+
+def sc_share_patterns(_cfg=None):
+    """Every share pattern of this world's ranks (share_patterns: 0 to 2 elements each;
+    run at 3 ranks), through megatron's real bucket group on real gloo ranks, on each
+    SHARE_PATTERN_DTYPES setting: the pre-hook pair (start_param_sync, finish_param_sync)
+    over idle grad_data holding consumed grads, then a forced sync. Per pattern and path:
+    check_gather_calls' checks (equal shares: one all_gather_into_tensor from this rank's
+    slot; unequal: one broadcast per non-empty slot, rooted at its owner; one launch;
+    packed slots in grad_data, or in one temporary when forced), every param its owner's
+    value on every rank, grad_data zero exactly where the pre-hook gather wrote (untouched
+    by the forced sync), and the collective model's summary for the test to compare with
+    the design. Keys "<dtypes>/<s0>-<s1>-...:<path>"."""
+    res = {}
+    rank = dist.get_rank()
+    group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+    for dname, (dtype, fp32_grad) in SHARE_PATTERN_DTYPES.items():
+        for shares in share_patterns(dist.get_world_size()):
+            ddp, g, params_by_rank = _share_pattern_bucket(shares, dtype, fp32_grad)
+            (bk,) = g.buckets
+            params = [p for ps in params_by_rank for p in ps]
+            mine = set(params_by_rank[rank])
+            for step, path in enumerate(("async", "forced")):
+                ddp.zero_grad_buffer()
+                seed = 1000 * step + sum(10**i * n for i, n in enumerate(shares))
+                gen = torch.Generator().manual_seed(seed)
+                targets = [torch.randn(p.shape, generator=gen).to(dtype) for p in params]
+                with torch.no_grad():
+                    for p, t in zip(params, targets):
+                        p.copy_(t if p in mine else torch.full_like(t, GARBAGE))
+                bk.grad_data.view(-1).view(torch.uint8).fill_(0x11)
+                before = bk.grad_data.view(-1).view(torch.uint8).clone()
+                with CollectiveSpy() as spy:
+                    sync_bucket_group(g, path)
+                ok, _ = check_gather_calls(params_by_rank, spy.calls, spy.records, group,
+                                           bk.grad_data, into_grad_data=path == "async")
+                now = bk.grad_data.view(-1).view(torch.uint8)
+                n = written_numel(params_by_rank) * params[0].element_size() if path == "async" else 0
+                ok["owner_values"] = all(torch.equal(p.detach(), t) for p, t in zip(params, targets))
+                ok["grad_data"] = int(torch.count_nonzero(now[:n])) == 0 and torch.equal(now[n:], before[n:])
+                key = f"{dname}/{'-'.join(map(str, shares))}:{path}"
+                res[key] = {k: all_ranks(v) for k, v in ok.items()}
+                res[key]["forms"] = sorted({c.name for c in spy.calls})
+                res[key]["summary"] = cpu_runtime.summarize(spy.records)
+    return res
+
+
 def sc_async_without_ddp(cfg):
     """The layer-wise optimizer with --overlap-param-gather (async_allgather) over a model
     chunk that is not megatron's DDP (it carries a ddp_config, as get_megatron_optimizer
@@ -1396,6 +1487,7 @@ SCENARIOS = {
     "offload": sc_offload,
     "alloc": sc_alloc,
     "collectives": sc_collectives,
+    "share_patterns": sc_share_patterns,
     "async_without_ddp": sc_async_without_ddp,
     "optimizer_without_ddp": sc_optimizer_without_ddp,
     "optimizer_offloaded": sc_optimizer_offloaded,
@@ -1414,7 +1506,7 @@ SCENARIOS = {
     "local_cuda_graphs": sc_local_cuda_graphs,
 }
 #: Scenarios that build their own models: run once per job, keyed "models/<scenario>".
-MODEL_INDEPENDENT = {"collectives"}
+MODEL_INDEPENDENT = {"collectives", "share_patterns"}
 
 #: "<scenario>:<rank>" makes that rank raise at the start of that scenario (tests of the
 #: failure handling: the other ranks are then inside the scenario's collectives).

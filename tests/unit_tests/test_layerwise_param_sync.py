@@ -19,6 +19,7 @@ for its own reason, on both bases (tests/mutants/0.19/: the same bugs on patches
 from __future__ import annotations
 
 import difflib
+import itertools
 import json
 import re
 import time
@@ -410,6 +411,38 @@ def test_each_path_issues_the_designed_collectives(runs, world):
     for path in ("async", "forced"):
         assert r[f"equal_{path}_n_into_tensor"] >= 1 and r[f"mixed_{path}_n_broadcast_slot"] >= 1
     assert all(r[f"{m}_optimizer_n_optimizer_in_place"] > 0 for m in ("mixed", "one", "equal"))
+
+
+@pytest.mark.parametrize("base", BASES)
+def test_every_share_pattern_of_three_ranks(runs, base):
+    """3 gloo ranks, every share pattern of one bucket (0 to 2 elements per rank, not all
+    0; rank 1 a multi-param owner where its share is 2), set through the bucket's
+    set_layerwise_params_list() as the optimizer sets it, in bf16 params over fp32 and over
+    bf16 grad_data: the pre-hook pair and the forced sync each issue what the design says
+    (equal shares: one all_gather_into_tensor whose input is this rank's slot; unequal:
+    one broadcast per non-empty slot, rooted at its owner, in rank order; one launch; no
+    zero-size op, no NCCL temporary: expected_series), their slots packed from element 0
+    of grad_data (pre-hook pair) or of one temporary (forced); every param ends as its
+    owner's value on every rank; grad_data is zero exactly where the pre-hook gather wrote
+    and untouched by the forced sync. Both forms occur."""
+    if base != "0.17.1":
+        _skip_without_019()
+    r = result(runs(BASES[base][1], 3, "share_patterns", CONFIGS[:1]), "models", "share_patterns")
+    patterns = [s for s in itertools.product(range(3), repeat=3) if max(s) > 0]
+    keys = {
+        f"{d}/{'-'.join(map(str, shares))}:{path}": shares
+        for d in ("bf16_in_fp32", "bf16_in_bf16") for shares in patterns for path in ("async", "forced")
+    }
+    assert set(r) == set(keys) and len(keys) == 104, sorted(set(r) ^ set(keys))
+    forms = set()
+    for key, shares in keys.items():
+        got = r[key]
+        assert not failed(got), (key, failed(got))
+        assert {k: got["summary"][k] for k in KEYS} == expected_series(list(shares)), (key, got)
+        equal = min(shares) == max(shares)
+        assert got["forms"] == (["all_gather_into_tensor"] if equal else ["broadcast"]), (key, got)
+        forms |= set(got["forms"])
+    assert forms == {"all_gather_into_tensor", "broadcast"}
 
 
 @pytest.mark.parametrize("world", WORLDS)

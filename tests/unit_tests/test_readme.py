@@ -19,8 +19,10 @@ import pytest
 from harness.trees import REPO_ROOT
 
 README = REPO_ROOT / "README.md"
-#: Markdown files whose links are checked: the README and every page it links under docs/.
-PAGES = [README, *sorted((REPO_ROOT / "docs").rglob("*.md")), REPO_ROOT / "patches" / "README.md"]
+#: Markdown files whose links are checked: the README and every page it links under docs/,
+#: patches/ and tests/.
+PAGES = [README, *sorted((REPO_ROOT / "docs").rglob("*.md")), REPO_ROOT / "patches" / "README.md",
+         REPO_ROOT / "tests" / "README.md"]
 LINK = re.compile(r"(?<!\!)\[[^\]]*\]\(([^)\s]+)\)|!\[[^\]]*\]\(([^)\s]+)\)")
 
 

@@ -38,10 +38,19 @@ def test_the_fingerprint_changes_with_a_patch_byte(tmp_path):
     assert series_fingerprint(tmp_path)["series"] != before["series"]
 
 
-def _session(root, markexpr, args=("tests",), keyword="", passed=3, collectonly=False):
+def _report(nodeid, when, duration):
+    """A test phase's report as the terminal reporter keeps it (xdist's, rebuilt in the
+    controller, has the same attributes)."""
     from types import SimpleNamespace
 
-    reporter = SimpleNamespace(stats={"passed": [SimpleNamespace(when="call")] * passed, "skipped": []})
+    return SimpleNamespace(nodeid=nodeid, when=when, duration=duration)
+
+
+def _session(root, markexpr, args=("tests",), keyword="", passed=3, collectonly=False, stats=None):
+    from types import SimpleNamespace
+
+    calls = [_report(f"tests/unit_tests/test_a.py::test_{i}", "call", 0.5) for i in range(passed)]
+    reporter = SimpleNamespace(stats=stats or {"passed": calls, "skipped": []})
     config = SimpleNamespace(
         option=SimpleNamespace(markexpr=markexpr, keyword=keyword, collectonly=collectonly),
         args=[str(root / a) for a in args],
@@ -75,3 +84,34 @@ def test_only_a_whole_run_of_the_sweeps_that_passed_is_recorded(tmp_path, monkey
     rec = json.loads(record.read_text())
     assert rec["command"] == "scripts/test.sh -m extended" and rec["passed"] == 3
     assert rec["series"] == series_fingerprint(tmp_path)["series"]
+
+
+def test_the_record_holds_each_files_summed_test_durations(tmp_path, monkeypatch):
+    """file_seconds in the record: per test file, the sum of its tests' setup, call and
+    teardown durations (s, 1 decimal), whichever outcome category the reporter filed each
+    phase under (a passed setup or teardown under "", a call under its outcome), from the
+    reports of both xdist workers; warnings, deselected items and collection reports are
+    not test phases and count nothing."""
+    from types import SimpleNamespace
+
+    from tests import tiers
+
+    (tmp_path / "patches/0.19").mkdir(parents=True)
+    (tmp_path / "patches/0.19/manifest.sha256").write_text("m\n")
+    monkeypatch.setattr(tiers, "RECORD", tmp_path / "full_run.json")
+    a, b = "tests/unit_tests/test_a.py", "tests/upstream_tests/test_b.py"
+    stats = {
+        "": [_report(f"{a}::t1", "setup", 0.04), _report(f"{a}::t1", "teardown", 0.01),
+             _report(f"{b}::C::t[x]", "setup", 2.0), _report(f"{b}::C::t[x]", "teardown", 0.26)],
+        "passed": [_report(f"{a}::t1", "call", 1.2), _report(f"{b}::C::t[x]", "call", 60.0),
+                   _report(f"{a}::t2", "call", 0.3)],
+        "skipped": [_report(f"{a}::t3", "setup", 0.02)],
+        "warnings": [SimpleNamespace(nodeid=f"{a}::t1", message="w")],
+        "deselected": [SimpleNamespace(nodeid=f"{b}::C::t[y]")],
+        "error": [SimpleNamespace(nodeid="tests/c.py", when="collect", duration=9.0)],
+    }
+    tiers.record_full_run(_session(tmp_path, "extended", stats=stats), 0)
+    rec = json.loads(tiers.RECORD.read_text())
+    assert rec["file_seconds"] == {a: 1.6, b: 62.3}, rec["file_seconds"]
+    assert list(rec["file_seconds"]) == sorted(rec["file_seconds"])
+    assert rec["passed"] == 3 and rec["skipped"] == 0
