@@ -105,6 +105,11 @@ HOOK_ERROR = re.compile(
     r"^RuntimeError: A param gets a grad while its bucket group's layer-wise param gather into "
     r"grad_data is pending: run its module's forward pre-hook first"
 )
+#: What the step's re-arm raises (patch 0001: reset_param_sync_dispatch_state(), 0.19's own
+#: text and the 0.17.1 backport's) where a gather is still in flight at the step.
+REARM_ERROR = re.compile(
+    r"^AssertionError: Cannot reset (the )?param(eter)? all-gather dispatch state while"
+)
 
 pytestmark = [pytest.mark.gloo]
 
@@ -814,7 +819,9 @@ def as_safe_as_pristine(got, pristine, clean) -> bool:
     """The sweep's rule for one hazard on one tree. `got`, `pristine` (pristine's run of the
     same hazard; None where it is not run there) and `clean` (the clean run): each
     (summary, [per-rank record]). A run that raises passes where it raises as pristine
-    does (type, step and phase) or with the series' backward-hook error; one that trains
+    does (type, step and phase), or with the series' backward-hook error, or with the
+    re-arm's assertion where pristine raises the same type at the same step or later (the
+    series fails no later than pristine, saying why); one that trains
     passes where it is bitwise equal to pristine's (which trained) or to the clean run
     (which trained: a clean run that raised proves nothing). Anything else fails: a result
     that differs from both pristine's and the clean run's, or an error of another kind."""
@@ -822,7 +829,14 @@ def as_safe_as_pristine(got, pristine, clean) -> bool:
     if got_s["error"] is not None:
         if HOOK_ERROR.search(got_s["error"]):
             return True
-        return pristine is not None and pristine[0]["error"] is not None and _same_error(got_s, pristine[0])
+        if pristine is None or pristine[0]["error"] is None:
+            return False
+        if REARM_ERROR.search(got_s["error"]):
+            want = pristine[0]
+            return got_s["error"].split(":")[0] == want["error"].split(":")[0] and (
+                got_s["error_step"] <= want["error_step"]
+            )
+        return _same_error(got_s, pristine[0])
     if pristine is not None and pristine[0]["error"] is None and _bitwise(got_r, pristine[1]):
         return True
     return clean[0]["error"] is None and _bitwise(got_r, clean[1])
@@ -918,9 +932,10 @@ def _fake(value, error=None, step=None, phase=None):
 
 def test_the_prefix_rule_fails_a_result_unlike_pristine_and_the_clean_run():
     """as_safe_as_pristine on made-up runs: equal to pristine's or to the clean run's, or
-    the same error as pristine's, or the series' hook error passes; a result unlike both,
+    the same error as pristine's, or the series' hook error, or the re-arm's assertion no
+    later than pristine's error of that type passes; a result unlike both,
     another error, or equality with a clean run or a pristine run that raised fails."""
-    hook = "RuntimeError: A param gets a grad while the layer-wise param all-gather of its bucket group, received into grad_data, is in flight: call finish_param_sync() now"
+    hook = "RuntimeError: A param gets a grad while its bucket group's layer-wise param gather into grad_data is pending: run its module's forward pre-hook first."
     ok, clean, pristine = _fake(1.0), _fake(1.0), _fake(2.0)
     assert as_safe_as_pristine(ok, pristine, clean)
     assert as_safe_as_pristine(_fake(2.0), pristine, clean)
@@ -934,6 +949,13 @@ def test_the_prefix_rule_fails_a_result_unlike_pristine_and_the_clean_run():
     assert not as_safe_as_pristine(_fake(5.0, "ValueError: x", 1, "forward"), raised, clean)
     assert not as_safe_as_pristine(_fake(5.0, "AssertionError: ", 1, "forward"), pristine, clean)
     assert not as_safe_as_pristine(_fake(5.0, "AssertionError: ", 1, "forward"), None, clean)
+    # The re-arm's assertion: no later than pristine's own error of that type.
+    rearm = "AssertionError: Cannot reset the param all-gather dispatch state while a gather is in flight."
+    assert as_safe_as_pristine(_fake(0.0, rearm, 0, "step"), raised, clean)
+    assert as_safe_as_pristine(_fake(0.0, rearm, 1, "step"), raised, clean)
+    assert not as_safe_as_pristine(_fake(0.0, rearm, 2, "step"), raised, clean)
+    assert not as_safe_as_pristine(_fake(0.0, rearm, 0, "step"), pristine, clean)
+    assert not as_safe_as_pristine(_fake(0.0, rearm, 0, "step"), _fake(2.0, "ValueError: x", 1, "forward"), clean)
     # A pristine run that raised is no reference for one that trains, nor is a clean run
     # that raised.
     assert not as_safe_as_pristine(_fake(2.0), raised, _fake(1.0))
@@ -943,8 +965,8 @@ def test_the_prefix_rule_fails_a_result_unlike_pristine_and_the_clean_run():
 # ----------------------------------------------------------------------------- mutants
 #: Scenarios (EXPECT keys) each guard mutant must fail, and no others. The scenarios let a
 #: pending gather's data land before the call under test (wait_for_pending_gathers in the
-#: worker), so the outcome does not depend on timing. One mutant per rule of patch
-#: 0003 (generated by tests/mutants/generate.py); forced_sync_into_grad_data is shared with
+#: worker), so the outcome does not depend on timing. One mutant per rule of patches
+#: 0001 and 0004 (generated by tests/mutants/generate.py); forced_sync_into_grad_data is shared with
 #: test_layerwise_param_sync.py, which also catches zero_grad_buffer_under_pending_gather (its
 #: zero_grad_buffer scenario: a gather into idle grad_data pending at zero_grad_buffer(); here
 #: every gather pending there started after a step, into a temporary).
