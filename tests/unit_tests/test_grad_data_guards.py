@@ -892,7 +892,22 @@ def test_every_prefix_is_as_safe_as_pristine(runs, tmp_path, base, k):
     n = len(series_patches(base=base))
     tree = BASES[base][1] if k == n else make_prefix_tree(k, tmp_path / "tree", base)
     bad = check_prefix(runs, tree, base, sweep_hazards(), skip)
+    for hazard in PRISTINE_BUG_KEPT.get(base, set()) & set(bad) if k < guarded else ():
+        ref_tree, ref = sweep_hazards()[hazard]
+        clean = record(runs, pristine if ref_tree else tree, ref)
+        assert not _bitwise(record(runs, pristine, hazard)[1], clean[1]), f"{hazard}: pristine is right"
+        assert record(runs, tree, hazard)[0]["error"] is None, bad[hazard]
+        del bad[hazard]
     assert not bad, f"prefix of {k} patches of {base}: {bad}"
+
+
+#: Hazards where a prefix before the receive into idle grad_data (patch 0004) may train unlike
+#: both pristine and the clean run, with why. On 0.19.2 a gather started after backward
+#: receives over the grads (#3751's receive buffer, whatever grad_data holds) and, with the
+#: dispatch mark left set, the next forward keeps stale params; patch 0001's re-arm removes
+#: the stale params, not the corrupted grads, which only 0004 removes. Checked instead: pristine
+#: is wrong there (unlike the clean run) and the prefix trains without an error.
+PRISTINE_BUG_KEPT = {"0.19": {"gather_then_forced_before_step", "gather_then_forced_before_step_moe"}}
 
 
 #: Issue 48, finding 1, in the default run: the idle-window forced sync on the prefix just
@@ -1046,7 +1061,7 @@ SWEEP_MUTANT_MUST_FAIL = {
     },
     # An expert bucket group's pending gather is not completed before zero_grad_buffer(),
     # offload or the step.
-    "completion_on_dense_groups_only": {"gather_after_backward_moe", "offload_moe_idle", "zero_grad_moe_idle"},
+    "completion_on_dense_groups_only": {"offload_moe_idle", "zero_grad_moe_idle"},
     # A gather after offload receives into an expert group's freed grad_data.
     "offload_clears_idle_on_dense_groups_only": {"gather_into_offloaded_moe_idle"},
     "offload_leaves_grad_data_idle": {"gather_into_offloaded_idle", "gather_into_offloaded_moe_idle"},
@@ -1055,13 +1070,21 @@ SWEEP_MUTANT_MUST_FAIL = {
 }
 
 
+#: Hazards a mutant may fail or not, by timing: gather_after_backward_moe's expert gather,
+#: started after backward, lands before or after the step reads grad_data (gloo's threads);
+#: seen both ways in runs of the same tree.
+SWEEP_MUTANT_MAY_FAIL = {"completion_on_dense_groups_only": {"gather_after_backward_moe"}}
+
+
 @pytest.mark.extended
 @pytest.mark.parametrize("mutant", sorted(SWEEP_MUTANT_MUST_FAIL))
 def test_review_mutants_fail_the_sweep(runs, tmp_path, mutant):
     tree = make_mutant_tree(mutant_patch(mutant), tmp_path / "tree", BASES["0.17.1"][1])
     got = set(check_prefix(runs, tree, "0.17.1", sweep_hazards()))
-    want = SWEEP_MUTANT_MUST_FAIL[mutant]
-    assert got == want, f"not failed {sorted(want - got)}; failed unexpectedly {sorted(got - want)}"
+    want, may = SWEEP_MUTANT_MUST_FAIL[mutant], SWEEP_MUTANT_MAY_FAIL.get(mutant, set())
+    assert want <= got <= want | may, (
+        f"not failed {sorted(want - got)}; failed unexpectedly {sorted(got - want - may)}"
+    )
 
 
 @pytest.mark.parametrize("base", BASES)
