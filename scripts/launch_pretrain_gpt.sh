@@ -37,7 +37,7 @@
 # megatron-core 0.19 checkout --use-cpu-initialization without --use-torch-fsdp2 (0.19's model
 # builder then leaves the model on the CPU and the bf16 optimizer raises TypeError).
 # Warned about: a data-parallel size of 1 (world / (tp x pp x cp)): the layer-wise optimizer then
-# gathers nothing (patch 0002) and none of the series' param-sync code runs. Not Megatron flags, refused with the upstream
+# gathers nothing (patch 0003) and none of the series' param-sync code runs. Not Megatron flags, refused with the upstream
 # name: --tp, --pp, --fp32-grad-accum, --bf16-grad-reduce.
 #
 # Environment (as torchrun/Slurm/Kubernetes launchers set them; defaults are one node):
@@ -225,7 +225,7 @@ elif ! has --mock-data && ! has --train-data-path; then
     [[ "$(val --tokenizer-type NullTokenizer)" != NullTokenizer ]] || add --vocab-size 32768
 fi
 
-(( dp > 1 )) || echo "$PROG: warning: data-parallel size 1 (world $world / tp $tp x pp $pp x cp $cp): the layer-wise optimizer gathers nothing at DP 1 (patch 0002), so none of the series' param-sync code runs; use 2 or more data-parallel ranks to exercise it" >&2
+(( dp > 1 )) || echo "$PROG: warning: data-parallel size 1 (world $world / tp $tp x pp $pp x cp $cp): the layer-wise optimizer gathers nothing at DP 1 (patch 0003), so none of the series' param-sync code runs; use 2 or more data-parallel ranks to exercise it" >&2
 
 # ---------------------------------------------------------------- the command
 env_words=()

@@ -64,7 +64,7 @@ from harness.gpu_check import real_shapes
 CASE = "gpt_dp2_bf16_fp32grad_overlap_layerwise"
 #: Overlap off: the optimizer's synchronous gather, each param broadcast in place (patch 0006).
 SYNC_CASE = "gpt_dp2_bf16_fp32grad_sync_layerwise"
-#: Eval every 10 iterations: forced param syncs with the pre-hooks disabled (patch 0003).
+#: Eval every 10 iterations: forced param syncs with the pre-hooks disabled (patch 0004).
 EVAL_CASE = "gpt_dp2_bf16_fp32grad_overlap_layerwise_eval"
 #: The 0.19 base's cases (tests/functional_tests/test_cases/gpt_mcore_0.19/), by run suffix.
 CASES_019 = {
