@@ -153,10 +153,17 @@ def run_worker(tree, out: Path, scenarios=None) -> dict:
         tree=tree,
         preload=CORE_PRELOAD,
     )
-    proc = subprocess.run(
-        cmd, env=env, capture_output=True, text=True, timeout=TIMEOUT_S, cwd=REPO_ROOT
-    )
     res = out / "results.json"
+    # A run that crashed is run once more: on pristine 0.19.2 and its prefixes some hazards
+    # race a gather into grad_data against the grad reduce on gloo's threads, which now and
+    # then kills a rank (seen once in about a dozen sweeps, never twice in a row); a crash
+    # that the tree makes every time still fails here.
+    for _ in range(2):
+        proc = subprocess.run(
+            cmd, env=env, capture_output=True, text=True, timeout=TIMEOUT_S, cwd=REPO_ROOT
+        )
+        if proc.returncode == 0 and res.exists():
+            break
     assert proc.returncode == 0 and res.exists(), (
         f"worker failed (rc={proc.returncode}) on {tree}:\n" + (proc.stdout + proc.stderr)[-4000:]
     )
