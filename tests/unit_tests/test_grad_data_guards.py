@@ -895,10 +895,18 @@ def test_every_prefix_is_as_safe_as_pristine(runs, tmp_path, base, k):
     if base != "0.17.1":
         _skip_without_019()
     guarded = patch_number(base, "into idle grad_data")
-    skip = set(NOT_RUN_ON.get(str(pristine), ())) if k < guarded else set()
+    skip = set(NOT_RUN_ON.get(str(pristine), ())) | RACING_ON_019.get(base, set()) if k < guarded else set()
     n = len(series_patches(base=base))
     tree = BASES[base][1] if k == n else make_prefix_tree(k, tmp_path / "tree", base)
-    bad = check_prefix(runs, tree, base, sweep_hazards(), skip)
+    try:
+        bad = check_prefix(runs, tree, base, sweep_hazards(), skip)
+    except AssertionError as e:
+        # 0.19 before 0004 keeps pristine 0.19.2's receive into grad_data whatever it holds,
+        # whose races with gloo's threads kill a rank now and then (pristine's offload runs
+        # are left out for it): a rank killed by a signal there, twice in a row, is that.
+        if base == "0.19" and k < guarded and re.search(r"killed by signal SIG(SEGV|ABRT|BUS)", str(e)):
+            pytest.skip(f"prefix {k} of 0.19: a rank killed by a signal twice, pristine 0.19.2's race")
+        raise
     for hazard in PRISTINE_BUG_KEPT.get(base, set()) & set(bad) if k < guarded else ():
         ref_tree, ref = sweep_hazards()[hazard]
         clean = record(runs, pristine if ref_tree else tree, ref)
@@ -908,6 +916,18 @@ def test_every_prefix_is_as_safe_as_pristine(runs, tmp_path, base, k):
     assert not bad, f"prefix of {k} patches of {base}: {bad}"
 
 
+#: Hazards left out on 0.19 prefixes before the receive into idle grad_data (patch 0004), as
+#: the offload ones are: there, as on pristine 0.19.2, their gather after backward receives
+#: into grad_data while the grad reduce or the next forward runs on gloo's threads, a data
+#: race whose result varies from run to run and which now and then kills a rank (SIGSEGV
+#: twice in a row on prefix 2 of 0.19, under load). Prefixes from 0004 on run them.
+RACING_ON_019 = {
+    "0.19": {
+        "gather_after_backward", "gather_after_backward_moe", "bypass_prehook",
+        "bypass_prehook_moe", "fused_wgrad_gather_after_backward_no_ogr",
+        "fused_wgrad_gather_after_no_sync_no_ogr",
+    }
+}
 #: Hazards where a prefix before the receive into idle grad_data (patch 0004) may train unlike
 #: both pristine and the clean run, with why. On 0.19.2 a gather started after backward
 #: receives over the grads (#3751's receive buffer, whatever grad_data holds) and, with the
