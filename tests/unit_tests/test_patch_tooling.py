@@ -458,7 +458,9 @@ def test_wrong_base_version(series, tmp_path, minor):
     pinfo = target / "megatron/core/package_info.py"
     pinfo.write_text(re.sub(r"^MINOR = 17$", f"MINOR = {minor}", pinfo.read_text(), flags=re.M))
     for mode in ([], ["--check"], ["--reverse"]):
-        expect_refusal(target, mode, env, WRONG_BASE, f"0.{minor}.1", "0.17.1", "exact base")
+        # 0.16 is older than the 0.17.1 series' exact base; 0.18 lies between the two series.
+        words = "exact base" if minor == "16" else "apply neither"
+        expect_refusal(target, mode, env, WRONG_BASE, f"0.{minor}.1", "0.17.1", words)
 
 
 def test_partly_applied(synthetic, tmp_path):
@@ -791,7 +793,7 @@ def test_core_v0_18_2_checkout_is_refused_with_what_it_has_and_lacks(tmp_path, m
     assert proc.returncode == WRONG_BASE, proc.stdout + proc.stderr
     msg = one_line_error(
         proc,
-        "megatron-core 0.18.2", "0.17.1", "do not apply",
+        "megatron-core 0.18.2", "0.17.1", "patches/0.19/", "apply neither",
         # what 0.18 has
         "grad_data", "#3751", "#4609", "zeroes grad_data after the copy-back",
         # what it lacks that the series fixes
