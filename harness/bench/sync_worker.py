@@ -448,7 +448,7 @@ def _fake_all_gather_object() -> None:
     fake backend's own all_gather made it (megatron's optimizer setup gathers param-group
     keys with it). The collective model executes fake-backend gathers without moving data,
     so torch's all_gather_object would unpickle uninitialized sizes there. For the workers
-    that run on the fake backend: the real-shape audit's (``real_shapes_worker``) and the GPU
+    that run on the fake backend: the real-shape audit's (``harness.audit.worker``) and the GPU
     check's predictions (``harness/gpu_check/predict_worker.py``)."""
     real = dist.all_gather_object
 

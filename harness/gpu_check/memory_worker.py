@@ -167,7 +167,7 @@ class Setup:
         # initialize.py:_set_random_seed.)
         torch.manual_seed(seed)
         model_parallel_cuda_manual_seed(seed)
-        # Llama-like configs as harness/bench/real_shapes_worker.py:build_module builds them.
+        # Llama-like configs as harness/audit/worker.py:build_module builds them.
         llama = dict(num_query_groups=cfg["num_query_groups"], kv_channels=cfg["kv_channels"],
                      normalization=cfg["normalization"], gated_linear_unit=True,
                      activation_func=torch.nn.functional.silu, bias_activation_fusion=False,

@@ -5,7 +5,7 @@ The memory worker's ``llama3_8b_layers`` config builds Llama-3-8B's shapes (hidd
 embeddings, vocab 128256) with ``LAYERS`` layers: as many as fit two ranks (DP 2) on one
 80 GB GPU (``layers_that_fit``). Beside each measured CUDA peak of the param sync (per tree,
 per path, per DP rank) the report prints what the real-shape audit predicts for the same
-configuration: ``harness/bench/real_shapes_worker.run_cell`` (the code behind
+configuration: ``harness/audit/worker.run_cell`` (the code behind
 ``scripts/audit_param_sync.py``) run on ``model_spec(LAYERS)`` at DP 2 by
 ``predict_worker.py``. The predictions are stored in ``PREDICTION_FILE`` (written by
 ``python -m harness.gpu_check.real_shapes --write``), so that a dry run shows them without
@@ -40,7 +40,7 @@ from typing import Dict, List, Optional
 
 from harness.trees import REPO_ROOT
 
-#: Llama-3-8B's shapes (as harness/bench/real_shapes.py's ``_LLAMA3_8B``, layers aside).
+#: Llama-3-8B's shapes (as harness/audit/grid.py's ``_LLAMA3_8B``, layers aside).
 HIDDEN, FFN, HEADS, KV_GROUPS, KV_CHANNELS, VOCAB = 4096, 14336, 32, 8, 128, 128256
 #: Tokens per micro-batch of the run (micro-batch 1): activations stay small next to params.
 SEQ = 256
@@ -131,7 +131,7 @@ def model_spec(layers: int = LAYERS, cfg: Optional[dict] = None):
     """The audit's ``ModelSpec`` of the memory worker's config ``cfg`` (default
     ``worker_config(layers)``): the same shapes, TP 1, one pipeline stage, DDP's default
     bucket size."""
-    from harness.bench import real_shapes as audit_shapes
+    from harness.audit import grid as audit_shapes
 
     cfg = worker_config(layers) if cfg is None else cfg
     config = dict(num_layers=cfg["num_layers"], hidden_size=cfg["hidden_size"], ffn_hidden_size=cfg["ffn_hidden_size"],
@@ -151,7 +151,7 @@ def predict(tree: str, layers: int = LAYERS, dp: int = RANKS, timeout_s: float =
     Raises:
         RuntimeError: the worker failed (its output tail).
     """
-    from harness.bench import real_shapes as audit_shapes
+    from harness.audit import grid as audit_shapes
     from harness.trees import env_for_tree
 
     env = env_for_tree(audit_shapes.tree_dir(audit_shapes.TREES[tree]))
@@ -180,7 +180,7 @@ def prediction_doc(layers: int = LAYERS) -> dict:
         trees[tree] = rec
     return {"model": worker_config(layers), "layers": layers, "dp": RANKS,
             "rank_bytes": rank_bytes(layers), "gpu_bytes": GPU_BYTES,
-            "how": "harness/gpu_check/predict_worker.py: harness/bench/real_shapes_worker.run_cell on "
+            "how": "harness/gpu_check/predict_worker.py: harness/audit/worker.run_cell on "
                    "harness.gpu_check.real_shapes.model_spec(layers) at DP 2, paths async and optimizer",
             "trees": trees}
 

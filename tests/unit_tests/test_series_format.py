@@ -141,7 +141,7 @@ def test_series_header_names_the_base(base, tag):
 
 # ------------------------------------------------------------ numbers in the patch messages
 #: The real-shape audit's report (scripts/audit_param_sync.py --publish writes it; its
-#: faithfulness to megatron and its series claims are tests/unit_tests/test_real_shapes_audit.py).
+#: faithfulness to megatron and its series claims are tests/unit_tests/test_audit.py).
 AUDIT_REPORT = REPO_ROOT / "docs" / "bench" / "real_shapes.md"
 # A number is a run of digits, with at most one decimal point, that touches no letter, digit,
 # '_', '-', '.', '#' or '/' outside itself, and has two characters or more: so versions
@@ -208,7 +208,7 @@ MESSAGE_NUMBERS = {
 
 def largest_bucket(model: str, dp: int) -> tuple:
     """A number's source: the largest layer-wise bucket of the audit's JSON cell (model key
-    of harness/bench/real_shapes.py, DP size; pristine tree), its params in bf16, GiB to 2
+    of harness/audit/grid.py, DP size; pristine tree), its params in bf16, GiB to 2
     decimals: what a forced sync receives into a temporary at once (one bucket group at a
     time)."""
     return ("bucket", model, dp)

@@ -1,9 +1,9 @@
-"""Comparison trees of the real-shape audit, by label (``harness/bench/real_shapes.py``).
+"""Comparison trees of the real-shape audit, by label (``harness/audit/grid.py``).
 
 | label | tree |
 |---|---|
 | ``upstream``, ``patched`` | the trees of ``harness.trees`` (pristine 0.17.1, and with the series) |
-| ``exact_list_slots`` | pristine + ``harness/bench/trees/exact_list_slots.diff``: every bucket receives into ``grad_data`` through a list ``all_gather`` with one exact-size slot per DP rank (the NVIDIA/Megatron-LM#3751 design, with zeroing) |
+| ``exact_list_slots`` | pristine + ``harness/audit/trees/exact_list_slots.diff``: every bucket receives into ``grad_data`` through a list ``all_gather`` with one exact-size slot per DP rank (the NVIDIA/Megatron-LM#3751 design, with zeroing) |
 
 Comparison trees are not part of ``patches/``; they are rebuilt under ``build/bench/trees``
 with ``patch -p1 --fuzz=0`` (harness.trees) whenever their diff's sha256 differs from the one
@@ -26,7 +26,7 @@ def comparison_tree(label: str, build_dir: Path = BUILD_DIR) -> Path:
     """Build (if stale) and return the directory holding comparison tree `label`'s megatron/.
 
     Raises:
-        ValueError: no ``harness/bench/trees/<label>.diff``.
+        ValueError: no ``harness/audit/trees/<label>.diff``.
         RuntimeError: the diff does not apply to the pristine tree (patch's output quoted).
     """
     diff = DIFF_DIR / f"{label}.diff"

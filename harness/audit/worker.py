@@ -3,7 +3,7 @@
 The driver (scripts/audit_param_sync.py) starts this file once per tree, with that
 tree first on PYTHONPATH (harness.trees.env_for_tree) and the CPU runtime layer on:
 
-    python harness/bench/real_shapes_worker.py --tree patched --cells llama3_8b_tp1:64,... --out F.json
+    python harness/audit/worker.py --tree patched --cells llama3_8b_tp1:64,... --out F.json
 
 Per cell (model x DP) it runs, in this one process, what megatron runs on one rank of a
 job of TP x PP x DP ranks:
@@ -49,7 +49,7 @@ A cell or path that raises records ``{"error": "Type: message"}``: a tree's cras
 Per cell, too, megatron's own estimate of the step's peak memory per rank,
 ``theoretical_memory`` (``theoretical_memory``: the tree's ``megatron.training.
 theoretical_memory_usage.report_theoretical_memory`` on the model's flags at that DP;
-``real_shapes.MODEL_FLAGS`` for the built-in models). ``--theory-only`` computes only that.
+``grid.MODEL_FLAGS`` for the built-in models). ``--theory-only`` computes only that.
 
 ``--flags JOB`` audits the model that ``pretrain_gpt.py`` flags describe instead of
 ``--cells`` (``run_flags``, ``FlagsSpec``): the tree's own argument parser, ``validate_args``,
@@ -75,7 +75,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 if __package__ in (None, ""):
-    # Run as a file: sys.path[0] is harness/bench; the repo root goes LAST so that the
+    # Run as a file: sys.path[0] is harness/audit; the repo root goes LAST so that the
     # tree chosen by PYTHONPATH keeps its rank (check_expected_tree()).
     if sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
         del sys.path[0]
@@ -91,7 +91,7 @@ from torch.overrides import TorchFunctionMode  # noqa: E402
 from torch.utils._device import _device_constructors  # noqa: E402
 
 from harness.alloc_counter import AllocationCounter, storage_key  # noqa: E402
-from harness.bench import real_shapes  # noqa: E402
+from harness.audit import grid  # noqa: E402
 from harness.bench import sync_worker  # noqa: E402
 from harness.cpu_runtime import collectives  # noqa: E402
 from harness.layerwise_optimizer import layerwise_muon_optimizer  # noqa: E402
@@ -236,7 +236,7 @@ def _mc():
     )  # fmt: skip
 
 
-def build_module(mc, spec: real_shapes.ModelSpec, vp_stage=None):
+def build_module(mc, spec: grid.ModelSpec, vp_stage=None):
     """This stage's GPTModel of ``spec`` (meta tensors when called under MetaDeviceMode);
     with VPP, its model chunk ``vp_stage`` (``megatron.training.training.get_model``).
 
@@ -384,7 +384,7 @@ class LayoutSetup(LegacySetup):
         ps = mc.ps
         self.config, module, self.vocab = build_module(mc, spec)
         dp = ps.get_data_parallel_world_size(with_context_parallel=True)
-        ddp_bucket = spec.bucket_size or real_shapes.default_bucket_size(dp)
+        ddp_bucket = spec.bucket_size or grid.default_bucket_size(dp)
         bucket_size = None if ps.get_pipeline_model_parallel_rank() > 0 else ddp_bucket
         ddp_config = mc.DDPConfig(grad_reduce_in_fp32=spec.grad_reduce_in_fp32, overlap_grad_reduce=True,
                                   overlap_param_gather=overlap, use_distributed_optimizer=True,
@@ -513,7 +513,7 @@ def parse_flags(flags, world_size=None, dp=None, validate: bool = True):
 
 
 class FlagsSpec:
-    """A model described by ``pretrain_gpt.py`` flags, in the shape of ``real_shapes.ModelSpec``
+    """A model described by ``pretrain_gpt.py`` flags, in the shape of ``grid.ModelSpec``
     (``tp``, ``pp``, ``ep``, ``etp``, ``vpp``, ``pp_stage``, ``bucket_size``,
     ``grad_reduce_in_fp32``, ``ddp_extra``, ``world_size(dp)``), built by megatron's own code:
 
@@ -526,7 +526,7 @@ class FlagsSpec:
       (``--transformer-impl``, ``--num-experts``, ``--moe-grouped-gemm``, ``--spec``, ...),
       ``--untie-embeddings-and-output-weights``, ``--position-embedding-type``, MTP layers;
       ``--transformer-impl transformer_engine`` without Transformer Engine installed runs on
-      ``harness.bench.te_standin`` (TE's parameters, megatron's TE wrappers and spec;
+      ``harness.audit.te_standin`` (TE's parameters, megatron's TE wrappers and spec;
       ``layer_spec_for``);
     * the vocabulary: ``--vocab-size`` padded by megatron (``vocab_size_with_padding``:
       ``--make-vocab-size-divisible-by`` x TP); ``--tokenizer-type NullTokenizer`` through
@@ -650,7 +650,7 @@ LOCAL_FOR_TE = ("the local spec registers a separate input_layernorm / pre_mlp_l
 def layer_spec_for(flags) -> tuple:
     """Prepare the layer spec the flags choose: with ``--transformer-impl transformer_engine``
     (megatron's default) and Transformer Engine not installed, install
-    ``harness.bench.te_standin`` (TE's parameters under megatron's own TE wrappers and spec).
+    ``harness.audit.te_standin`` (TE's parameters under megatron's own TE wrappers and spec).
 
     Returns:
         (the spec as reports name it, flags to append): ("local", ()), ("transformer_engine",
@@ -660,7 +660,7 @@ def layer_spec_for(flags) -> tuple:
     Raises:
         FlagsError: as ``parse_flags``.
     """
-    from harness.bench import te_standin
+    from harness.audit import te_standin
 
     impl = parse_flags(flags, validate=False).transformer_impl
     if impl != "transformer_engine":
@@ -803,7 +803,7 @@ class LayoutLog(logging.Handler):
         return False
 
 
-def run_cell(mc, tree: real_shapes.TreeSpec, spec, dp: int, dp_rank: int, paths, detail: bool = False) -> dict:
+def run_cell(mc, tree: grid.TreeSpec, spec, dp: int, dp_rank: int, paths, detail: bool = False) -> dict:
     """Every path of one cell on one DP rank; see the module docstring."""
     t0 = time.perf_counter()
     world = spec.world_size(dp)
@@ -895,13 +895,13 @@ def parse_cells(text: str) -> list:
     cells = []
     for item in filter(None, text.split(",")):
         parts = item.split(":")
-        if parts[0] not in real_shapes.ALL_MODELS:
-            raise ValueError(f"unknown model {parts[0]!r}; known: {sorted(real_shapes.ALL_MODELS)}")
+        if parts[0] not in grid.ALL_MODELS:
+            raise ValueError(f"unknown model {parts[0]!r}; known: {sorted(grid.ALL_MODELS)}")
         dp = int(parts[1])
         rank = int(parts[2]) if len(parts) > 2 else 0
         if not 0 <= rank < dp:
             raise ValueError(f"{item}: DP rank {rank} outside 0..{dp - 1}")
-        cells.append((real_shapes.ALL_MODELS[parts[0]], dp, rank))
+        cells.append((grid.ALL_MODELS[parts[0]], dp, rank))
     return cells
 
 
@@ -938,13 +938,13 @@ def theoretical_memory(args) -> dict:
 
 
 def builtin_theoretical_memory(spec, dp: int) -> dict:
-    """``theoretical_memory`` of a built-in model (``real_shapes.MODEL_FLAGS``, the flags that
+    """``theoretical_memory`` of a built-in model (``grid.MODEL_FLAGS``, the flags that
     describe it) at DP ``dp``, parsed and validated by the tree's own ``megatron.training``
     (``FlagsSpec``: it also pads the vocabulary, as megatron's tokenizer set-up does);
     {"error": ...} for a model with no flags or flags the tree refuses."""
-    flags = real_shapes.MODEL_FLAGS.get(spec.label)
+    flags = grid.MODEL_FLAGS.get(spec.label)
     if flags is None:
-        return {"error": f"{spec.label}: no pretrain_gpt.py flags (real_shapes.MODEL_FLAGS)"}
+        return {"error": f"{spec.label}: no pretrain_gpt.py flags (grid.MODEL_FLAGS)"}
     try:
         args = FlagsSpec(spec.label, flags, dp=dp, pp_stage=spec.pp_stage).args  # sets padded_vocab_size
     except FlagsError as exc:
@@ -952,7 +952,7 @@ def builtin_theoretical_memory(spec, dp: int) -> dict:
     return theoretical_memory(args)
 
 
-def run_flags(mc, tree: real_shapes.TreeSpec, job: dict, paths, detail: bool = False) -> list:
+def run_flags(mc, tree: grid.TreeSpec, job: dict, paths, detail: bool = False) -> list:
     """The cells of the flags' model (``job``: see ``--flags``) on ``tree``, DP rank 0 each:
     per DP size (or world size) a ``run_cell`` record with ``size`` (["dp" | "world", n], as
     requested), ``flags`` (``FlagsSpec.describe``) and ``layer_spec``, or ``{"tree", "model",
@@ -965,7 +965,7 @@ def run_flags(mc, tree: real_shapes.TreeSpec, job: dict, paths, detail: bool = F
     except FlagsError as exc:
         return [dict(base, size=[kind, n], flags_error=str(exc)) for kind, n in sizes]
     if more:
-        print(f"[real_shapes_worker] {tree.label}: layer spec {layer_spec}", flush=True)
+        print(f"[audit worker] {tree.label}: layer spec {layer_spec}", flush=True)
     flags = [*flags, *more]
     records = []
     for kind, n in sizes:
@@ -979,7 +979,7 @@ def run_flags(mc, tree: real_shapes.TreeSpec, job: dict, paths, detail: bool = F
         rec = run_cell(mc, tree, spec, spec.dp, 0, paths, detail)
         rec.update(size=[kind, n], flags=spec.describe(), layer_spec=layer_spec, theoretical_memory=theory)
         records.append(rec)
-        print(f"[real_shapes_worker] {tree.label} {label} dp={spec.dp} {time.perf_counter() - t0:.1f} s"
+        print(f"[audit worker] {tree.label} {label} dp={spec.dp} {time.perf_counter() - t0:.1f} s"
               + (f" FLAGS {rec['flags_error'][:200]}" if "flags_error" in rec else "")
               + (f" ERROR {rec['error'][:200]}" if "error" in rec else ""), flush=True)  # fmt: skip
     return records
@@ -987,8 +987,8 @@ def run_flags(mc, tree: real_shapes.TreeSpec, job: dict, paths, detail: bool = F
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--tree", required=True, choices=sorted(real_shapes.TREES))
-    ap.add_argument("--cells", default="", help="model:dp[:dp_rank],... (harness/bench/real_shapes.py MODELS)")
+    ap.add_argument("--tree", required=True, choices=sorted(grid.TREES))
+    ap.add_argument("--cells", default="", help="model:dp[:dp_rank],... (harness/audit/grid.py MODELS)")
     ap.add_argument("--paths", default=",".join(PATHS))
     ap.add_argument("--out", required=True, help="JSON list of cell records")
     ap.add_argument("--bucket-detail", action="store_true",
@@ -1000,7 +1000,7 @@ def main(argv=None) -> int:
                     "no sync run")
     args = ap.parse_args(argv)
     tree_dir = check_expected_tree()
-    tree = real_shapes.TREES[args.tree]
+    tree = grid.TREES[args.tree]
     torch.set_num_threads(1)
     sync_worker._fake_all_gather_object()
     _member_groups_only()
@@ -1021,7 +1021,7 @@ def main(argv=None) -> int:
         rec["theoretical_memory"] = builtin_theoretical_memory(spec, dp)
         rec["tree_dir"] = tree_dir
         records.append(rec)
-        print(f"[real_shapes_worker] {tree.label} {spec.label} dp={dp} {rec['wall_s']:.1f} s"
+        print(f"[audit worker] {tree.label} {spec.label} dp={dp} {rec['wall_s']:.1f} s"
               + (f" ERROR {rec['error'][:200]}" if "error" in rec else ""), flush=True)  # fmt: skip
     Path(args.out).write_text(json.dumps(records, indent=1))
     return 0

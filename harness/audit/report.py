@@ -1,6 +1,6 @@
 """Tables, JSON and the plot of the real-shape audit (scripts/audit_param_sync.py).
 
-Input: the cell records of ``harness/bench/real_shapes_worker.py`` (one per tree x model
+Input: the cell records of ``harness/audit/worker.py`` (one per tree x model
 x DP, rank ``dp_rank``). Output:
 
 * ``slim(record)``: the published form of a record: bucket summaries (numel, params,
@@ -36,6 +36,27 @@ FORM_NAMES = {
     "broadcast": "bcast",
 }
 PATHS = ("async", "forced", "optimizer")
+#: The audit's hand-written prose: docs/bench/real_shapes_findings.md (the reading of the
+#: tables, ``FINDINGS``) and docs/bench/real_shapes_text.md (method, column legend, notes).
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "bench"
+TEXT_FILE = DOCS / "real_shapes_text.md"
+
+
+def load_texts(path: Path = TEXT_FILE) -> Dict[str, str]:
+    """{heading: text} of ``path``: each "## KEY" section's lines, stripped and joined by one
+    space (blank lines, and the comment before the first heading, left out)."""
+    texts: Dict[str, List[str]] = {}
+    key = None
+    for line in path.read_text().splitlines():
+        if line.startswith("## "):
+            key = line[3:].strip()
+            texts[key] = []
+        elif key is not None and line.strip():
+            texts[key].append(line.strip())
+    return {k: " ".join(v) for k, v in texts.items()}
+
+
+TEXTS = load_texts()
 
 
 def gib(nbytes: Optional[float]) -> str:
@@ -268,29 +289,13 @@ def memory_table(rows: List[dict], legacy_trees: List[str], layout_tree: str) ->
 
 
 #: What real_shapes.md says of the forced sync against the step's peak (``forced_table``).
-FORCED_NOTE = (
-    "A forced sync (`start_param_sync(force_sync=True)`) runs only with `--overlap-param-gather`: "
-    "`megatron.training` forces one before each checkpoint save, at each evaluation (`--eval-interval`), "
-    "at the weight-hash check and at the end of training (`should_disable_forward_pre_hook`). It runs "
-    "outside the step, but its temporaries come on top of what the run holds then: the weights, the "
-    "gradient buffer and the optimizer state. Against it stands megatron's own estimate of the step's "
-    "peak per rank, `megatron/training/theoretical_memory_usage.py`'s `report_theoretical_memory` of the "
-    "tree (what `megatron.training` prints after the first iteration), called by the audit's worker on "
-    "the model's flags (`real_shapes.MODEL_FLAGS`, or the user's) at that DP: weights and optimizer "
-    "state plus activations. Its assumptions are megatron's: 18 bytes per param without "
-    "`--use-distributed-optimizer` (so for `dist_muon` too, whose layer-wise optimizer shards Muon's "
-    "state), activations without recomputation at `--micro-batch-size 1`, and on 0.17.1 experts "
-    "divided by TP only (0.18 and later divide them by EP too); with PP, the most loaded stage (the "
-    "first, with the embedding), not the stage audited. A forced-sync peak that is a small "
-    "share of it cannot raise the run's peak by more than that share, wherever the step's peak "
-    "matches megatron's estimate."
-)
+FORCED_NOTE = TEXTS["forced_note"]
 
 
 def _estimates_text(records: List[dict]) -> str:
     """megatron's step estimate (``theory_text``) of ``records``, once if they agree, else per
     release ("272.98 (264.61 + 8.38) on 0.17.1; 61.89 (53.51 + 8.38) on 0.18.2, 0.19.2")."""
-    from harness.bench.real_shapes import RELEASE_OF_TREE
+    from harness.audit.grid import RELEASE_OF_TREE
 
     said: Dict[str, List[str]] = {}
     for r in records:
@@ -324,7 +329,7 @@ def forced_table(cells: List[dict], trees: List[str]) -> str:
 
 #: Hand-written reading of the tables (who should use which release and path, with the
 #: figures that decide it), placed after the column legend of real_shapes.md.
-FINDINGS = Path(__file__).with_name("real_shapes_findings.md")
+FINDINGS = DOCS / "real_shapes_findings.md"
 
 
 def write_markdown(data: dict, path: Path, plot_name: str = "real_shapes.png") -> None:
@@ -383,11 +388,11 @@ def write_markdown(data: dict, path: Path, plot_name: str = "real_shapes.png") -
 
 def reproduce_section(meta: dict) -> List[str]:
     """Markdown lines: how to audit each built-in model of ``meta["models"]`` from
-    ``pretrain_gpt.py`` flags (``real_shapes.MODEL_FLAGS``), at the run's DP sizes; none for
+    ``pretrain_gpt.py`` flags (``grid.MODEL_FLAGS``), at the run's DP sizes; none for
     a flag run (``meta["flags"]``)."""
     import shlex
 
-    from harness.bench.real_shapes import MODEL_FLAGS, MODELS
+    from harness.audit.grid import MODEL_FLAGS, MODELS
 
     models = [m for m in meta["models"] if m in MODEL_FLAGS]
     if not models or "flags" in meta:
@@ -401,7 +406,7 @@ def reproduce_section(meta: dict) -> List[str]:
         "`gpt_builder` make it (docs/harness.md, \"Your model\"), on the trees the run names (`--trees`; "
         "by default pristine and the series of each base, and 0.19.2's layout path, which does not audit "
         "VPP). These flags give the models above: all seven on pristine 0.17.1 at DP 8 gave their built-in "
-        "cells key for key when they were written, and `tests/unit_tests/test_real_shapes_audit.py` checks "
+        "cells key for key when they were written, and `tests/unit_tests/test_audit.py` checks "
         "Llama-3-8B TP 1 at DP 8 and 64 on 0.17.1, pristine and the series, and the DeepSeek-V2-Lite-like "
         "MoE at DP 64 on pristine 0.19.2. They "
         "name `--transformer-impl local`, the layer spec of these tables; left out, megatron's default "
@@ -524,7 +529,7 @@ def series_claims(cells: List[dict], pairs: Optional[Dict[str, str]] = None) -> 
 
     Args:
         cells: slim records (any trees; ``model`` and ``dp`` match the pairs).
-        pairs: series tree -> pristine tree (default ``real_shapes.SERIES_PAIRS``).
+        pairs: series tree -> pristine tree (default ``grid.SERIES_PAIRS``).
 
     Returns:
         per series cell and path, ``{"tree", "pristine", "model", "dp", "path", "claim", "holds": bool,
@@ -539,7 +544,7 @@ def series_claims(cells: List[dict], pairs: Optional[Dict[str, str]] = None) -> 
         there, or is not in the run).
     """
     if pairs is None:
-        from harness.bench.real_shapes import SERIES_PAIRS as pairs
+        from harness.audit.grid import SERIES_PAIRS as pairs
     by = {(c["tree"], c["model"], c["dp"]): c for c in cells}
     out = []
     for c in cells:

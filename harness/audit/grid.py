@@ -2,8 +2,8 @@
 
 ``scripts/audit_param_sync.py`` runs, for every cell (model x TP/PP/EP x DP x tree), the
 tree's own megatron-core code on storage-free tensors (meta device) over PyTorch's fake
-process group (``harness/bench/real_shapes_worker.py``) and reports what the param sync
-issues and allocates (``harness/bench/real_shapes_report.py``). Nothing here plans a
+process group (``harness/audit/worker.py``) and reports what the param sync
+issues and allocates (``harness/audit/report.py``). Nothing here plans a
 gather: the buckets come from the tree's ``_ParamAndGradBuffer`` / DDP, the shards from its
 ``LayerWiseDistributedOptimizer`` (ping-pong ``shard_params`` or 0.18.2's
 ``compute_full_param_layout``), the collectives from running its bucket groups'
@@ -213,7 +213,7 @@ MODEL_FLAGS: Dict[str, Tuple[str, ...]] = {
 }
 
 #: Small configs for the check against allocated megatron objects on real gloo ranks
-#: (tests/unit_tests/test_real_shapes_audit.py): the same code paths (dense and expert-DP
+#: (tests/unit_tests/test_audit.py): the same code paths (dense and expert-DP
 #: buckets, several buckets, uneven shares) at a size that trains on CPU.
 CHECK_MODELS: Dict[str, ModelSpec] = {
     m.label: m
@@ -238,7 +238,7 @@ class TreeSpec:
     Attributes:
         label: table and JSON name.
         title: what it is.
-        source: what ``harness.bench.trees.tree_for`` takes ("upstream", "patched", a
+        source: what ``harness.audit.trees.tree_for`` takes ("upstream", "patched", a
             comparison-tree label), or a path relative to the repo root holding megatron/.
         layout: True for 0.18.2's default layer-wise param layout path
             (``LayerWiseDistributedOptimizer.compute_full_param_layout`` passed to DDP as
@@ -257,7 +257,7 @@ TREES: Dict[str, TreeSpec] = {
     for t in (
         TreeSpec("upstream", "megatron-core 0.17.1, pristine", "upstream"),
         TreeSpec("exact_list_slots", "0.18's legacy design (grad_data list slots, #3751 + #4609) on 0.17.1, "
-                 "with the optimizer path through the buckets (harness/bench/trees/exact_list_slots.diff)",
+                 "with the optimizer path through the buckets (harness/audit/trees/exact_list_slots.diff)",
                  "exact_list_slots"),  # fmt: skip
         TreeSpec("patched", "0.17.1 + the series (patches/0.17.1/)", "patched"),
         TreeSpec("mcore_0.18_legacy", "megatron-core 0.18.2 with --no-use-layer-wise-param-layout "
@@ -290,14 +290,14 @@ def tree_dir(spec: TreeSpec):
 
     Raises:
         FileNotFoundError: a path tree that is missing (run scripts/setup.sh).
-        ValueError / RuntimeError: as ``harness.bench.trees.tree_for``.
+        ValueError / RuntimeError: as ``harness.audit.trees.tree_for``.
     """
     if "/" in spec.source:
         path = _trees.REPO_ROOT / spec.source
         if not (path / "megatron" / "core" / "__init__.py").is_file():
             raise FileNotFoundError(f"tree {spec.label}: {path}/megatron is missing; run scripts/setup.sh")
         return Path(path)
-    from harness.bench.trees import tree_for
+    from harness.audit.trees import tree_for
 
     return tree_for(spec.source)
 
