@@ -223,7 +223,7 @@ def model_table(records: List[dict], trees: List[str]) -> str:
 
 
 def crash_notes(records: List[dict]) -> List[str]:
-    """'- crash: DP 8, upstream, async, forced: TypeError: ...' per distinct message."""
+    """'- crash: DP 8, pristine-0.17.1, async, forced: TypeError: ...' per distinct message."""
     seen: Dict[tuple, List[str]] = {}
     for r in records:
         errs = [("cell", r)] if "error" in r else [(p, v) for p, v in r.get("paths", {}).items() if "error" in v]
@@ -623,13 +623,13 @@ def your_paths(cells: List[dict]) -> List[str]:
 
 #: What each tree is to a user of ``pretrain_gpt.py`` (the flag path's legend), beyond its title.
 TREE_USE = {
-    "upstream": "what a 0.17.1 run gets today",
-    "patched": "the same run with patches/0.17.1/ applied",
-    "mcore_0.19_legacy": "what pretrain_gpt.py runs on 0.19.x today, whatever --use-layer-wise-param-layout says",
-    "patched_0.19": "the same run with patches/0.19/ applied",
-    "mcore_0.19_layout": "pretrain()'s model-provider API by default; pretrain_gpt.py does not take this path",
-    "mcore_0.18_legacy": "0.18.x with --no-use-layer-wise-param-layout (no series: update to 0.19.2)",
-    "mcore_0.18_layout": "0.18.x by default (no series)",
+    "pristine-0.17.1": "what a 0.17.1 run gets today",
+    "series-0.17.1": "the same run with patches/0.17.1/ applied",
+    "pristine-0.19": "what pretrain_gpt.py runs on 0.19.x today, whatever --use-layer-wise-param-layout says",
+    "series-0.19": "the same run with patches/0.19/ applied",
+    "pristine-0.19-layout": "pretrain()'s model-provider API by default; pretrain_gpt.py does not take this path",
+    "pristine-0.18.2": "0.18.x with --no-use-layer-wise-param-layout (no series: update to 0.19.2)",
+    "pristine-0.18.2-layout": "0.18.x by default (no series)",
 }  # fmt: skip
 
 
@@ -641,7 +641,7 @@ def legend_lines(meta: dict, cells: List[dict]) -> List[str]:
     lines = ["", "Paths (one sync of the params each DP rank updated, as megatron.training runs it):"]
     lines += [f"  {p:<10}{PATH_NAMES[p]}: {PATH_WHEN[p]}" for p in ("async", "optimizer", "forced")]
     lines += ["Trees:"]
-    lines += [f"  {t:<20}{m['title']}" + (f"; {TREE_USE[t]}" if t in TREE_USE else "")
+    lines += [f"  {t:<24}{m['title']}" + (f"; {TREE_USE[t]}" if t in TREE_USE else "")
               for t, m in meta["trees"].items()]  # fmt: skip
     if meta.get("base") == "all":
         lines.append("Rows of megatron-core 0.17.1 and 0.19 (--base all; --base 0.17.1 or 0.19 for one release).")
@@ -677,13 +677,13 @@ def flags_text(data: dict) -> str:
     for label, m in meta["models"].items():
         lines += [f"== {m['title']}", f"   {m['summary']}", f"   {m['notes']}"]
     lines += legend_lines(meta, cells)
-    head = f"   {'path':<10}{'tree':<20}{'megatron temp. GiB: all (peak)':>31}{'NCCL temp. GiB':>16}" \
+    head = f"   {'path':<10}{'tree':<24}{'megatron temp. GiB: all (peak)':>31}{'NCCL temp. GiB':>16}" \
            f"{'ops (0-size)':>16}{'launches':>10}{'zeroed GiB':>12}{'peak temp. / step estimate GiB':>34}"
     for dp in sorted({c["dp"] for c in cells}):
         rs = _ordered([c for c in cells if c["dp"] == dp], trees)
         edp = f", expert DP {rs[0]['expert_dp']}" if rs[0].get("ep", 1) > 1 and "expert_dp" in rs[0] else ""
         lines += ["", f"DP {dp}{edp}", head]
-        lines += [f"   {'(cell)':<10}{r['tree']:<20}  crash: {error_line(r)[:90]}" for r in rs if "error" in r]
+        lines += [f"   {'(cell)':<10}{r['tree']:<24}  crash: {error_line(r)[:90]}" for r in rs if "error" in r]
         for path in ("async", "optimizer", "forced"):
             for r in rs:
                 # pretrain_gpt.py takes the legacy path (README), so the layout tree's rows are not the user's
@@ -692,13 +692,13 @@ def flags_text(data: dict) -> str:
                 if p is None:
                     continue
                 if "error" in p:
-                    lines.append(f" {mark} {path:<10}{r['tree']:<20}  crash: {error_line(p)[:90]}")
+                    lines.append(f" {mark} {path:<10}{r['tree']:<24}  crash: {error_line(p)[:90]}")
                     continue
                 temp = f"{gib(p['megatron_temporary_bytes'])} ({gib(p['megatron_peak_bytes'])})"
                 ops = f"{p['ops']} ({p['zero_size_ops']})"
                 peak, step = transient_peak(r, path), theory_bytes(r)
                 against = f"{gib(peak)} / {gib(step)}" + (f" ({100 * peak / step:.1f}%)" if peak and step else "")
-                lines.append(f" {mark} {path:<10}{r['tree']:<20}{temp:>31}{gib(nccl_peak(p)):>16}{ops:>16}"
+                lines.append(f" {mark} {path:<10}{r['tree']:<24}{temp:>31}{gib(nccl_peak(p)):>16}{ops:>16}"
                              f"{p['launches']:>10}{gib(p['zeroed_grad_bytes']):>12}{against:>34}")  # fmt: skip
         pads = ", ".join(f"{r['tree']} {gib(r.get('padding_bytes', 0))}" for r in rs if "error" not in r)
         lines.append(f"   persistent padding GiB: {pads}")

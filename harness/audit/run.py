@@ -5,7 +5,7 @@ The driver behind ``scripts/audit_param_sync.py`` (its command line: ``main``). 
     .venv/bin/python scripts/audit_param_sync.py              # every cell: 6 models x DP 8..1024 x 4 trees
     .venv/bin/python scripts/audit_param_sync.py --quick      # 2 models x DP 8, 64 (the unit test's run)
     .venv/bin/python scripts/audit_param_sync.py --publish    # also docs/bench/real_shapes.{md,json,png}
-    .venv/bin/python scripts/audit_param_sync.py --trees upstream,patched --models llama3_8b_tp1 --dp-sizes 64
+    .venv/bin/python scripts/audit_param_sync.py --trees pristine-0.17.1,series-0.17.1 --models llama3_8b_tp1 --dp-sizes 64
     .venv/bin/python scripts/audit_param_sync.py --dp-sizes 8,64 --label mine -- <pretrain_gpt.py flags> --vocab-size N
     .venv/bin/python scripts/audit_param_sync.py --render-from docs/bench/real_shapes.json --publish  # no audit run
 
@@ -98,8 +98,8 @@ class FlagsRejected(ValueError):
 #: Trees of the flag path: pristine and the series on each base, and 0.19.2's layout path
 #: (dropped when the flags say --no-use-layer-wise-param-layout). ``--base`` picks one base's
 #: (default ``DEFAULT_BASE``, the newest release with a series), or all of them.
-FLAGS_TREES = ("upstream", "patched", "mcore_0.19_legacy", "patched_0.19", "mcore_0.19_layout")
-TREES_OF_BASE = {"0.17.1": ("upstream", "patched"), "0.19": ("mcore_0.19_legacy", "patched_0.19", "mcore_0.19_layout")}
+FLAGS_TREES = ("pristine-0.17.1", "series-0.17.1", "pristine-0.19", "series-0.19", "pristine-0.19-layout")
+TREES_OF_BASE = {"0.17.1": ("pristine-0.17.1", "series-0.17.1"), "0.19": ("pristine-0.19", "series-0.19", "pristine-0.19-layout")}
 DEFAULT_BASE = "0.19"
 
 

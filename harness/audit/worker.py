@@ -3,7 +3,7 @@
 The driver (scripts/audit_param_sync.py) starts this file once per tree, with that
 tree first on PYTHONPATH (harness.trees.env_for_tree) and the CPU runtime layer on:
 
-    python harness/audit/worker.py --tree patched --cells llama3_8b_tp1:64,... --out F.json
+    python harness/audit/worker.py --tree series-0.17.1 --cells llama3_8b_tp1:64,... --out F.json
 
 Per cell (model x DP) it runs, in this one process, what megatron runs on one rank of a
 job of TP x PP x DP ranks:

@@ -4,7 +4,7 @@ Run by ``harness.gpu_check.real_shapes.predict`` with the tree first on PYTHONPA
 CPU runtime layer forced on, as ``scripts/audit_param_sync.py`` runs its workers::
 
     MEGATRON_CPU_RUNTIME=force python harness/gpu_check/predict_worker.py \
-        --tree upstream --layers 11 --dp 2 --out up.json
+        --tree pristine-0.17.1 --layers 11 --dp 2 --out up.json
 
 It runs the audit's own cell (``harness/audit/worker.run_cell``: the tree's DDP,
 layer-wise Muon optimizer and param sync on meta tensors over a fake process group of DP

@@ -56,8 +56,10 @@ MARGIN = 0.05
 ROUNDING_BYTES = 512
 PREDICTION_FILE = Path(__file__).resolve().parent / "real_shape_prediction.json"
 PREDICT_WORKER = Path(__file__).resolve().parent / "predict_worker.py"
-#: Trees of the prediction and the run: the audit's labels (harness/bench/real_shapes.TREES).
+#: Trees of the prediction and the run: the GPU check's two sides (``plan.TREES``).
 TREES = ("upstream", "patched")
+#: Each side's tree in the audit (a label of harness.audit.grid.TREES).
+AUDIT_TREES = {"upstream": "pristine-0.17.1", "patched": "series-0.17.1"}
 #: Memory worker window -> audit path.
 WINDOWS = {"sync": "async", "sync_optimizer": "optimizer"}
 
@@ -145,8 +147,8 @@ def model_spec(layers: int = LAYERS, cfg: Optional[dict] = None):
 
 def predict(tree: str, layers: int = LAYERS, dp: int = RANKS, timeout_s: float = 600,
             cfg: Optional[dict] = None) -> dict:
-    """Run ``predict_worker.py`` (the audit's cell) on ``tree`` for ``model_spec(layers, cfg)``;
-    its JSON record.
+    """Run ``predict_worker.py`` (the audit's cell) on ``tree`` (a side of ``TREES``: its audit
+    tree, ``AUDIT_TREES``) for ``model_spec(layers, cfg)``; its JSON record.
 
     Raises:
         RuntimeError: the worker failed (its output tail).
@@ -154,12 +156,12 @@ def predict(tree: str, layers: int = LAYERS, dp: int = RANKS, timeout_s: float =
     from harness.audit import grid as audit_shapes
     from harness.trees import env_for_tree
 
-    env = env_for_tree(audit_shapes.tree_dir(audit_shapes.TREES[tree]))
+    env = env_for_tree(audit_shapes.tree_dir(audit_shapes.TREES[AUDIT_TREES[tree]]))
     env.update(MEGATRON_CPU_RUNTIME="force", OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "p.json"
         extra = ["--worker-config", json.dumps(cfg)] if cfg is not None else []
-        proc = subprocess.run([sys.executable, str(PREDICT_WORKER), "--tree", tree, "--layers", str(layers),
+        proc = subprocess.run([sys.executable, str(PREDICT_WORKER), "--tree", AUDIT_TREES[tree], "--layers", str(layers),
                                "--dp", str(dp), "--out", str(out), *extra], env=env, cwd=REPO_ROOT,
                               capture_output=True, text=True, timeout=timeout_s)
         if proc.returncode != 0:

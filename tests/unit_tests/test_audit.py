@@ -102,10 +102,10 @@ def bucket_mismatches(audit: dict, real: dict) -> list:
 
 @pytest.fixture(scope="module")
 def allocated(tmp_path_factory):
-    """The check model's buckets on 4 real gloo ranks, allocated, on the patched tree."""
+    """The check model's buckets on 4 real gloo ranks, allocated, on the series-0.17.1 tree."""
     out = tmp_path_factory.mktemp("allocated") / "real.json"
     cmd, env = torchrun_command(CHECK_WORKER, ["--model", CHECK_MODEL, "--out", str(out)], CHECK_DP,
-                                tree="patched", extra_env={"PYTHONWARNINGS": "ignore"}, preload=CORE_PRELOAD)  # fmt: skip
+                                tree="series-0.17.1", extra_env={"PYTHONWARNINGS": "ignore"}, preload=CORE_PRELOAD)  # fmt: skip
     try:
         run_command(cmd, env, run_dir=out.with_suffix(".logs"), timeout_s=TIMEOUT_S, what="check worker x4")
     except LaunchError as exc:
@@ -125,7 +125,7 @@ def test_audit_buckets_and_shares_equal_an_allocated_run(allocated, tmp_path):
     assert len(real["buckets"]) >= 6
     assert {len(b["shares"]) for b in real["buckets"]} == {2, 4}
     assert any(0 in b["shares"] for b in real["buckets"])
-    audit = audit_cell("patched", "patched", tmp_path / "audit.json")
+    audit = audit_cell("series-0.17.1", "series-0.17.1", tmp_path / "audit.json")
     assert (audit["dp"], audit["expert_dp"]) == (CHECK_DP, 2)
     assert bucket_mismatches(audit, real) == []
 
@@ -135,13 +135,13 @@ def test_comparison_fails_with_reversed_ping_pong(allocated, tmp_path):
     ping-pong in reverse order (rank N-1 first) no longer matches the allocated run, in
     the per-rank shares only (the buckets themselves do not change)."""
     tree = tmp_path / "reversed"
-    shutil.copytree(tree_parent("patched") / "megatron", tree / "megatron",
+    shutil.copytree(tree_parent("series-0.17.1") / "megatron", tree / "megatron",
                     ignore=shutil.ignore_patterns("__pycache__"))  # fmt: skip
     lwo = tree / "megatron" / "core" / "optimizer" / "layer_wise_optimizer.py"
     text = lwo.read_text()
     assert text.count(PING_PONG) == 1, f"{lwo}: the ping-pong line moved; update PING_PONG"
     lwo.write_text(text.replace(PING_PONG, PING_PONG_REVERSED))
-    audit = audit_cell("patched", tree, tmp_path / "audit.json")
+    audit = audit_cell("series-0.17.1", tree, tmp_path / "audit.json")
     fails = bucket_mismatches(audit, allocated)
     assert fails, "reversing the ping-pong order went unnoticed"
     assert all(" share_names: " in f or " shares: " in f for f in fails), fails
@@ -176,7 +176,7 @@ def test_every_cell_ran_and_checks_hold(audit):
         assert c["expert_dp"] == c["dp"] // grid.MODELS[c["model"]].ep
         for path in PATHS:
             r = c["paths"][path]
-            if c["tree"] == "upstream" and c["expert_dp"] == 1 and path != "optimizer":
+            if c["tree"] == "pristine-0.17.1" and c["expert_dp"] == 1 and path != "optimizer":
                 assert r["error"].startswith("TypeError: 'NoneType' object is not iterable"), r
             else:
                 assert "error" not in r, (c["tree"], c["dp"], path, r["error"])
@@ -188,7 +188,7 @@ def test_pristine_collectives_follow_the_optimizers_shares(audit):
     equal shares (flat output) and one broadcast per rank otherwise, zero-size where a
     rank owns nothing; the collective model's records must say the same."""
     _, _, data = audit
-    for c in _cells(data, tree="upstream", dp=64):
+    for c in _cells(data, tree="pristine-0.17.1", dp=64):
         gathered = [b for b in c["buckets"] if b.get("layerwise") and b.get("max_share", 0) > 0]
         r = c["paths"]["async"]
         assert r["calls"] == r["launches"] == len(gathered)
@@ -205,7 +205,7 @@ def test_pristine_temporaries(audit):
     """0.17.1 receives into fresh tensors: its async path allocates > 0 bytes, and its
     NCCL temporaries are the flat outputs of the equal-share buckets (DP x share x 2 B)."""
     _, _, data = audit
-    (c,) = _cells(data, tree="upstream", model=AUDIT_MODEL, dp=64)
+    (c,) = _cells(data, tree="pristine-0.17.1", model=AUDIT_MODEL, dp=64)
     r = c["paths"]["async"]
     assert r["megatron_peak_bytes"] > 0
     equal = [b for b in c["buckets"] if b.get("layerwise") and b.get("shares_equal") and b["max_share"] > 0]
@@ -220,11 +220,11 @@ def test_layout_padding_is_megatrons_own(audit):
     with DP; its gathers are all_gather_into_tensor in place (0 temporaries)."""
     _, _, data = audit
     layout_trees = [t for t, spec in grid.TREES.items() if spec.layout]
-    assert layout_trees == ["mcore_0.18_layout", "mcore_0.19_layout"]
+    assert layout_trees == ["pristine-0.18.2-layout", "pristine-0.19-layout"]
     for tree in layout_trees:
         for model in grid.QUICK_MODELS:
             _layout_padding_is_megatrons_own(sorted(_cells(data, tree=tree, model=model), key=lambda c: c["dp"]))
-    for c in _cells(data, tree="upstream"):
+    for c in _cells(data, tree="pristine-0.17.1"):
         assert c["padding_elements"] == 0
 
 
@@ -312,7 +312,7 @@ def test_series_claims_hold_on_every_series_cell(audit):
     0.17.1's, on every cell and path of the quick audit; every cell but 0.17.1's known
     crashes (expert-DP 1, async and forced paths) is compared with 0.17.1."""
     _, _, data = audit
-    series, pristine = _cells(data, tree="patched"), _cells(data, tree="upstream")
+    series, pristine = _cells(data, tree="series-0.17.1"), _cells(data, tree="pristine-0.17.1")
     assert len(series) == len(grid.QUICK_MODELS) * len(grid.QUICK_DP_SIZES)
     assert series_claim_failures(series, pristine) == []
     compared = {(c["model"], c["dp"], p) for c in pristine for p in PATHS if "error" not in c["paths"][p]}
@@ -321,17 +321,17 @@ def test_series_claims_hold_on_every_series_cell(audit):
 
 
 def test_019_series_claims_hold_and_equal_the_0171_series(audit):
-    """The 0.19 series (patched_0.19) against pristine 0.19.2's legacy path, on every quick
+    """The 0.19 series (series-0.19) against pristine 0.19.2's legacy path, on every quick
     cell and path: the same claims (0 bytes, no zero-size call, calls and launches at most
     0.19.2's, exact wire bytes); and every count equal to the 0.17.1 series' on the same
     cell. 0.19.2's legacy path is measured too: it equals 0.18.2's on every cell."""
     _, _, data = audit
-    series, pristine = _cells(data, tree="patched_0.19"), _cells(data, tree="mcore_0.19_legacy")
+    series, pristine = _cells(data, tree="series-0.19"), _cells(data, tree="pristine-0.19")
     assert len(series) == len(grid.QUICK_MODELS) * len(grid.QUICK_DP_SIZES)
     assert series_claim_failures(series, pristine) == []
     keys = ("calls", "ops", "zero_size_ops", "launches", "wire_bytes", "zeroed_grad_bytes",
             "nccl_temporary_bytes", "megatron_temporary_bytes")
-    for tree, other in (("patched_0.19", "patched"), ("mcore_0.19_legacy", "mcore_0.18_legacy")):
+    for tree, other in (("series-0.19", "series-0.17.1"), ("pristine-0.19", "pristine-0.18.2")):
         for c in _cells(data, tree=tree):
             (o,) = _cells(data, tree=other, model=c["model"], dp=c["dp"])
             for path in PATHS:
@@ -348,7 +348,7 @@ def test_series_claims_fail_on_a_mutant(audit, tmp_path):
     env = env_for_tree(tree)
     env.update(MEGATRON_CPU_RUNTIME="force", OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     out = tmp_path / "mutant.json"
-    proc = subprocess.run([sys.executable, str(WORKER), "--tree", "patched", "--cells", CLAIM_MUTANT_CELL, "--out", str(out)],
+    proc = subprocess.run([sys.executable, str(WORKER), "--tree", "series-0.17.1", "--cells", CLAIM_MUTANT_CELL, "--out", str(out)],
                           cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     from harness.audit.run import exact_receive_bytes
@@ -357,12 +357,12 @@ def test_series_claims_fail_on_a_mutant(audit, tmp_path):
     for rec in json.loads(out.read_text()):
         rec["exact_receive_bytes"] = exact_receive_bytes(rec)
         cells.append(rec)
-    fails = series_claim_failures(cells, _cells(data, tree="upstream"))
+    fails = series_claim_failures(cells, _cells(data, tree="pristine-0.17.1"))
     assert fails and all("/async: megatron_" in f and "claimed 0" in f for f in fails), fails
     # The audit's own check and its printed claims say the same: the async path's does not hold.
     from harness.audit.report import CLAIMS, claims_lines, series_claims, slim
 
-    claims = series_claims([slim(c) for c in cells] + _cells(data, tree="upstream"))
+    claims = series_claims([slim(c) for c in cells] + _cells(data, tree="pristine-0.17.1"))
     assert {c["path"] for c in claims if not c["holds"]} == {"async"}, claims
     printed = claims_lines(claims)
     assert any(ln.strip().startswith(f"async forward gather: {CLAIMS['async']}: does not hold: DP 64: megatron_")
@@ -381,14 +381,14 @@ def test_series_claims_hold_with_vpp(tmp_path):
     from harness.audit.run import exact_receive_bytes, worker_command
 
     cells = {}
-    for tree in ("upstream", "patched"):
+    for tree in ("pristine-0.17.1", "series-0.17.1"):
         out = tmp_path / f"{tree}.json"
         argv, env = worker_command(tree, f"{VPP_MODEL}:64", out)
         proc = subprocess.run(argv, env=env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=TIMEOUT_S)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         (cells[tree],) = json.loads(out.read_text())
         cells[tree]["exact_receive_bytes"] = exact_receive_bytes(cells[tree])
-    up, series = cells["upstream"], cells["patched"]
+    up, series = cells["pristine-0.17.1"], cells["series-0.17.1"]
     assert up["vpp"] == 5 and up["num_bucket_groups"] == series["num_bucket_groups"] == 5
     assert series_claim_failures([series], [up]) == []
     assert series["paths"]["optimizer"]["launches"] == up["paths"]["optimizer"]["launches"] == 1
@@ -437,7 +437,7 @@ FLAGS_ONLY_KEYS = ("model", "wall_s", "init_s", "tree_dir", "flags", "layer_spec
 #: The flag run of a built-in model through the driver: Llama-3-8B TP 1 on 0.17.1, pristine and
 #: the series, at the quick DP sizes. The MoE model's flags run on pristine 0.19.2's parser and
 #: gpt_builder in ``worker_019`` (one process for everything that needs no driver).
-FLAGS_MODEL, FLAGS_TREES = "llama3_8b_tp1", ("upstream", "patched")
+FLAGS_MODEL, FLAGS_TREES = "llama3_8b_tp1", ("pristine-0.17.1", "series-0.17.1")
 #: Published cells of a pristine tree (they change only with megatron-core itself).
 PUBLISHED = REPO_ROOT / "docs" / "bench" / "real_shapes.json"
 
@@ -484,8 +484,8 @@ def test_flags_reproduce_the_builtin_cells(audit, flags_audit):
         assert c["model"] == FLAGS_MODEL and c["layer_spec"] == "local"
         (want,) = _cells(data, tree=c["tree"], model=FLAGS_MODEL, dp=c["dp"])
         assert cell_differences(c, want) == [], (c["tree"], c["dp"])
-        if c["tree"] == "upstream":
-            assert cell_differences(c, published[("upstream", FLAGS_MODEL, c["dp"])]) == [], c["dp"]
+        if c["tree"] == "pristine-0.17.1":
+            assert cell_differences(c, published[("pristine-0.17.1", FLAGS_MODEL, c["dp"])]) == [], c["dp"]
     assert fdata["meta"]["checks_failed"] == [] and fdata["meta"]["flags_rejected"] == []
     assert f"== {FLAGS_MODEL} (pretrain_gpt.py flags)" in stdout
 
@@ -502,11 +502,11 @@ def test_flags_report_the_series_claims_against_pristine(flags_audit):
     assert claims == series_claims(data["cells"])
     assert len(claims) == len(grid.QUICK_DP_SIZES) * len(PATHS)
     assert all(c["holds"] for c in claims), claims
-    assert "  patched against upstream:" in stdout
+    assert "  series-0.17.1 against pristine-0.17.1:" in stdout
     for path in PATHS:
         assert f"{PATH_NAMES[path]}: {CLAIMS[path]}: holds (DP 8, 64)" in stdout, path
     # A claim that fails is named: the pristine cell as the "series" one.
-    pristine_as_series = series_claims(data["cells"], pairs={"upstream": "patched"})
+    pristine_as_series = series_claims(data["cells"], pairs={"pristine-0.17.1": "series-0.17.1"})
     assert pristine_as_series and not any(c["holds"] for c in pristine_as_series)
     assert all(
         ("zero_size_ops" if c["path"] == "forced" else "megatron_temporary_bytes") in c["why"]
@@ -536,11 +536,11 @@ BAD_FLAGS = {
 }  # fmt: skip
 #: The kinds run at world size 12 (--world-size), the others at DP 8 (--dp-sizes).
 AT_WORLD_12 = ("world not divisible by TP",)
-#: What ``worker_019`` runs in one process of pristine 0.19.2 (mcore_0.19_legacy): each bad
+#: What ``worker_019`` runs in one process of pristine 0.19.2 (pristine-0.19): each bad
 #: kind through run_flags, --world-size 64's DP, Llama-3-8B with megatron's default
 #: --transformer-impl (Transformer Engine, here its stand-in) at DP 8 (async path), and the
 #: MoE model's flags at DP 64 (every path).
-WORKER_019_TREE = "mcore_0.19_legacy"
+WORKER_019_TREE = "pristine-0.19"
 WORKER_019_SCRIPT = """
 import json, sys
 from harness.audit import grid, worker as W
@@ -626,9 +626,9 @@ def test_bad_flags_exit_2_with_no_traceback_and_nothing_written(tmp_path):
     """End to end: flags every tree refuses exit 2 with megatron's message per tree, no
     traceback, and no output directory."""
     out = tmp_path / "out"
-    proc = run_audit_flags(out, BAD_FLAGS["unknown"][0], "--trees", "upstream", "--dp-sizes", "8")
+    proc = run_audit_flags(out, BAD_FLAGS["unknown"][0], "--trees", "pristine-0.17.1", "--dp-sizes", "8")
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
-    assert "upstream (DP 8): pretrain_gpt.py: error: unrecognized arguments: --no-such-flag" in proc.stderr
+    assert "pristine-0.17.1 (DP 8): pretrain_gpt.py: error: unrecognized arguments: --no-such-flag" in proc.stderr
     assert "Traceback" not in proc.stdout + proc.stderr
     assert not out.exists()
 
@@ -658,15 +658,15 @@ def test_flags_refused_by_one_base_are_reported_per_tree():
     the others' cells stand; a size every tree refuses, or flags no tree takes, are bad input."""
     from harness.audit.run import FlagsRejected, sort_flags_results
 
-    ok = dict(tree="mcore_0.19_legacy", model="m", dp=8, size=["dp", 8], paths={})
-    refused = dict(tree="upstream", model="m", size=["dp", 8], flags_error="pretrain_gpt.py: error: unrecognized")
-    ran, rejected = sort_flags_results({"upstream": [refused], "mcore_0.19_legacy": [ok]}, [("dp", 8)])
-    assert ran == [ok] and rejected == [dict(tree="upstream", size="DP 8", message=refused["flags_error"])]
-    with pytest.raises(FlagsRejected, match="upstream \\(DP 8\\): pretrain_gpt.py: error"):
-        sort_flags_results({"upstream": [refused]}, [("dp", 8)])
-    big = dict(refused, tree="mcore_0.19_legacy", size=["dp", 16], flags_error="validate_args: no")
+    ok = dict(tree="pristine-0.19", model="m", dp=8, size=["dp", 8], paths={})
+    refused = dict(tree="pristine-0.17.1", model="m", size=["dp", 8], flags_error="pretrain_gpt.py: error: unrecognized")
+    ran, rejected = sort_flags_results({"pristine-0.17.1": [refused], "pristine-0.19": [ok]}, [("dp", 8)])
+    assert ran == [ok] and rejected == [dict(tree="pristine-0.17.1", size="DP 8", message=refused["flags_error"])]
+    with pytest.raises(FlagsRejected, match="pristine-0.17.1 \\(DP 8\\): pretrain_gpt.py: error"):
+        sort_flags_results({"pristine-0.17.1": [refused]}, [("dp", 8)])
+    big = dict(refused, tree="pristine-0.19", size=["dp", 16], flags_error="validate_args: no")
     with pytest.raises(FlagsRejected, match="at DP 16 on every tree"):
-        sort_flags_results({"upstream": [dict(refused, size=["dp", 16])], "mcore_0.19_legacy": [ok, big]},
+        sort_flags_results({"pristine-0.17.1": [dict(refused, size=["dp", 16])], "pristine-0.19": [ok, big]},
                            [("dp", 8), ("dp", 16)])  # fmt: skip
 
 
@@ -685,10 +685,10 @@ def _claim_cells(series_async_peak: int = 0):
     base = dict(model="m", dp=8, expert_dp=8, ep=1, param_bytes=4000, param_numel=2000, buckets=buckets,
                 exact_receive_bytes=2000, theoretical_memory=dict(weight_and_optimizer_mb=1024.0, activation_mb=1024.0,
                                                                   total_mb=2048.0, num_microbatches=1))  # fmt: skip
-    pristine = dict(base, tree="mcore_0.19_legacy", paths={
+    pristine = dict(base, tree="pristine-0.19", paths={
         "async": path(16, 10, 2, 4000, 2000), "forced": path(16, 10, 2, 4000, 2000),
         "optimizer": path(8, 0, 1, 4000, 4000)})  # fmt: skip
-    series = dict(base, tree="patched_0.19", paths={
+    series = dict(base, tree="series-0.19", paths={
         "async": path(6, 0, 2, series_async_peak, series_async_peak), "forced": path(6, 0, 2, 2000, 1000),
         "optimizer": path(8, 0, 1)})  # fmt: skip
     return [pristine, series]
@@ -697,7 +697,7 @@ def _claim_cells(series_async_peak: int = 0):
 def _flags_data(cells):
     from harness.audit.report import series_claims
 
-    trees = {t: dict(title=grid.TREES[t].title, layout=False) for t in ("mcore_0.19_legacy", "patched_0.19")}
+    trees = {t: dict(title=grid.TREES[t].title, layout=False) for t in ("pristine-0.19", "series-0.19")}
     meta = dict(models={"m": dict(title="m (pretrain_gpt.py flags)", summary="", notes="")}, trees=trees, base="0.19",
                 series_claims=series_claims(cells))  # fmt: skip
     return {"meta": meta, "cells": cells}
@@ -738,12 +738,12 @@ def test_flags_text_legend_and_the_users_path():
     text = flags_text(_flags_data(cells))
     for path in PATHS:
         assert PATH_WHEN[path] in text
-    assert "patched_0.19        0.19.2 + its series" in text and "Rows of megatron-core 0.19 only (--base 0.19" in text
+    assert "series-0.19             0.19.2 + its series" in text and "Rows of megatron-core 0.19 only (--base 0.19" in text
     assert "Your flags take the optimizer-step gather (no --overlap-param-gather)" in text
     opt = [ln for ln in text.splitlines() if ln.startswith(" * ")]
     assert len(opt) == 2 and all(" optimizer " in ln for ln in opt), opt
     assert "megatron's step estimate GiB, weights + optimizer state + activations: 2.00 (1.00 + 1.00)" in text
-    forced = [ln for ln in text.splitlines() if "forced    patched_0.19" in ln]
+    forced = [ln for ln in text.splitlines() if "forced    series-0.19" in ln]
     assert len(forced) == 1 and forced[0].endswith(" 0.50 / 2.00 (25.0%)"), forced
 
 
@@ -789,11 +789,11 @@ def test_flags_default_to_the_019_rows_and_say_the_users_path(user_audit):
     from harness.audit.report import PLOT_MIN_WIDTH_IN
 
     data, stdout, out = user_audit
-    assert list(data["meta"]["trees"]) == ["mcore_0.19_legacy", "patched_0.19", "mcore_0.19_layout"]
+    assert list(data["meta"]["trees"]) == ["pristine-0.19", "series-0.19", "pristine-0.19-layout"]
     assert data["meta"]["base"] == "0.19" and "Rows of megatron-core 0.19 only" in stdout
     assert "Your flags take the async forward gather (--overlap-param-gather) every step, and a forced sync" in stdout
     marked = [ln.split()[1:3] for ln in stdout.splitlines() if ln.startswith(" * ")]
-    assert sorted(marked) == sorted([p, t] for p in ("async", "forced") for t in ("mcore_0.19_legacy", "patched_0.19"))
+    assert sorted(marked) == sorted([p, t] for p in ("async", "forced") for t in ("pristine-0.19", "series-0.19"))
     png = (out / "real_shapes.png").read_bytes()
     assert int.from_bytes(png[16:20], "big") >= PLOT_MIN_WIDTH_IN * 110 * 0.95
 
@@ -805,7 +805,7 @@ def test_step_estimate_is_megatrons_theoretical_memory(user_audit):
     from harness.audit.report import forced_against_step, gib, theory_text, transient_peak
 
     data, stdout, out = user_audit
-    env = env_for_tree(grid.tree_dir(grid.TREES["mcore_0.19_legacy"]))
+    env = env_for_tree(grid.tree_dir(grid.TREES["pristine-0.19"]))
     env.update(MEGATRON_CPU_RUNTIME="force", OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     proc = subprocess.run([sys.executable, "-P", "-c", DIRECT_THEORY, json.dumps([USER_FLAGS, 8])],
                           cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)  # fmt: skip
@@ -823,8 +823,8 @@ def test_step_estimate_is_megatrons_theoretical_memory(user_audit):
         assert forced_against_step(c) in md.split("## Forced syncs")[0]  # the model table's column
     estimate = theory_text(data["cells"][0])
     assert f"megatron's step estimate GiB, weights + optimizer state + activations: {estimate}" in stdout
-    forced = [ln for ln in stdout.splitlines() if ln.startswith(" * forced    patched_0.19")]
-    (series,) = _cells(data, tree="patched_0.19")
+    forced = [ln for ln in stdout.splitlines() if ln.startswith(" * forced    series-0.19")]
+    (series,) = _cells(data, tree="series-0.19")
     assert len(forced) == 1 and f"{gib(transient_peak(series, 'forced'))} / {gib(direct[2] * 2**20)}" in forced[0]
 
 
@@ -847,4 +847,4 @@ def test_render_from_a_published_json_runs_no_audit(tmp_path, capsys):
     assert "## Forced syncs against the step's peak" in md and "| m | 8 | 2.00 (1.00 + 1.00) |" in md
     assert not (tmp_path / "out" / "raw-theory").exists()
     with pytest.raises(SystemExit):
-        main(["--render-from", str(src), "--trees", "upstream", "--out-dir", str(tmp_path / "o2")])
+        main(["--render-from", str(src), "--trees", "pristine-0.17.1", "--out-dir", str(tmp_path / "o2")])
