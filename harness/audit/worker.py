@@ -22,7 +22,7 @@ job of TP x PP x DP ranks:
   and ``get_model`` wire it (``compute_full_param_layout`` -> DDP ``full_param_layout``,
   ``use_distributed_optimizer=True``) and ``get_megatron_optimizer``.
 * Paths, each run once to warm up and once counted, after the state a training step
-  starts from (``sync_worker.Setup.reset``):
+  starts from (``harness.model.LayerwiseModel.reset``):
   - ``async`` (``--overlap-param-gather``): DDP's own forward pre-hook over every module in
     registration (forward) order, as the first forward of a step runs it: each bucket
     group's ``finish_param_sync()`` dispatches its gather if needed, waits, dispatches the
@@ -92,9 +92,8 @@ from torch.utils._device import _device_constructors  # noqa: E402
 
 from harness.alloc_counter import AllocationCounter, storage_key  # noqa: E402
 from harness.audit import grid  # noqa: E402
-from harness.bench import sync_worker  # noqa: E402
+from harness import model  # noqa: E402
 from harness.cpu_runtime import collectives  # noqa: E402
-from harness.layerwise_optimizer import layerwise_muon_optimizer  # noqa: E402
 from harness.cpu_runtime import device as cpu_device  # noqa: E402
 from harness.trees import check_expected_tree  # noqa: E402
 
@@ -292,10 +291,8 @@ def build_module(mc, spec: grid.ModelSpec, vp_stage=None):
 
 def legacy_layerwise_optimizer(mc, ddps, overlap: bool):
     """The tree's layer-wise Muon optimizer for ``--optimizer dist_muon`` without the
-    param layout (``harness.layerwise_optimizer``)."""
-    config = mc.OptimizerConfig(optimizer="muon", lr=0.01, bf16=True, params_dtype=PARAM_DTYPE,
-                                use_distributed_optimizer=False, overlap_param_gather=overlap)  # fmt: skip
-    return layerwise_muon_optimizer(config, ddps, use_gloo_process_groups=False)
+    param layout (``harness.model.layerwise_optimizer``)."""
+    return model.layerwise_optimizer(ddps, overlap, lr=0.01)
 
 
 class ModelChunks:
@@ -319,17 +316,15 @@ class ModelChunks:
             c.start_param_sync(*args, **kwargs)
 
 
-class LegacySetup(sync_worker.Setup):
+class LegacySetup(model.LayerwiseModel):
     """The legacy layer-wise path (0.17.1, exact_list_slots, the series, 0.18.2 without
     the layout): DDP with ``use_distributed_optimizer=False`` and the layer-wise Muon
     optimizer (``legacy_layerwise_optimizer``), as megatron.training builds them for
-    ``--optimizer dist_muon``. Reuses sync_worker.Setup's reset() and paths."""
+    ``--optimizer dist_muon``. Reset and paths: ``harness.model.LayerwiseModel``'s."""
 
     def __init__(self, mc, spec, overlap: bool):
         # bucket_size None: DDP's own default, max(40M, 1M x DP), one bucket after PP stage 0.
-        ddp_config = mc.DDPConfig(grad_reduce_in_fp32=spec.grad_reduce_in_fp32, overlap_grad_reduce=True,
-                                  overlap_param_gather=overlap, use_distributed_optimizer=False,
-                                  bucket_size=spec.bucket_size, **spec.ddp_extra)  # fmt: skip
+        ddp_config = model.ddp_config(overlap, spec.bucket_size, spec.grad_reduce_in_fp32, **spec.ddp_extra)
         chunks = []
         for vp_stage in range(spec.vpp) if spec.vpp > 1 else [None]:
             self.config, module, self.vocab = build_module(mc, spec, vp_stage)
@@ -339,11 +334,6 @@ class LegacySetup(sync_worker.Setup):
         self.opt = legacy_layerwise_optimizer(mc, chunks, overlap)
         self.layerwise = self.opt
         self._finish_init()
-
-    def _finish_init(self):
-        self.params = list(self.ddp.module.parameters())
-        self.groups = self.ddp.bucket_groups + self.ddp.expert_parallel_bucket_groups
-        self.buckets = [b for g in self.groups for b in g.buckets]
 
     def sync_fn(self, path: str):
         """Zero-argument callable running one sync of ``path`` (module docstring)."""
@@ -1002,7 +992,7 @@ def main(argv=None) -> int:
     tree_dir = check_expected_tree()
     tree = grid.TREES[args.tree]
     torch.set_num_threads(1)
-    sync_worker._fake_all_gather_object()
+    model.fake_all_gather_object()
     _member_groups_only()
     mc = _mc()
     if args.flags:

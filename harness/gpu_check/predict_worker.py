@@ -48,7 +48,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     tree_dir = audit.check_expected_tree()
     audit.torch.set_num_threads(1)
-    audit.sync_worker._fake_all_gather_object()
+    audit.model.fake_all_gather_object()
     audit._member_groups_only()
     mc = audit._mc()
     spec = real_shapes.model_spec(args.layers, json.loads(args.worker_config) if args.worker_config else None)

@@ -543,11 +543,11 @@ AT_WORLD_12 = ("world not divisible by TP",)
 WORKER_019_TREE = "pristine-0.19"
 WORKER_019_SCRIPT = """
 import json, sys
+from harness import model
 from harness.audit import grid, worker as W
-from harness.bench import sync_worker
 from harness.trees import check_expected_tree
 check_expected_tree()
-sync_worker._fake_all_gather_object(); W._member_groups_only(); mc = W._mc()
+model.fake_all_gather_object(); W._member_groups_only(); mc = W._mc()
 tree = grid.TREES[sys.argv[1]]
 kinds, at_world_12, flags_te, moe = json.loads(sys.argv[2])
 out = {}
