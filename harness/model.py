@@ -6,6 +6,8 @@ real-shape audit (``harness/audit/worker.py``) and the GPU check's memory worker
 (``harness/gpu_check/memory_worker.py``), so that each builds DDP and the optimizer, and runs
 a sync, the same way:
 
+* ``gpt_model``: megatron's ``GPTModel`` with its local (no Transformer Engine) spec, bf16
+  params;
 * ``ddp_config``: megatron's ``DistributedDataParallelConfig`` as the legacy layer-wise path
   takes it (fp32 ``grad_data`` as with ``--accumulate-allreduce-grads-in-fp32``, overlapped
   grad reduce, no distributed optimizer);
@@ -30,6 +32,30 @@ PARAM_DTYPE = torch.bfloat16
 PATHS = ("async", "forced", "optimizer")
 #: The bench's negative control (``LayerwiseModel.reset_grad_buffers``).
 CONTROL = "control"
+
+
+def gpt_model(config, vocab_size: int, max_sequence_length: int, block_spec: bool = False,
+              normalization=None, vp_stage=None, **gpt_kwargs):
+    """megatron's ``GPTModel`` of ``config`` with the local spec (no Transformer Engine), params
+    cast to bf16.
+
+    Args:
+        block_spec: the decoder block spec, ``get_gpt_decoder_block_spec(config,
+            use_transformer_engine=False, normalization=normalization)`` (per-layer specs: MoE
+            layers, RMSNorm); False: one layer spec for every layer, ``get_gpt_layer_local_spec()``.
+        vp_stage: the model chunk (VPP), given to the block spec and the model.
+        gpt_kwargs: other ``GPTModel`` arguments (pre_process, position_embedding_type, ...).
+    """
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    vp = {} if vp_stage is None else dict(vp_stage=vp_stage)
+    if block_spec:
+        spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization=normalization, **vp)
+    else:
+        spec = get_gpt_layer_local_spec()
+    module = GPTModel(config, spec, vocab_size=vocab_size, max_sequence_length=max_sequence_length, **gpt_kwargs, **vp)
+    return module.to(dtype=PARAM_DTYPE)
 
 
 def ddp_config(overlap: bool, bucket_size=None, grad_reduce_in_fp32: bool = True, **extra):

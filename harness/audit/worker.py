@@ -217,7 +217,8 @@ class SyncCounter(AllocationCounter):
 
 # ---------------------------------------------------------------- megatron objects
 def _mc():
-    """megatron-core names used here, imported from the tree on PYTHONPATH."""
+    """megatron-core names used here, imported from the tree on PYTHONPATH (before any
+    MetaDeviceMode: the model's modules too, which ``harness.model.gpt_model`` builds)."""
     from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
@@ -277,16 +278,14 @@ def build_module(mc, spec: grid.ModelSpec, vp_stage=None):
         spec.vocab_size,
         SimpleNamespace(make_vocab_size_divisible_by=128, tensor_model_parallel_size=spec.tp, rank=1),
     )
-    vp = {} if vp_stage is None else dict(vp_stage=vp_stage)
-    layer_spec = mc.block_spec(config, use_transformer_engine=False, normalization=cfg.get("normalization"), **vp)
-    module = mc.GPTModel(
-        config, layer_spec, vocab_size=vocab, max_sequence_length=spec.max_sequence_length,
-        pre_process=mc.ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+    module = model.gpt_model(
+        config, vocab, spec.max_sequence_length, block_spec=True, normalization=cfg.get("normalization"),
+        vp_stage=vp_stage, pre_process=mc.ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
         post_process=mc.ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
         share_embeddings_and_output_weights=spec.tied_embeddings,
-        position_embedding_type=spec.position_embedding_type, **vp,
+        position_embedding_type=spec.position_embedding_type,
     )  # fmt: skip
-    return config, module.to(dtype=PARAM_DTYPE), vocab
+    return config, module, vocab
 
 
 def legacy_layerwise_optimizer(mc, ddps, overlap: bool):

@@ -50,7 +50,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from harness.bench.counters import ProfiledAllocations  # noqa: E402
-from harness.model import wrap  # noqa: E402
+from harness.model import gpt_model, wrap  # noqa: E402
 from harness.trees import check_expected_tree  # noqa: E402
 
 PHASES = ("forward", "backward", "optimizer step", "optimizer gather")
@@ -75,15 +75,12 @@ _PREFIX = "bench_phase:"
 
 def _build(overlap: bool):
     """(ddp, opt): the GPT of SHAPE in DDP with its layer-wise optimizer (``harness.model.wrap``)."""
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.transformer import TransformerConfig
 
     config = TransformerConfig(**SHAPE, params_dtype=torch.bfloat16, bf16=True,
                                use_cpu_initialization=True, hidden_dropout=0.0,
                                attention_dropout=0.0)  # fmt: skip
-    module = GPTModel(config, get_gpt_layer_local_spec(), vocab_size=VOCAB,
-                      max_sequence_length=SEQ).to(dtype=torch.bfloat16)  # fmt: skip
+    module = gpt_model(config, VOCAB, SEQ)
     # muon_fp32_matmul_prec "highest": megatron's default, "medium", runs the Newton-Schulz
     # matmuls in emulated bf16 on a CPU without bf16 units (measured: 33 s instead of 1 s
     # for one 1024 x 1024 orthogonalization); the param sync it measures does not depend on it.

@@ -58,7 +58,7 @@ import torch.distributed as dist  # noqa: E402
 from harness.bench import theory  # noqa: E402
 from harness.alloc_counter import AllocationCounter  # noqa: E402
 from harness.bench.counters import ProfiledAllocations, model_standin_bytes  # noqa: E402
-from harness.model import CONTROL, PARAM_DTYPE, PATHS, LayerwiseModel, wrap  # noqa: E402
+from harness.model import CONTROL, PARAM_DTYPE, PATHS, LayerwiseModel, gpt_model, wrap  # noqa: E402
 from harness.trees import check_expected_tree  # noqa: E402
 
 #: name -> (TransformerConfig shape, GPTModel kwargs). Params: gpt_unequal 3,716,608
@@ -80,16 +80,12 @@ def _megatron():
     """Import megatron-core lazily (after the CPU runtime layer is installed)."""
     from megatron.core import parallel_state
     from megatron.core.distributed import param_and_grad_buffer as pgb
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
     from megatron.core.transformer import TransformerConfig
 
     return dict(
         ps=parallel_state,
         pgb=pgb,
-        spec=get_gpt_layer_local_spec,
-        GPTModel=GPTModel,
         seed=model_parallel_cuda_manual_seed,
         TransformerConfig=TransformerConfig,
     )
@@ -127,7 +123,7 @@ class Setup(LayerwiseModel):
             use_cpu_initialization=True,
             perform_initialization=False,
         )
-        module = mc["GPTModel"](config, mc["spec"](), **gpt_kwargs).to(dtype=PARAM_DTYPE)
+        module = gpt_model(config, **gpt_kwargs)
         self.ddp, self.opt = wrap(config, module, overlap, bucket_size, lr=0.01)
         self._finish_init()
 
