@@ -12,7 +12,7 @@ local spec) but outside its meta-device mode, on a real process group of WORLD_S
 (``parallel_state.initialize_model_parallel`` with the model's TP, PP, EP), wraps it in
 megatron's DistributedDataParallel (fp32 grad_data, overlapped grad reduce and param
 gather, the model's bucket size) and gives it the layer-wise Muon optimizer
-(``worker.legacy_layerwise_optimizer``, the audit's own), as
+(``harness.model.wrap``: the DDP config and optimizer of the audit's ``LegacySetup``), as
 megatron.training does for ``--optimizer dist_muon``. Rank 0 writes, per bucket (dense
 bucket groups first, then expert-parallel ones), its numel, param names, and per DP (or
 expert-DP) rank the names and elements of the params that rank owns in it, read from the
@@ -36,7 +36,8 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from harness.audit import grid  # noqa: E402
-from harness.audit.worker import _mc, build_module, legacy_layerwise_optimizer  # noqa: E402
+from harness import model  # noqa: E402
+from harness.audit.worker import _mc, build_module  # noqa: E402
 from harness.trees import check_expected_tree  # noqa: E402
 
 
@@ -71,10 +72,7 @@ def main(argv=None) -> int:
 
     model_parallel_cuda_manual_seed(1234)
     config, module, _ = build_module(mc, spec)
-    ddp_config = mc.DDPConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=True, overlap_param_gather=True,
-                              use_distributed_optimizer=False, bucket_size=spec.bucket_size)  # fmt: skip
-    ddp = mc.DDP(config, ddp_config, module)
-    legacy_layerwise_optimizer(mc, [ddp], overlap=True)
+    ddp, _ = model.wrap(config, module, True, spec.bucket_size)  # the audit's DDP and optimizer
     mine = dict(buckets=bucket_view(ddp), dp=mc.ps.get_data_parallel_world_size(),
                 expert_dp=mc.ps.get_expert_data_parallel_world_size(),
                 storage_bytes=sum(p.untyped_storage().nbytes() for p in ddp.module.parameters()))  # fmt: skip
