@@ -27,7 +27,7 @@ def pytest_sessionfinish(session, exitstatus):
 SLOW_FIRST = (
     "tests/functional_tests/test_functional.py",
     "tests/upstream_tests/test_upstream_unit_tests.py",
-    "tests/unit_tests/test_real_shapes_audit.py",
+    "tests/unit_tests/test_audit.py",
     "tests/upstream_tests/test_series_own_tests.py",
 )
 

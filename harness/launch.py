@@ -8,15 +8,15 @@ imported torch and megatron once (upstream's tests, ``tests/upstream_tests``, ke
 
     from harness import launch
     argv, env = launch.torchrun_command("tests/unit_tests/layerwise_worker.py", ["--out", "r.json"],
-                                        nproc=2, tree="patched")
-    wall_s = launch.run_pretrain("patched", launch.tiny_gpt_args(train_iters=50,
+                                        nproc=2, tree="series-0.17.1")
+    wall_s = launch.run_pretrain("series-0.17.1", launch.tiny_gpt_args(train_iters=50,
                                  tensorboard_dir="build/runs/x/tb"), nproc=2,
                                  run_dir="build/runs/x")
 
 By hand, the CLI (``python -m harness.launch --help``); ``--dry-run`` prints the
 command instead of running it::
 
-    python -m harness.launch --tree upstream --nproc 4 --dry-run pretrain -- --train-iters 10
+    python -m harness.launch --tree pristine-0.17.1 --nproc 4 --dry-run pretrain -- --train-iters 10
     python -m harness.launch --device cuda --nproc 8 script scripts/x.py -- --flag
 
 On CPU (the default) ranks use gloo and ``harness.cpu_runtime`` (``MEGATRON_CPU_RUNTIME=1``);
@@ -42,7 +42,7 @@ import time
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple, Union
 
-from harness.trees import REPO_ROOT, TREES, env_for_tree
+from harness.trees import REPO_ROOT, env_for_tree, is_tree_label
 
 #: Read by ``harness.cpu_runtime.install_if_requested`` in every rank.
 CPU_RUNTIME_ENV = "MEGATRON_CPU_RUNTIME"
@@ -231,7 +231,7 @@ def torchrun_command(
     script_args: Sequence[str] = (),
     nproc: int = 2,
     *,
-    tree: Union[str, Path, None] = "patched",
+    tree: Union[str, Path, None] = "series-0.17.1",
     cpu: bool = True,
     extra_env: Optional[Dict[str, str]] = None,
     python: str = sys.executable,
@@ -266,7 +266,8 @@ def torchrun_command(
             ``sys.path``, ahead of the tree that ``PYTHONPATH`` selects.
         script_args: the script's own arguments, appended unchanged.
         nproc: ranks on this node (``--nproc-per-node``), >= 1.
-        tree: "upstream", "patched", a directory holding megatron/, or None (see above).
+        tree: a label of ``harness.trees`` ("pristine-0.17.1", "series-0.19", ...), a directory
+            holding megatron/, or None (see above).
         cpu: CPU runtime layer on (gloo) or off (GPUs).
         extra_env: merged into the environment last.
         python: the interpreter that runs the launcher.
@@ -330,7 +331,8 @@ def pretrain_command(
     ``megatron_args``.
 
     Args:
-        tree: "upstream" (pristine), "patched", or a directory holding a megatron/ tree.
+        tree: a label of ``harness.trees`` ("pristine-0.17.1", "series-0.17.1", ...), or a
+            directory holding a megatron/ tree.
         megatron_args: Megatron flags (e.g. ``tiny_gpt_args()``), appended last: they win
             over ours where argparse lets the last occurrence win.
         nproc: ranks on this node (``--nproc-per-node``); keep <= 4 on small CPU machines.
@@ -507,9 +509,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     import argparse
 
     ap = argparse.ArgumentParser(prog="python -m harness.launch", description=main.__doc__.splitlines()[0])
-    ap.add_argument("--tree", default="patched",
-                    help='"patched" (default), "upstream", a directory holding megatron/, or "none" '
-                         "(keep the caller's PYTHONPATH)")
+    ap.add_argument("--tree", default="series-0.17.1",
+                    help="a tree label of harness.trees (default series-0.17.1; pristine-0.17.1, pristine-0.19, "
+                         "series-0.19), a directory holding megatron/, or none (keep the caller's PYTHONPATH)")
     ap.add_argument("--nproc", type=int, default=2, help="ranks on this node (default 2)")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                     help="cpu: gloo ranks with the CPU runtime layer; cuda: NCCL, one GPU per rank")
@@ -530,12 +532,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if not sep or not key:
             ap.error(f"--env wants VAR=VALUE, got {item!r}")
         extra[key] = value
-    tree = None if ns.tree == "none" else ns.tree if ns.tree in TREES else Path(ns.tree)
+    tree = None if ns.tree == "none" else ns.tree if is_tree_label(ns.tree) else Path(ns.tree)
     cpu = ns.device == "cpu"
     try:
         if ns.what == "pretrain":
             if tree is None:
-                ap.error("pretrain needs a tree (upstream, patched or a directory)")
+                ap.error("pretrain needs a tree (a tree label or a directory)")
             megatron_args = (tiny_gpt_args(ns.tiny_gpt) if ns.tiny_gpt else []) + ns.args
             cmd, env = pretrain_command(tree, megatron_args, ns.nproc, cpu=cpu, extra_env=extra)
         else:

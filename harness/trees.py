@@ -1,11 +1,20 @@
-"""Select the megatron tree a process imports: pristine upstream or patched.
+"""Select the megatron tree a process imports: pristine megatron-core, or it with the series.
 
-scripts/setup.sh materializes two trees from the pinned megatron-core wheel:
+scripts/setup.sh materializes four trees from the pinned megatron-core wheels. Their labels
+say, per base (a folder of patches/), which of the two a tree is: ``pristine-<base>`` (the
+release as published) or ``series-<base>`` (it with patches/<base>/series applied):
 
-    build/upstream/megatron        pristine megatron-core 0.17.1         ("upstream")
-    megatron/                      pristine + patches/0.17.1/series      ("patched", repo root)
-    build/upstream-0.19/megatron   pristine megatron-core 0.19.2         ("upstream-0.19")
-    build/patched-0.19/megatron    pristine 0.19.2 + patches/0.19/series ("patched-0.19")
+    build/upstream/megatron        pristine megatron-core 0.17.1         ("pristine-0.17.1")
+    megatron/                      pristine + patches/0.17.1/series      ("series-0.17.1", repo root)
+    build/upstream-0.19/megatron   pristine megatron-core 0.19.2         ("pristine-0.19")
+    build/patched-0.19/megatron    pristine 0.19.2 + patches/0.19/series ("series-0.19")
+
+The real-shape audit (harness.audit.grid) uses the same labels for these trees and names its
+other trees alike (``pristine-0.18.2``; ``-layout`` for a release's layer-wise param layout
+path). "upstream", in this repository, is Megatron-LM's own test suite (tests/upstream_tests/).
+The older labels ("upstream", "patched", "upstream-0.19", "patched-0.19") are still taken
+(``LEGACY_LABELS``) and ``BASES`` still gives them, for the callers written against them
+(tests/unit_tests/test_grad_data_guards.py keys its runs and skips by them).
 
 `megatron` is a namespace package (the wheel has no megatron/__init__.py), so the first
 entry of sys.path that holds megatron/core wins. The harness therefore puts the chosen
@@ -27,19 +36,28 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 #: The series of the 0.17.1 base (patches/<base>/: series, *.patch, manifest.sha256).
 SERIES_DIR = REPO_ROOT / "patches" / "0.17.1"
 #: Tree label -> the directory holding its megatron/ (relative to the repo root).
-TREE_PARENTS = {"upstream": "build/upstream", "patched": ".", "upstream-0.19": "build/upstream-0.19",
-                "patched-0.19": "build/patched-0.19"}
+TREE_PARENTS = {"pristine-0.17.1": "build/upstream", "series-0.17.1": ".", "pristine-0.19": "build/upstream-0.19",
+                "series-0.19": "build/patched-0.19"}
 TREES = tuple(TREE_PARENTS)
-#: Base (a folder of patches/) -> (its pristine tree, its patched tree).
+#: The labels these trees had before (module docstring) -> their label now.
+LEGACY_LABELS = {"upstream": "pristine-0.17.1", "patched": "series-0.17.1", "upstream-0.19": "pristine-0.19",
+                 "patched-0.19": "series-0.19"}
+#: Base (a folder of patches/) -> (its pristine tree, its series tree), in the older labels
+#: (``LEGACY_LABELS``: see the module docstring).
 BASES = {"0.17.1": ("upstream", "patched"), "0.19": ("upstream-0.19", "patched-0.19")}
+
+
+def is_tree_label(tree) -> bool:
+    """Whether ``tree`` is a label tree_parent() takes (one of TREES, or of LEGACY_LABELS)."""
+    return isinstance(tree, str) and (tree in TREES or tree in LEGACY_LABELS)
 
 
 def tree_parent(tree: Union[str, Path]) -> Path:
     """Directory to put first on PYTHONPATH so that `import megatron.core` gets `tree`.
 
     Args:
-        tree: a label of TREES ("upstream" and "patched": the 0.17.1 base; "-0.19": the
-            0.19 base), or a Path to a directory that holds a megatron/ tree (e.g. a
+        tree: a label of TREES ("pristine-<base>", "series-<base>"; or a label of
+            LEGACY_LABELS), or a Path to a directory that holds a megatron/ tree (e.g. a
             mutant tree from make_mutant_tree()).
 
     Raises:
@@ -48,8 +66,8 @@ def tree_parent(tree: Union[str, Path]) -> Path:
     """
     if isinstance(tree, Path):
         parent = tree
-    elif tree in TREES:
-        parent = (REPO_ROOT / TREE_PARENTS[tree]).resolve()
+    elif is_tree_label(tree):
+        parent = (REPO_ROOT / TREE_PARENTS[LEGACY_LABELS.get(tree, tree)]).resolve()
     else:
         raise ValueError(f"unknown tree {tree!r}; expected one of {TREES} or a Path")
     if not (parent / "megatron" / "core" / "__init__.py").is_file():
@@ -137,11 +155,11 @@ def _tree_with_patches(base: Path, patches: list, dest: Path) -> Path:
     return dest
 
 
-def make_mutant_tree(mutant_patch: Path, dest: Path, tree: str = "patched") -> Path:
+def make_mutant_tree(mutant_patch: Path, dest: Path, tree: str = "series-0.17.1") -> Path:
     """Copy `tree` (a label of TREES, by default the 0.17.1 series) to dest/megatron and
     apply a mutant patch on top of it.
 
-    Mutants (tests/mutants/*.patch; tests/mutants/0.19/ for "patched-0.19") are deliberate
+    Mutants (tests/mutants/*.patch; tests/mutants/0.19/ for "series-0.19") are deliberate
     bugs used to prove that the tests catch them; they are never part of patches/.
 
     Returns:

@@ -50,6 +50,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from harness.bench.counters import ProfiledAllocations  # noqa: E402
+from harness.model import gpt_model, wrap  # noqa: E402
 from harness.trees import check_expected_tree  # noqa: E402
 
 PHASES = ("forward", "backward", "optimizer step", "optimizer gather")
@@ -73,31 +74,17 @@ _PREFIX = "bench_phase:"
 
 
 def _build(overlap: bool):
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.models.gpt.gpt_model import GPTModel
-    from megatron.core.optimizer import OptimizerConfig
-    from megatron.core.optimizer.muon import get_megatron_muon_optimizer
+    """(ddp, opt): the GPT of SHAPE in DDP with its layer-wise optimizer (``harness.model.wrap``)."""
     from megatron.core.transformer import TransformerConfig
 
     config = TransformerConfig(**SHAPE, params_dtype=torch.bfloat16, bf16=True,
                                use_cpu_initialization=True, hidden_dropout=0.0,
                                attention_dropout=0.0)  # fmt: skip
-    module = GPTModel(config, get_gpt_layer_local_spec(), vocab_size=VOCAB,
-                      max_sequence_length=SEQ).to(dtype=torch.bfloat16)  # fmt: skip
-    ddp = DistributedDataParallel(config, DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True, overlap_grad_reduce=True, overlap_param_gather=overlap,
-        use_distributed_optimizer=False), module)  # fmt: skip
-    opt = get_megatron_muon_optimizer(
-        # muon_fp32_matmul_prec "highest": megatron's default, "medium", runs the Newton-Schulz
-        # matmuls in emulated bf16 on a CPU without bf16 units (measured: 33 s instead of 1 s
-        # for one 1024 x 1024 orthogonalization); the param sync it measures does not depend on it.
-        OptimizerConfig(optimizer="muon", lr=1e-3, bf16=True, params_dtype=torch.bfloat16,
-                        use_distributed_optimizer=False, overlap_param_gather=overlap,
-                        muon_fp32_matmul_prec="highest"),
-        [ddp], layer_wise_distributed_optimizer=True, use_gloo_process_groups=False,
-    )  # fmt: skip
-    return ddp, opt
+    module = gpt_model(config, VOCAB, SEQ)
+    # muon_fp32_matmul_prec "highest": megatron's default, "medium", runs the Newton-Schulz
+    # matmuls in emulated bf16 on a CPU without bf16 units (measured: 33 s instead of 1 s
+    # for one 1024 x 1024 orthogonalization); the param sync it measures does not depend on it.
+    return wrap(config, module, overlap, lr=1e-3, muon_fp32_matmul_prec="highest")
 
 
 class _Step:

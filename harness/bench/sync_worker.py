@@ -58,11 +58,9 @@ import torch.distributed as dist  # noqa: E402
 from harness.bench import theory  # noqa: E402
 from harness.alloc_counter import AllocationCounter  # noqa: E402
 from harness.bench.counters import ProfiledAllocations, model_standin_bytes  # noqa: E402
+from harness.model import CONTROL, PARAM_DTYPE, PATHS, LayerwiseModel, gpt_model, wrap  # noqa: E402
 from harness.trees import check_expected_tree  # noqa: E402
 
-PATHS = ("async", "forced", "optimizer")
-CONTROL = "control"
-PARAM_DTYPE = torch.bfloat16
 #: name -> (TransformerConfig shape, GPTModel kwargs). Params: gpt_unequal 3,716,608
 #: (7.09 MiB bf16); gpt_equal 3,178,496 (6.06 MiB bf16).
 MODELS = {
@@ -81,24 +79,13 @@ MODELS = {
 def _megatron():
     """Import megatron-core lazily (after the CPU runtime layer is installed)."""
     from megatron.core import parallel_state
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.distributed import param_and_grad_buffer as pgb
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.models.gpt.gpt_model import GPTModel
-    from megatron.core.optimizer import OptimizerConfig
-    from megatron.core.optimizer.muon import get_megatron_muon_optimizer
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
     from megatron.core.transformer import TransformerConfig
 
     return dict(
         ps=parallel_state,
-        DDP=DistributedDataParallel,
-        DDPConfig=DistributedDataParallelConfig,
         pgb=pgb,
-        spec=get_gpt_layer_local_spec,
-        GPTModel=GPTModel,
-        OptimizerConfig=OptimizerConfig,
-        muon=get_megatron_muon_optimizer,
         seed=model_parallel_cuda_manual_seed,
         TransformerConfig=TransformerConfig,
     )
@@ -112,8 +99,9 @@ def control_code_sha(mc) -> str:
     return hashlib.sha256("".join(inspect.getsource(f) for f in fns).encode()).hexdigest()
 
 
-class Setup:
-    """GPTModel wrapped in megatron DDP plus its LayerWiseDistributedOptimizer.
+class Setup(LayerwiseModel):
+    """GPTModel wrapped in megatron DDP plus its LayerWiseDistributedOptimizer
+    (``harness.model``: the paths and the state a step starts from).
 
     Args:
         mc: the dict from _megatron().
@@ -135,72 +123,9 @@ class Setup:
             use_cpu_initialization=True,
             perform_initialization=False,
         )
-        module = mc["GPTModel"](config, mc["spec"](), **gpt_kwargs).to(dtype=PARAM_DTYPE)
-        ddp_config = mc["DDPConfig"](
-            grad_reduce_in_fp32=True,
-            overlap_grad_reduce=True,
-            overlap_param_gather=overlap,
-            use_distributed_optimizer=False,
-            bucket_size=bucket_size,
-        )
-        self.ddp = mc["DDP"](config, ddp_config, module)
-        opt_config = mc["OptimizerConfig"](
-            optimizer="muon",
-            lr=0.01,
-            bf16=True,
-            params_dtype=PARAM_DTYPE,
-            use_distributed_optimizer=False,
-            overlap_param_gather=overlap,
-        )
-        self.opt = mc["muon"](
-            opt_config, [self.ddp], layer_wise_distributed_optimizer=True,
-            use_gloo_process_groups=False,
-        )  # fmt: skip
-        self.params = list(self.ddp.module.parameters())
-        self.groups = self.ddp.bucket_groups + self.ddp.expert_parallel_bucket_groups
-        self.buckets = [b for g in self.groups for b in g.buckets]
-
-    @property
-    def forward_order(self):
-        """Bucket groups in the order the forward pre-hooks finish them: buckets are
-        built in backward order, and next_param_gather_bucket_group points backwards."""
-        return list(reversed(self.ddp.bucket_groups))
-
-    def reset(self) -> None:
-        """State at the start of a training step: train_step's zero_grad_buffer(), and no
-        gather dispatched (finish_grad_sync clears param_gather_dispatched)."""
-        self.ddp.zero_grad_buffer()
-        for g in self.groups:
-            g.param_gather_dispatched = False
-
-    def sync_fn(self, path: str):
-        """Zero-argument callable running one sync of `path` (see module docstring).
-
-        Raises:
-            ValueError: unknown path.
-        """
-        if path == "async":
-
-            def run():
-                order = self.forward_order
-                order[0].start_param_sync()
-                for g in order:
-                    g.finish_param_sync()
-
-            return run
-        if path == "forced":
-            return lambda: self.ddp.start_param_sync(force_sync=True)
-        if path == "optimizer":
-            return self.opt.allgather_params
-        if path == CONTROL:
-            return self.reset_grad_buffers
-        raise ValueError(f"unknown path {path!r}; expected one of {PATHS + (CONTROL,)}")
-
-    def reset_grad_buffers(self):
-        """The negative control: every grad buffer's reset() (grad_data.zero_()), the
-        memset at the heart of DDP.zero_grad_buffer(), whose source no tree changes."""
-        for buffer in self.ddp.buffers + self.ddp.expert_parallel_buffers:
-            buffer.reset()
+        module = gpt_model(config, **gpt_kwargs)
+        self.ddp, self.opt = wrap(config, module, overlap, bucket_size, lr=0.01)
+        self._finish_init()
 
     def shares(self):
         """Per-rank shares (elements, rank order) of what each design gathers at once.
@@ -441,23 +366,6 @@ def main_real(args, mc, tree_dir: str) -> None:
     dist.barrier()
     mc["ps"].destroy_model_parallel()
     dist.destroy_process_group()
-
-
-def _fake_all_gather_object() -> None:
-    """all_gather_object on the fake backend: every rank's object is this rank's, as the
-    fake backend's own all_gather made it (megatron's optimizer setup gathers param-group
-    keys with it). The collective model executes fake-backend gathers without moving data,
-    so torch's all_gather_object would unpickle uninitialized sizes there. For the workers
-    that run on the fake backend: the real-shape audit's (``real_shapes_worker``) and the GPU
-    check's predictions (``harness/gpu_check/predict_worker.py``)."""
-    real = dist.all_gather_object
-
-    def all_gather_object(object_list, obj, group=None):
-        if "fake" not in str(dist.get_backend(group)):
-            return real(object_list, obj, group=group)
-        object_list[:] = [obj] * dist.get_world_size(group)
-
-    dist.all_gather_object = all_gather_object
 
 
 def main(argv=None) -> int:

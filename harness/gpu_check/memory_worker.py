@@ -69,6 +69,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from harness.gpu_check import real_shapes  # noqa: E402
+from harness.model import gpt_model, wrap  # noqa: E402
 from harness.trees import check_expected_tree  # noqa: E402
 
 #: Model configurations. ``param_dominated``: 8 layers, hidden 2048 (about 0.54 B params,
@@ -151,11 +152,6 @@ class Setup:
     """
 
     def __init__(self, cfg: dict, seed: int = 1234):
-        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
-        from megatron.core.models.gpt.gpt_model import GPTModel
-        from megatron.core.optimizer import OptimizerConfig
-        from megatron.core.optimizer.muon import get_megatron_muon_optimizer
         from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
         from megatron.core.transformer import TransformerConfig
 
@@ -167,7 +163,7 @@ class Setup:
         # initialize.py:_set_random_seed.)
         torch.manual_seed(seed)
         model_parallel_cuda_manual_seed(seed)
-        # Llama-like configs as harness/bench/real_shapes_worker.py:build_module builds them.
+        # Llama-like configs as harness/audit/worker.py:build_module builds them.
         llama = dict(num_query_groups=cfg["num_query_groups"], kv_channels=cfg["kv_channels"],
                      normalization=cfg["normalization"], gated_linear_unit=True,
                      activation_func=torch.nn.functional.silu, bias_activation_fusion=False,
@@ -178,22 +174,11 @@ class Setup:
             add_bias_linear=cfg["add_bias_linear"], params_dtype=PARAM_DTYPE, bf16=True,
             use_cpu_initialization=not _on_gpu(), hidden_dropout=0.0, attention_dropout=0.0, **llama,
         )
-        spec = (get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization=cfg["normalization"])
-                if llama else get_gpt_layer_local_spec())
-        module = GPTModel(config, spec, vocab_size=cfg["vocab"],
-                          max_sequence_length=cfg["seq"], share_embeddings_and_output_weights=False,
-                          position_embedding_type=cfg["position_embedding_type"])
-        module = module.to(dtype=PARAM_DTYPE).cuda()
-        ddp_config = DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True, overlap_grad_reduce=True, overlap_param_gather=True,
-            use_distributed_optimizer=False, bucket_size=cfg["bucket_size"],
-        )
-        self.ddp = DistributedDataParallel(config, ddp_config, module)
-        opt_config = OptimizerConfig(optimizer="muon", lr=1e-3, weight_decay=0.01, bf16=True,
-                                     params_dtype=PARAM_DTYPE, use_distributed_optimizer=False,
-                                     overlap_param_gather=True, clip_grad=1.0)
-        self.opt = get_megatron_muon_optimizer(opt_config, [self.ddp], layer_wise_distributed_optimizer=True,
-                                               use_gloo_process_groups=False)
+        module = gpt_model(config, cfg["vocab"], cfg["seq"], block_spec=bool(llama),
+                           normalization=cfg.get("normalization"), share_embeddings_and_output_weights=False,
+                           position_embedding_type=cfg["position_embedding_type"]).cuda()  # fmt: skip
+        self.ddp, self.opt = wrap(config, module, True, cfg["bucket_size"], lr=1e-3, weight_decay=0.01,
+                                  clip_grad=1.0)  # fmt: skip
         self.cfg = cfg
         self.params = list(self.ddp.module.parameters())
         gen = torch.Generator().manual_seed(seed + dist.get_rank())

@@ -4,9 +4,9 @@ Run by ``harness.gpu_check.real_shapes.predict`` with the tree first on PYTHONPA
 CPU runtime layer forced on, as ``scripts/audit_param_sync.py`` runs its workers::
 
     MEGATRON_CPU_RUNTIME=force python harness/gpu_check/predict_worker.py \
-        --tree upstream --layers 11 --dp 2 --out up.json
+        --tree pristine-0.17.1 --layers 11 --dp 2 --out up.json
 
-It runs the audit's own cell (``harness/bench/real_shapes_worker.run_cell``: the tree's DDP,
+It runs the audit's own cell (``harness/audit/worker.run_cell``: the tree's DDP,
 layer-wise Muon optimizer and param sync on meta tensors over a fake process group of DP
 ranks) on the model ``harness.gpu_check.real_shapes.model_spec(layers)`` for every DP rank,
 paths ``async`` (DDP's forward pre-hooks: what the memory worker's "param sync alone" runs)
@@ -28,8 +28,8 @@ if __package__ in (None, ""):
         del sys.path[0]
     sys.path.append(str(Path(__file__).resolve().parents[2]))
 
-from harness.bench import real_shapes as audit_shapes  # noqa: E402
-from harness.bench import real_shapes_worker as audit  # noqa: E402
+from harness.audit import grid as audit_shapes  # noqa: E402
+from harness.audit import worker as audit  # noqa: E402
 from harness.gpu_check import real_shapes  # noqa: E402
 
 #: The audit's paths the memory worker measures (its "sync" and "sync_optimizer" windows).
@@ -48,7 +48,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     tree_dir = audit.check_expected_tree()
     audit.torch.set_num_threads(1)
-    audit.sync_worker._fake_all_gather_object()
+    audit.model.fake_all_gather_object()
     audit._member_groups_only()
     mc = audit._mc()
     spec = real_shapes.model_spec(args.layers, json.loads(args.worker_config) if args.worker_config else None)

@@ -5,7 +5,7 @@ The memory worker's ``llama3_8b_layers`` config builds Llama-3-8B's shapes (hidd
 embeddings, vocab 128256) with ``LAYERS`` layers: as many as fit two ranks (DP 2) on one
 80 GB GPU (``layers_that_fit``). Beside each measured CUDA peak of the param sync (per tree,
 per path, per DP rank) the report prints what the real-shape audit predicts for the same
-configuration: ``harness/bench/real_shapes_worker.run_cell`` (the code behind
+configuration: ``harness/audit/worker.run_cell`` (the code behind
 ``scripts/audit_param_sync.py``) run on ``model_spec(LAYERS)`` at DP 2 by
 ``predict_worker.py``. The predictions are stored in ``PREDICTION_FILE`` (written by
 ``python -m harness.gpu_check.real_shapes --write``), so that a dry run shows them without
@@ -40,7 +40,7 @@ from typing import Dict, List, Optional
 
 from harness.trees import REPO_ROOT
 
-#: Llama-3-8B's shapes (as harness/bench/real_shapes.py's ``_LLAMA3_8B``, layers aside).
+#: Llama-3-8B's shapes (as harness/audit/grid.py's ``_LLAMA3_8B``, layers aside).
 HIDDEN, FFN, HEADS, KV_GROUPS, KV_CHANNELS, VOCAB = 4096, 14336, 32, 8, 128, 128256
 #: Tokens per micro-batch of the run (micro-batch 1): activations stay small next to params.
 SEQ = 256
@@ -56,8 +56,10 @@ MARGIN = 0.05
 ROUNDING_BYTES = 512
 PREDICTION_FILE = Path(__file__).resolve().parent / "real_shape_prediction.json"
 PREDICT_WORKER = Path(__file__).resolve().parent / "predict_worker.py"
-#: Trees of the prediction and the run: the audit's labels (harness/bench/real_shapes.TREES).
+#: Trees of the prediction and the run: the GPU check's two sides (``plan.TREES``).
 TREES = ("upstream", "patched")
+#: Each side's tree in the audit (a label of harness.audit.grid.TREES).
+AUDIT_TREES = {"upstream": "pristine-0.17.1", "patched": "series-0.17.1"}
 #: Memory worker window -> audit path.
 WINDOWS = {"sync": "async", "sync_optimizer": "optimizer"}
 
@@ -131,7 +133,7 @@ def model_spec(layers: int = LAYERS, cfg: Optional[dict] = None):
     """The audit's ``ModelSpec`` of the memory worker's config ``cfg`` (default
     ``worker_config(layers)``): the same shapes, TP 1, one pipeline stage, DDP's default
     bucket size."""
-    from harness.bench import real_shapes as audit_shapes
+    from harness.audit import grid as audit_shapes
 
     cfg = worker_config(layers) if cfg is None else cfg
     config = dict(num_layers=cfg["num_layers"], hidden_size=cfg["hidden_size"], ffn_hidden_size=cfg["ffn_hidden_size"],
@@ -145,21 +147,21 @@ def model_spec(layers: int = LAYERS, cfg: Optional[dict] = None):
 
 def predict(tree: str, layers: int = LAYERS, dp: int = RANKS, timeout_s: float = 600,
             cfg: Optional[dict] = None) -> dict:
-    """Run ``predict_worker.py`` (the audit's cell) on ``tree`` for ``model_spec(layers, cfg)``;
-    its JSON record.
+    """Run ``predict_worker.py`` (the audit's cell) on ``tree`` (a side of ``TREES``: its audit
+    tree, ``AUDIT_TREES``) for ``model_spec(layers, cfg)``; its JSON record.
 
     Raises:
         RuntimeError: the worker failed (its output tail).
     """
-    from harness.bench import real_shapes as audit_shapes
+    from harness.audit import grid as audit_shapes
     from harness.trees import env_for_tree
 
-    env = env_for_tree(audit_shapes.tree_dir(audit_shapes.TREES[tree]))
+    env = env_for_tree(audit_shapes.tree_dir(audit_shapes.TREES[AUDIT_TREES[tree]]))
     env.update(MEGATRON_CPU_RUNTIME="force", OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "p.json"
         extra = ["--worker-config", json.dumps(cfg)] if cfg is not None else []
-        proc = subprocess.run([sys.executable, str(PREDICT_WORKER), "--tree", tree, "--layers", str(layers),
+        proc = subprocess.run([sys.executable, str(PREDICT_WORKER), "--tree", AUDIT_TREES[tree], "--layers", str(layers),
                                "--dp", str(dp), "--out", str(out), *extra], env=env, cwd=REPO_ROOT,
                               capture_output=True, text=True, timeout=timeout_s)
         if proc.returncode != 0:
@@ -180,7 +182,7 @@ def prediction_doc(layers: int = LAYERS) -> dict:
         trees[tree] = rec
     return {"model": worker_config(layers), "layers": layers, "dp": RANKS,
             "rank_bytes": rank_bytes(layers), "gpu_bytes": GPU_BYTES,
-            "how": "harness/gpu_check/predict_worker.py: harness/bench/real_shapes_worker.run_cell on "
+            "how": "harness/gpu_check/predict_worker.py: harness/audit/worker.run_cell on "
                    "harness.gpu_check.real_shapes.model_spec(layers) at DP 2, paths async and optimizer",
             "trees": trees}
 

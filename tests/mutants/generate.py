@@ -168,7 +168,7 @@ MUTANTS.update({
                "        if self.handles:\n            self.handles[-1].wait()\n")]),
 })
 
-# The real-shape audit's teeth (tests/unit_tests/test_real_shapes_audit.py), in audit/.
+# The real-shape audit's teeth (tests/unit_tests/test_audit.py), in audit/.
 MUTANTS.update({
     "audit/grad_data_never_idle": (
         "The pre-hook path never receives into grad_data, as if it were never idle: every\n"

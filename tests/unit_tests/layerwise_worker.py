@@ -3,7 +3,7 @@
 Run under torchrun, one process per DP rank, with the tree under test first on
 PYTHONPATH and MEGATRON_CPU_RUNTIME=1 on CPU (harness.launch.torchrun_command):
 
-    python -m harness.launch --tree patched --nproc 2 script tests/unit_tests/layerwise_worker.py \
+    python -m harness.launch --tree series-0.17.1 --nproc 2 script tests/unit_tests/layerwise_worker.py \
         -- --out R.json --scenarios gather,microbatches,...
 
 The model is built the way megatron.training builds it: a MegatronModule wrapped in

@@ -5,7 +5,7 @@ Run under torchrun on gloo ranks with the tree under test first on PYTHONPATH
 (``allreduce=False``) form DDP's expert-parallel bucket groups on an expert-DP group of the
 whole world::
 
-    python -m harness.launch --tree upstream --nproc 2 script \
+    python -m harness.launch --tree pristine-0.17.1 --nproc 2 script \
         tests/unit_tests/param_sync_recorder_worker.py -- --out DIR
 
 ``harness.param_sync_recorder.ParamSyncRecorder`` wraps megatron's classes in this process

@@ -686,7 +686,7 @@ def test_the_real_shape_config_is_llama3_8b_with_the_layers_that_fit_two_ranks_o
 
 
 def test_the_real_shape_run_carries_the_audits_prediction(one_gpu):
-    """The audit (harness/bench/real_shapes_worker.run_cell), run now on the real-shape
+    """The audit (harness/audit/worker.run_cell), run now on the real-shape
     configuration at DP 2, predicts the bytes that the plan carries and the dry run prints:
     upstream's temporaries per DP rank and path, and 0 for the series."""
     from harness.gpu_check import real_shapes

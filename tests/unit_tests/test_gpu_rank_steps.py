@@ -56,7 +56,7 @@ def built_trees():
 def test_every_tree_passes_the_dataset_helper_step_of_a_gpu_rank(tmp_path):
     trees = built_trees()
     labels = [label for label, _ in trees]
-    assert {"upstream", "patched", "megatron-lm/core_v0.17.1", "megatron-lm/patched"} <= set(labels), labels
+    assert {"pristine-0.17.1", "series-0.17.1", "megatron-lm/core_v0.17.1", "megatron-lm/patched"} <= set(labels), labels
     script = tmp_path / "rank_step.py"
     script.write_text(RANK_STEP)
     env = {k: v for k, v in os.environ.items() if k != "MEGATRON_CPU_RUNTIME"}

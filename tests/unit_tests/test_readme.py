@@ -94,10 +94,10 @@ def test_readme_is_short_and_starts_with_the_two_commands():
 
 def test_real_shapes_md_is_what_the_report_writes_from_the_published_json(tmp_path):
     """docs/bench/real_shapes.md is generated (tables from real_shapes.json, the reading of
-    them from harness/bench/real_shapes_findings.md): a hand edit of the page, or a findings
+    them from docs/bench/real_shapes_findings.md): a hand edit of the page, or a findings
     file not published, shows here."""
-    from harness.bench import real_shapes_report
+    from harness.audit import report as audit_report
 
     docs = REPO_ROOT / "docs" / "bench"
-    real_shapes_report.write_markdown(json.loads((docs / "real_shapes.json").read_text()), tmp_path / "r.md")
+    audit_report.write_markdown(json.loads((docs / "real_shapes.json").read_text()), tmp_path / "r.md")
     assert (tmp_path / "r.md").read_text() == (docs / "real_shapes.md").read_text()

@@ -141,7 +141,7 @@ def test_series_header_names_the_base(base, tag):
 
 # ------------------------------------------------------------ numbers in the patch messages
 #: The real-shape audit's report (scripts/audit_param_sync.py --publish writes it; its
-#: faithfulness to megatron and its series claims are tests/unit_tests/test_real_shapes_audit.py).
+#: faithfulness to megatron and its series claims are tests/unit_tests/test_audit.py).
 AUDIT_REPORT = REPO_ROOT / "docs" / "bench" / "real_shapes.md"
 # A number is a run of digits, with at most one decimal point, that touches no letter, digit,
 # '_', '-', '.', '#' or '/' outside itself, and has two characters or more: so versions
@@ -171,36 +171,36 @@ MESSAGE_NUMBERS = {
             "0.0": "tests/unit_tests/test_grad_data_guards.py::test_019_pristine_forced_sync_before_step_zeroes_every_grad"
         },
         "0005": {
-            "4160": audit(_8B, 64, "mcore_0.19_legacy"),  # NCCL operations of the pre-hook path
-            "3970": audit(_8B, 64, "mcore_0.19_legacy"),  # of them zero-size
-            "190": audit(_8B, 64, "patched_0.19"),
-            "64": audit(_DSV2, 64, "mcore_0.19_legacy"),  # 64 experts, DP 64
-            "0.13": audit(_DSV2, 64, "mcore_0.19_legacy"),  # GiB NCCL allocates for equal shares
+            "4160": audit(_8B, 64, "pristine-0.19"),  # NCCL operations of the pre-hook path
+            "3970": audit(_8B, 64, "pristine-0.19"),  # of them zero-size
+            "190": audit(_8B, 64, "series-0.19"),
+            "64": audit(_DSV2, 64, "pristine-0.19"),  # 64 experts, DP 64
+            "0.13": audit(_DSV2, 64, "pristine-0.19"),  # GiB NCCL allocates for equal shares
         },
         "0006": {
-            "14.96": audit(_8B, 8, "mcore_0.19_legacy"),  # optimizer-path temporaries, GiB
-            "16.43": audit("Llama-3-70B, TP 8", 8, "mcore_0.19_legacy"),
-            "195": audit(_8B, 8, "patched_0.19"),  # NCCL operations: one per param
-            "1024": audit(_8B, 1024, "mcore_0.19_legacy"),  # one per DP rank
+            "14.96": audit(_8B, 8, "pristine-0.19"),  # optimizer-path temporaries, GiB
+            "16.43": audit("Llama-3-70B, TP 8", 8, "pristine-0.19"),
+            "195": audit(_8B, 8, "series-0.19"),  # NCCL operations: one per param
+            "1024": audit(_8B, 1024, "pristine-0.19"),  # one per DP rank
         },
     },
     "0.17.1": {
         "0004": {  # GiB of temporaries of the forward path, at DP 64
-            "1.31": audit(_8B, 64, "upstream"),
-            "64": audit(_8B, 64, "upstream"),
+            "1.31": audit(_8B, 64, "pristine-0.17.1"),
+            "64": audit(_8B, 64, "pristine-0.17.1"),
         },
         "0005": {
-            "4160": audit(_8B, 64, "upstream"),  # NCCL operations of the pre-hook path
-            "3970": audit(_8B, 64, "upstream"),  # of them zero-size
-            "190": audit(_8B, 64, "patched"),
-            "64": audit(_DSV2, 64, "upstream"),  # 64 experts, DP 64
-            "0.13": audit(_DSV2, 64, "upstream"),  # GiB NCCL allocates for the equal shares
+            "4160": audit(_8B, 64, "pristine-0.17.1"),  # NCCL operations of the pre-hook path
+            "3970": audit(_8B, 64, "pristine-0.17.1"),  # of them zero-size
+            "190": audit(_8B, 64, "series-0.17.1"),
+            "64": audit(_DSV2, 64, "pristine-0.17.1"),  # 64 experts, DP 64
+            "0.13": audit(_DSV2, 64, "pristine-0.17.1"),  # GiB NCCL allocates for the equal shares
         },
         "0006": {
-            "14.96": audit(_8B, 8, "upstream"),  # optimizer-path temporaries, GiB
-            "16.43": audit("Llama-3-70B, TP 8", 8, "upstream"),
-            "195": audit(_8B, 8, "patched"),  # NCCL operations: one per param
-            "1024": audit(_8B, 1024, "upstream"),  # one per DP rank
+            "14.96": audit(_8B, 8, "pristine-0.17.1"),  # optimizer-path temporaries, GiB
+            "16.43": audit("Llama-3-70B, TP 8", 8, "pristine-0.17.1"),
+            "195": audit(_8B, 8, "series-0.17.1"),  # NCCL operations: one per param
+            "1024": audit(_8B, 1024, "pristine-0.17.1"),  # one per DP rank
         },
     },
 }
@@ -208,7 +208,7 @@ MESSAGE_NUMBERS = {
 
 def largest_bucket(model: str, dp: int) -> tuple:
     """A number's source: the largest layer-wise bucket of the audit's JSON cell (model key
-    of harness/bench/real_shapes.py, DP size; pristine tree), its params in bf16, GiB to 2
+    of harness/audit/grid.py, DP size; pristine tree), its params in bf16, GiB to 2
     decimals: what a forced sync receives into a temporary at once (one bucket group at a
     time)."""
     return ("bucket", model, dp)
@@ -226,14 +226,14 @@ V6 = "9a0fad1"
 #: Base -> each number its cover letter's blurb states -> its source.
 COVER_NUMBERS = {
     "0.17.1": {
-        "64": audit(_8B, 64, "upstream"),
-        "1.31": audit(_8B, 64, "upstream"),  # GiB of temporaries, forward path
-        "4160": audit(_8B, 64, "upstream"),
-        "3970": audit(_8B, 64, "upstream"),
-        "190": audit(_8B, 64, "patched"),
-        "65": audit(_8B, 64, "patched"),  # launches
-        "14.96": audit(_8B, 64, "patched"),  # GiB zeroed per step; optimizer temporaries
-        "195": audit(_8B, 8, "patched"),
+        "64": audit(_8B, 64, "pristine-0.17.1"),
+        "1.31": audit(_8B, 64, "pristine-0.17.1"),  # GiB of temporaries, forward path
+        "4160": audit(_8B, 64, "pristine-0.17.1"),
+        "3970": audit(_8B, 64, "pristine-0.17.1"),
+        "190": audit(_8B, 64, "series-0.17.1"),
+        "65": audit(_8B, 64, "series-0.17.1"),  # launches
+        "14.96": audit(_8B, 64, "series-0.17.1"),  # GiB zeroed per step; optimizer temporaries
+        "195": audit(_8B, 8, "series-0.17.1"),
         "300": added_lines("0.17.1", V5),
         "162": added_lines("0.17.1", V6),
         "141": added_lines("0.17.1"),
@@ -245,14 +245,14 @@ COVER_NUMBERS = {
     },
     "0.19": {
         "0.0": "tests/unit_tests/test_grad_data_guards.py::test_019_pristine_forced_sync_before_step_zeroes_every_grad",
-        "0.11": audit(_8B, 8, "mcore_0.19_legacy"),
-        "784": audit(_8B, 8, "mcore_0.19_legacy"),
-        "629": audit(_8B, 8, "mcore_0.19_legacy"),
-        "155": audit(_8B, 8, "patched_0.19"),
-        "98": audit(_8B, 8, "patched_0.19"),
-        "29.92": audit(_8B, 8, "mcore_0.19_legacy"),  # GiB zeroed per step
-        "14.96": audit(_8B, 8, "patched_0.19"),
-        "195": audit(_8B, 8, "patched_0.19"),
+        "0.11": audit(_8B, 8, "pristine-0.19"),
+        "784": audit(_8B, 8, "pristine-0.19"),
+        "629": audit(_8B, 8, "pristine-0.19"),
+        "155": audit(_8B, 8, "series-0.19"),
+        "98": audit(_8B, 8, "series-0.19"),
+        "29.92": audit(_8B, 8, "pristine-0.19"),  # GiB zeroed per step
+        "14.96": audit(_8B, 8, "series-0.19"),
+        "195": audit(_8B, 8, "series-0.19"),
         "287": added_lines("0.19", V5),
         "169": added_lines("0.19", V6),
         "140": added_lines("0.19"),
@@ -334,7 +334,7 @@ def source_holds(number: str, source) -> str:
 
         cells = json.loads(AUDIT_REPORT.with_suffix(".json").read_text())["cells"]
         cell = next(
-            c for c in cells if (c["tree"], c["model"], c["dp"]) == ("upstream", *source[1:])
+            c for c in cells if (c["tree"], c["model"], c["dp"]) == ("pristine-0.17.1", *source[1:])
         )
         numel = max(b["param_numel"] for b in cell["buckets"] if b["layerwise"])
         got = {f"{numel * 2 / 2**30:.2f}", str(source[2])}

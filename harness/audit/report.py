@@ -1,6 +1,6 @@
 """Tables, JSON and the plot of the real-shape audit (scripts/audit_param_sync.py).
 
-Input: the cell records of ``harness/bench/real_shapes_worker.py`` (one per tree x model
+Input: the cell records of ``harness/audit/worker.py`` (one per tree x model
 x DP, rank ``dp_rank``). Output:
 
 * ``slim(record)``: the published form of a record: bucket summaries (numel, params,
@@ -36,6 +36,27 @@ FORM_NAMES = {
     "broadcast": "bcast",
 }
 PATHS = ("async", "forced", "optimizer")
+#: The audit's hand-written prose: docs/bench/real_shapes_findings.md (the reading of the
+#: tables, ``FINDINGS``) and docs/bench/real_shapes_text.md (method, column legend, notes).
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "bench"
+TEXT_FILE = DOCS / "real_shapes_text.md"
+
+
+def load_texts(path: Path = TEXT_FILE) -> Dict[str, str]:
+    """{heading: text} of ``path``: each "## KEY" section's lines, stripped and joined by one
+    space (blank lines, and the comment before the first heading, left out)."""
+    texts: Dict[str, List[str]] = {}
+    key = None
+    for line in path.read_text().splitlines():
+        if line.startswith("## "):
+            key = line[3:].strip()
+            texts[key] = []
+        elif key is not None and line.strip():
+            texts[key].append(line.strip())
+    return {k: " ".join(v) for k, v in texts.items()}
+
+
+TEXTS = load_texts()
 
 
 def gib(nbytes: Optional[float]) -> str:
@@ -202,7 +223,7 @@ def model_table(records: List[dict], trees: List[str]) -> str:
 
 
 def crash_notes(records: List[dict]) -> List[str]:
-    """'- crash: DP 8, upstream, async, forced: TypeError: ...' per distinct message."""
+    """'- crash: DP 8, pristine-0.17.1, async, forced: TypeError: ...' per distinct message."""
     seen: Dict[tuple, List[str]] = {}
     for r in records:
         errs = [("cell", r)] if "error" in r else [(p, v) for p, v in r.get("paths", {}).items() if "error" in v]
@@ -268,29 +289,13 @@ def memory_table(rows: List[dict], legacy_trees: List[str], layout_tree: str) ->
 
 
 #: What real_shapes.md says of the forced sync against the step's peak (``forced_table``).
-FORCED_NOTE = (
-    "A forced sync (`start_param_sync(force_sync=True)`) runs only with `--overlap-param-gather`: "
-    "`megatron.training` forces one before each checkpoint save, at each evaluation (`--eval-interval`), "
-    "at the weight-hash check and at the end of training (`should_disable_forward_pre_hook`). It runs "
-    "outside the step, but its temporaries come on top of what the run holds then: the weights, the "
-    "gradient buffer and the optimizer state. Against it stands megatron's own estimate of the step's "
-    "peak per rank, `megatron/training/theoretical_memory_usage.py`'s `report_theoretical_memory` of the "
-    "tree (what `megatron.training` prints after the first iteration), called by the audit's worker on "
-    "the model's flags (`real_shapes.MODEL_FLAGS`, or the user's) at that DP: weights and optimizer "
-    "state plus activations. Its assumptions are megatron's: 18 bytes per param without "
-    "`--use-distributed-optimizer` (so for `dist_muon` too, whose layer-wise optimizer shards Muon's "
-    "state), activations without recomputation at `--micro-batch-size 1`, and on 0.17.1 experts "
-    "divided by TP only (0.18 and later divide them by EP too); with PP, the most loaded stage (the "
-    "first, with the embedding), not the stage audited. A forced-sync peak that is a small "
-    "share of it cannot raise the run's peak by more than that share, wherever the step's peak "
-    "matches megatron's estimate."
-)
+FORCED_NOTE = TEXTS["forced_note"]
 
 
 def _estimates_text(records: List[dict]) -> str:
     """megatron's step estimate (``theory_text``) of ``records``, once if they agree, else per
     release ("272.98 (264.61 + 8.38) on 0.17.1; 61.89 (53.51 + 8.38) on 0.18.2, 0.19.2")."""
-    from harness.bench.real_shapes import RELEASE_OF_TREE
+    from harness.audit.grid import RELEASE_OF_TREE
 
     said: Dict[str, List[str]] = {}
     for r in records:
@@ -324,7 +329,7 @@ def forced_table(cells: List[dict], trees: List[str]) -> str:
 
 #: Hand-written reading of the tables (who should use which release and path, with the
 #: figures that decide it), placed after the column legend of real_shapes.md.
-FINDINGS = Path(__file__).with_name("real_shapes_findings.md")
+FINDINGS = DOCS / "real_shapes_findings.md"
 
 
 def write_markdown(data: dict, path: Path, plot_name: str = "real_shapes.png") -> None:
@@ -383,11 +388,11 @@ def write_markdown(data: dict, path: Path, plot_name: str = "real_shapes.png") -
 
 def reproduce_section(meta: dict) -> List[str]:
     """Markdown lines: how to audit each built-in model of ``meta["models"]`` from
-    ``pretrain_gpt.py`` flags (``real_shapes.MODEL_FLAGS``), at the run's DP sizes; none for
+    ``pretrain_gpt.py`` flags (``grid.MODEL_FLAGS``), at the run's DP sizes; none for
     a flag run (``meta["flags"]``)."""
     import shlex
 
-    from harness.bench.real_shapes import MODEL_FLAGS, MODELS
+    from harness.audit.grid import MODEL_FLAGS, MODELS
 
     models = [m for m in meta["models"] if m in MODEL_FLAGS]
     if not models or "flags" in meta:
@@ -401,7 +406,7 @@ def reproduce_section(meta: dict) -> List[str]:
         "`gpt_builder` make it (docs/harness.md, \"Your model\"), on the trees the run names (`--trees`; "
         "by default pristine and the series of each base, and 0.19.2's layout path, which does not audit "
         "VPP). These flags give the models above: all seven on pristine 0.17.1 at DP 8 gave their built-in "
-        "cells key for key when they were written, and `tests/unit_tests/test_real_shapes_audit.py` checks "
+        "cells key for key when they were written, and `tests/unit_tests/test_audit.py` checks "
         "Llama-3-8B TP 1 at DP 8 and 64 on 0.17.1, pristine and the series, and the DeepSeek-V2-Lite-like "
         "MoE at DP 64 on pristine 0.19.2. They "
         "name `--transformer-impl local`, the layer spec of these tables; left out, megatron's default "
@@ -524,7 +529,7 @@ def series_claims(cells: List[dict], pairs: Optional[Dict[str, str]] = None) -> 
 
     Args:
         cells: slim records (any trees; ``model`` and ``dp`` match the pairs).
-        pairs: series tree -> pristine tree (default ``real_shapes.SERIES_PAIRS``).
+        pairs: series tree -> pristine tree (default ``grid.SERIES_PAIRS``).
 
     Returns:
         per series cell and path, ``{"tree", "pristine", "model", "dp", "path", "claim", "holds": bool,
@@ -539,7 +544,7 @@ def series_claims(cells: List[dict], pairs: Optional[Dict[str, str]] = None) -> 
         there, or is not in the run).
     """
     if pairs is None:
-        from harness.bench.real_shapes import SERIES_PAIRS as pairs
+        from harness.audit.grid import SERIES_PAIRS as pairs
     by = {(c["tree"], c["model"], c["dp"]): c for c in cells}
     out = []
     for c in cells:
@@ -618,13 +623,13 @@ def your_paths(cells: List[dict]) -> List[str]:
 
 #: What each tree is to a user of ``pretrain_gpt.py`` (the flag path's legend), beyond its title.
 TREE_USE = {
-    "upstream": "what a 0.17.1 run gets today",
-    "patched": "the same run with patches/0.17.1/ applied",
-    "mcore_0.19_legacy": "what pretrain_gpt.py runs on 0.19.x today, whatever --use-layer-wise-param-layout says",
-    "patched_0.19": "the same run with patches/0.19/ applied",
-    "mcore_0.19_layout": "pretrain()'s model-provider API by default; pretrain_gpt.py does not take this path",
-    "mcore_0.18_legacy": "0.18.x with --no-use-layer-wise-param-layout (no series: update to 0.19.2)",
-    "mcore_0.18_layout": "0.18.x by default (no series)",
+    "pristine-0.17.1": "what a 0.17.1 run gets today",
+    "series-0.17.1": "the same run with patches/0.17.1/ applied",
+    "pristine-0.19": "what pretrain_gpt.py runs on 0.19.x today, whatever --use-layer-wise-param-layout says",
+    "series-0.19": "the same run with patches/0.19/ applied",
+    "pristine-0.19-layout": "pretrain()'s model-provider API by default; pretrain_gpt.py does not take this path",
+    "pristine-0.18.2": "0.18.x with --no-use-layer-wise-param-layout (no series: update to 0.19.2)",
+    "pristine-0.18.2-layout": "0.18.x by default (no series)",
 }  # fmt: skip
 
 
@@ -636,7 +641,7 @@ def legend_lines(meta: dict, cells: List[dict]) -> List[str]:
     lines = ["", "Paths (one sync of the params each DP rank updated, as megatron.training runs it):"]
     lines += [f"  {p:<10}{PATH_NAMES[p]}: {PATH_WHEN[p]}" for p in ("async", "optimizer", "forced")]
     lines += ["Trees:"]
-    lines += [f"  {t:<20}{m['title']}" + (f"; {TREE_USE[t]}" if t in TREE_USE else "")
+    lines += [f"  {t:<24}{m['title']}" + (f"; {TREE_USE[t]}" if t in TREE_USE else "")
               for t, m in meta["trees"].items()]  # fmt: skip
     if meta.get("base") == "all":
         lines.append("Rows of megatron-core 0.17.1 and 0.19 (--base all; --base 0.17.1 or 0.19 for one release).")
@@ -672,13 +677,13 @@ def flags_text(data: dict) -> str:
     for label, m in meta["models"].items():
         lines += [f"== {m['title']}", f"   {m['summary']}", f"   {m['notes']}"]
     lines += legend_lines(meta, cells)
-    head = f"   {'path':<10}{'tree':<20}{'megatron temp. GiB: all (peak)':>31}{'NCCL temp. GiB':>16}" \
+    head = f"   {'path':<10}{'tree':<24}{'megatron temp. GiB: all (peak)':>31}{'NCCL temp. GiB':>16}" \
            f"{'ops (0-size)':>16}{'launches':>10}{'zeroed GiB':>12}{'peak temp. / step estimate GiB':>34}"
     for dp in sorted({c["dp"] for c in cells}):
         rs = _ordered([c for c in cells if c["dp"] == dp], trees)
         edp = f", expert DP {rs[0]['expert_dp']}" if rs[0].get("ep", 1) > 1 and "expert_dp" in rs[0] else ""
         lines += ["", f"DP {dp}{edp}", head]
-        lines += [f"   {'(cell)':<10}{r['tree']:<20}  crash: {error_line(r)[:90]}" for r in rs if "error" in r]
+        lines += [f"   {'(cell)':<10}{r['tree']:<24}  crash: {error_line(r)[:90]}" for r in rs if "error" in r]
         for path in ("async", "optimizer", "forced"):
             for r in rs:
                 # pretrain_gpt.py takes the legacy path (README), so the layout tree's rows are not the user's
@@ -687,13 +692,13 @@ def flags_text(data: dict) -> str:
                 if p is None:
                     continue
                 if "error" in p:
-                    lines.append(f" {mark} {path:<10}{r['tree']:<20}  crash: {error_line(p)[:90]}")
+                    lines.append(f" {mark} {path:<10}{r['tree']:<24}  crash: {error_line(p)[:90]}")
                     continue
                 temp = f"{gib(p['megatron_temporary_bytes'])} ({gib(p['megatron_peak_bytes'])})"
                 ops = f"{p['ops']} ({p['zero_size_ops']})"
                 peak, step = transient_peak(r, path), theory_bytes(r)
                 against = f"{gib(peak)} / {gib(step)}" + (f" ({100 * peak / step:.1f}%)" if peak and step else "")
-                lines.append(f" {mark} {path:<10}{r['tree']:<20}{temp:>31}{gib(nccl_peak(p)):>16}{ops:>16}"
+                lines.append(f" {mark} {path:<10}{r['tree']:<24}{temp:>31}{gib(nccl_peak(p)):>16}{ops:>16}"
                              f"{p['launches']:>10}{gib(p['zeroed_grad_bytes']):>12}{against:>34}")  # fmt: skip
         pads = ", ".join(f"{r['tree']} {gib(r.get('padding_bytes', 0))}" for r in rs if "error" not in r)
         lines.append(f"   persistent padding GiB: {pads}")

@@ -1,18 +1,18 @@
-"""Rank worker of test_real_shapes_audit.py: buckets and shards of ALLOCATED megatron objects.
+"""Rank worker of test_audit.py: buckets and shards of ALLOCATED megatron objects.
 
 Run under torchrun on gloo ranks with the tree under test first on PYTHONPATH and the
 CPU runtime layer on (harness.launch.torchrun_command):
 
     python -m torch.distributed.run --standalone --nproc-per-node 4 \
-        tests/unit_tests/real_shapes_check_worker.py --model check_moe_ep2 --out R.json
+        tests/unit_tests/audit_check_worker.py --model check_moe_ep2 --out R.json
 
-It builds the model of ``harness.bench.real_shapes.ALL_MODELS[--model]`` on CPU with real
-storage, through ``harness.bench.real_shapes_worker.build_module`` (megatron's GPTModel and
+It builds the model of ``harness.audit.grid.ALL_MODELS[--model]`` on CPU with real
+storage, through ``harness.audit.worker.build_module`` (megatron's GPTModel and
 local spec) but outside its meta-device mode, on a real process group of WORLD_SIZE ranks
 (``parallel_state.initialize_model_parallel`` with the model's TP, PP, EP), wraps it in
 megatron's DistributedDataParallel (fp32 grad_data, overlapped grad reduce and param
 gather, the model's bucket size) and gives it the layer-wise Muon optimizer
-(``real_shapes_worker.legacy_layerwise_optimizer``, the audit's own), as
+(``harness.model.wrap``: the DDP config and optimizer of the audit's ``LegacySetup``), as
 megatron.training does for ``--optimizer dist_muon``. Rank 0 writes, per bucket (dense
 bucket groups first, then expert-parallel ones), its numel, param names, and per DP (or
 expert-DP) rank the names and elements of the params that rank owns in it, read from the
@@ -35,8 +35,9 @@ cpu_runtime.install_if_requested()
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from harness.bench import real_shapes  # noqa: E402
-from harness.bench.real_shapes_worker import _mc, build_module, legacy_layerwise_optimizer  # noqa: E402
+from harness.audit import grid  # noqa: E402
+from harness import model  # noqa: E402
+from harness.audit.worker import _mc, build_module  # noqa: E402
 from harness.trees import check_expected_tree  # noqa: E402
 
 
@@ -58,11 +59,11 @@ def bucket_view(ddp) -> list:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", required=True, choices=sorted(real_shapes.ALL_MODELS))
+    ap.add_argument("--model", required=True, choices=sorted(grid.ALL_MODELS))
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     check_expected_tree()
-    spec = real_shapes.ALL_MODELS[args.model]
+    spec = grid.ALL_MODELS[args.model]
     dist.init_process_group("gloo")
     mc = _mc()
     mc.ps.initialize_model_parallel(spec.tp, spec.pp, expert_model_parallel_size=spec.ep,
@@ -71,10 +72,7 @@ def main(argv=None) -> int:
 
     model_parallel_cuda_manual_seed(1234)
     config, module, _ = build_module(mc, spec)
-    ddp_config = mc.DDPConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=True, overlap_param_gather=True,
-                              use_distributed_optimizer=False, bucket_size=spec.bucket_size)  # fmt: skip
-    ddp = mc.DDP(config, ddp_config, module)
-    legacy_layerwise_optimizer(mc, [ddp], overlap=True)
+    ddp, _ = model.wrap(config, module, True, spec.bucket_size)  # the audit's DDP and optimizer
     mine = dict(buckets=bucket_view(ddp), dp=mc.ps.get_data_parallel_world_size(),
                 expert_dp=mc.ps.get_expert_data_parallel_world_size(),
                 storage_bytes=sum(p.untyped_storage().nbytes() for p in ddp.module.parameters()))  # fmt: skip

@@ -3,7 +3,7 @@
 The driver (scripts/audit_param_sync.py) starts this file once per tree, with that
 tree first on PYTHONPATH (harness.trees.env_for_tree) and the CPU runtime layer on:
 
-    python harness/bench/real_shapes_worker.py --tree patched --cells llama3_8b_tp1:64,... --out F.json
+    python harness/audit/worker.py --tree series-0.17.1 --cells llama3_8b_tp1:64,... --out F.json
 
 Per cell (model x DP) it runs, in this one process, what megatron runs on one rank of a
 job of TP x PP x DP ranks:
@@ -22,7 +22,7 @@ job of TP x PP x DP ranks:
   and ``get_model`` wire it (``compute_full_param_layout`` -> DDP ``full_param_layout``,
   ``use_distributed_optimizer=True``) and ``get_megatron_optimizer``.
 * Paths, each run once to warm up and once counted, after the state a training step
-  starts from (``sync_worker.Setup.reset``):
+  starts from (``harness.model.LayerwiseModel.reset``):
   - ``async`` (``--overlap-param-gather``): DDP's own forward pre-hook over every module in
     registration (forward) order, as the first forward of a step runs it: each bucket
     group's ``finish_param_sync()`` dispatches its gather if needed, waits, dispatches the
@@ -49,7 +49,7 @@ A cell or path that raises records ``{"error": "Type: message"}``: a tree's cras
 Per cell, too, megatron's own estimate of the step's peak memory per rank,
 ``theoretical_memory`` (``theoretical_memory``: the tree's ``megatron.training.
 theoretical_memory_usage.report_theoretical_memory`` on the model's flags at that DP;
-``real_shapes.MODEL_FLAGS`` for the built-in models). ``--theory-only`` computes only that.
+``grid.MODEL_FLAGS`` for the built-in models). ``--theory-only`` computes only that.
 
 ``--flags JOB`` audits the model that ``pretrain_gpt.py`` flags describe instead of
 ``--cells`` (``run_flags``, ``FlagsSpec``): the tree's own argument parser, ``validate_args``,
@@ -75,7 +75,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 if __package__ in (None, ""):
-    # Run as a file: sys.path[0] is harness/bench; the repo root goes LAST so that the
+    # Run as a file: sys.path[0] is harness/audit; the repo root goes LAST so that the
     # tree chosen by PYTHONPATH keeps its rank (check_expected_tree()).
     if sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
         del sys.path[0]
@@ -91,10 +91,9 @@ from torch.overrides import TorchFunctionMode  # noqa: E402
 from torch.utils._device import _device_constructors  # noqa: E402
 
 from harness.alloc_counter import AllocationCounter, storage_key  # noqa: E402
-from harness.bench import real_shapes  # noqa: E402
-from harness.bench import sync_worker  # noqa: E402
+from harness.audit import grid  # noqa: E402
+from harness import model  # noqa: E402
 from harness.cpu_runtime import collectives  # noqa: E402
-from harness.layerwise_optimizer import layerwise_muon_optimizer  # noqa: E402
 from harness.cpu_runtime import device as cpu_device  # noqa: E402
 from harness.trees import check_expected_tree  # noqa: E402
 
@@ -218,7 +217,8 @@ class SyncCounter(AllocationCounter):
 
 # ---------------------------------------------------------------- megatron objects
 def _mc():
-    """megatron-core names used here, imported from the tree on PYTHONPATH."""
+    """megatron-core names used here, imported from the tree on PYTHONPATH (before any
+    MetaDeviceMode: the model's modules too, which ``harness.model.gpt_model`` builds)."""
     from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
@@ -236,7 +236,7 @@ def _mc():
     )  # fmt: skip
 
 
-def build_module(mc, spec: real_shapes.ModelSpec, vp_stage=None):
+def build_module(mc, spec: grid.ModelSpec, vp_stage=None):
     """This stage's GPTModel of ``spec`` (meta tensors when called under MetaDeviceMode);
     with VPP, its model chunk ``vp_stage`` (``megatron.training.training.get_model``).
 
@@ -278,24 +278,20 @@ def build_module(mc, spec: real_shapes.ModelSpec, vp_stage=None):
         spec.vocab_size,
         SimpleNamespace(make_vocab_size_divisible_by=128, tensor_model_parallel_size=spec.tp, rank=1),
     )
-    vp = {} if vp_stage is None else dict(vp_stage=vp_stage)
-    layer_spec = mc.block_spec(config, use_transformer_engine=False, normalization=cfg.get("normalization"), **vp)
-    module = mc.GPTModel(
-        config, layer_spec, vocab_size=vocab, max_sequence_length=spec.max_sequence_length,
-        pre_process=mc.ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+    module = model.gpt_model(
+        config, vocab, spec.max_sequence_length, block_spec=True, normalization=cfg.get("normalization"),
+        vp_stage=vp_stage, pre_process=mc.ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
         post_process=mc.ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
         share_embeddings_and_output_weights=spec.tied_embeddings,
-        position_embedding_type=spec.position_embedding_type, **vp,
+        position_embedding_type=spec.position_embedding_type,
     )  # fmt: skip
-    return config, module.to(dtype=PARAM_DTYPE), vocab
+    return config, module, vocab
 
 
 def legacy_layerwise_optimizer(mc, ddps, overlap: bool):
     """The tree's layer-wise Muon optimizer for ``--optimizer dist_muon`` without the
-    param layout (``harness.layerwise_optimizer``)."""
-    config = mc.OptimizerConfig(optimizer="muon", lr=0.01, bf16=True, params_dtype=PARAM_DTYPE,
-                                use_distributed_optimizer=False, overlap_param_gather=overlap)  # fmt: skip
-    return layerwise_muon_optimizer(config, ddps, use_gloo_process_groups=False)
+    param layout (``harness.model.layerwise_optimizer``)."""
+    return model.layerwise_optimizer(ddps, overlap, lr=0.01)
 
 
 class ModelChunks:
@@ -319,17 +315,15 @@ class ModelChunks:
             c.start_param_sync(*args, **kwargs)
 
 
-class LegacySetup(sync_worker.Setup):
+class LegacySetup(model.LayerwiseModel):
     """The legacy layer-wise path (0.17.1, exact_list_slots, the series, 0.18.2 without
     the layout): DDP with ``use_distributed_optimizer=False`` and the layer-wise Muon
     optimizer (``legacy_layerwise_optimizer``), as megatron.training builds them for
-    ``--optimizer dist_muon``. Reuses sync_worker.Setup's reset() and paths."""
+    ``--optimizer dist_muon``. Reset and paths: ``harness.model.LayerwiseModel``'s."""
 
     def __init__(self, mc, spec, overlap: bool):
         # bucket_size None: DDP's own default, max(40M, 1M x DP), one bucket after PP stage 0.
-        ddp_config = mc.DDPConfig(grad_reduce_in_fp32=spec.grad_reduce_in_fp32, overlap_grad_reduce=True,
-                                  overlap_param_gather=overlap, use_distributed_optimizer=False,
-                                  bucket_size=spec.bucket_size, **spec.ddp_extra)  # fmt: skip
+        ddp_config = model.ddp_config(overlap, spec.bucket_size, spec.grad_reduce_in_fp32, **spec.ddp_extra)
         chunks = []
         for vp_stage in range(spec.vpp) if spec.vpp > 1 else [None]:
             self.config, module, self.vocab = build_module(mc, spec, vp_stage)
@@ -339,11 +333,6 @@ class LegacySetup(sync_worker.Setup):
         self.opt = legacy_layerwise_optimizer(mc, chunks, overlap)
         self.layerwise = self.opt
         self._finish_init()
-
-    def _finish_init(self):
-        self.params = list(self.ddp.module.parameters())
-        self.groups = self.ddp.bucket_groups + self.ddp.expert_parallel_bucket_groups
-        self.buckets = [b for g in self.groups for b in g.buckets]
 
     def sync_fn(self, path: str):
         """Zero-argument callable running one sync of ``path`` (module docstring)."""
@@ -384,7 +373,7 @@ class LayoutSetup(LegacySetup):
         ps = mc.ps
         self.config, module, self.vocab = build_module(mc, spec)
         dp = ps.get_data_parallel_world_size(with_context_parallel=True)
-        ddp_bucket = spec.bucket_size or real_shapes.default_bucket_size(dp)
+        ddp_bucket = spec.bucket_size or grid.default_bucket_size(dp)
         bucket_size = None if ps.get_pipeline_model_parallel_rank() > 0 else ddp_bucket
         ddp_config = mc.DDPConfig(grad_reduce_in_fp32=spec.grad_reduce_in_fp32, overlap_grad_reduce=True,
                                   overlap_param_gather=overlap, use_distributed_optimizer=True,
@@ -513,7 +502,7 @@ def parse_flags(flags, world_size=None, dp=None, validate: bool = True):
 
 
 class FlagsSpec:
-    """A model described by ``pretrain_gpt.py`` flags, in the shape of ``real_shapes.ModelSpec``
+    """A model described by ``pretrain_gpt.py`` flags, in the shape of ``grid.ModelSpec``
     (``tp``, ``pp``, ``ep``, ``etp``, ``vpp``, ``pp_stage``, ``bucket_size``,
     ``grad_reduce_in_fp32``, ``ddp_extra``, ``world_size(dp)``), built by megatron's own code:
 
@@ -526,7 +515,7 @@ class FlagsSpec:
       (``--transformer-impl``, ``--num-experts``, ``--moe-grouped-gemm``, ``--spec``, ...),
       ``--untie-embeddings-and-output-weights``, ``--position-embedding-type``, MTP layers;
       ``--transformer-impl transformer_engine`` without Transformer Engine installed runs on
-      ``harness.bench.te_standin`` (TE's parameters, megatron's TE wrappers and spec;
+      ``harness.audit.te_standin`` (TE's parameters, megatron's TE wrappers and spec;
       ``layer_spec_for``);
     * the vocabulary: ``--vocab-size`` padded by megatron (``vocab_size_with_padding``:
       ``--make-vocab-size-divisible-by`` x TP); ``--tokenizer-type NullTokenizer`` through
@@ -650,7 +639,7 @@ LOCAL_FOR_TE = ("the local spec registers a separate input_layernorm / pre_mlp_l
 def layer_spec_for(flags) -> tuple:
     """Prepare the layer spec the flags choose: with ``--transformer-impl transformer_engine``
     (megatron's default) and Transformer Engine not installed, install
-    ``harness.bench.te_standin`` (TE's parameters under megatron's own TE wrappers and spec).
+    ``harness.audit.te_standin`` (TE's parameters under megatron's own TE wrappers and spec).
 
     Returns:
         (the spec as reports name it, flags to append): ("local", ()), ("transformer_engine",
@@ -660,7 +649,7 @@ def layer_spec_for(flags) -> tuple:
     Raises:
         FlagsError: as ``parse_flags``.
     """
-    from harness.bench import te_standin
+    from harness.audit import te_standin
 
     impl = parse_flags(flags, validate=False).transformer_impl
     if impl != "transformer_engine":
@@ -803,7 +792,7 @@ class LayoutLog(logging.Handler):
         return False
 
 
-def run_cell(mc, tree: real_shapes.TreeSpec, spec, dp: int, dp_rank: int, paths, detail: bool = False) -> dict:
+def run_cell(mc, tree: grid.TreeSpec, spec, dp: int, dp_rank: int, paths, detail: bool = False) -> dict:
     """Every path of one cell on one DP rank; see the module docstring."""
     t0 = time.perf_counter()
     world = spec.world_size(dp)
@@ -895,13 +884,13 @@ def parse_cells(text: str) -> list:
     cells = []
     for item in filter(None, text.split(",")):
         parts = item.split(":")
-        if parts[0] not in real_shapes.ALL_MODELS:
-            raise ValueError(f"unknown model {parts[0]!r}; known: {sorted(real_shapes.ALL_MODELS)}")
+        if parts[0] not in grid.ALL_MODELS:
+            raise ValueError(f"unknown model {parts[0]!r}; known: {sorted(grid.ALL_MODELS)}")
         dp = int(parts[1])
         rank = int(parts[2]) if len(parts) > 2 else 0
         if not 0 <= rank < dp:
             raise ValueError(f"{item}: DP rank {rank} outside 0..{dp - 1}")
-        cells.append((real_shapes.ALL_MODELS[parts[0]], dp, rank))
+        cells.append((grid.ALL_MODELS[parts[0]], dp, rank))
     return cells
 
 
@@ -938,13 +927,13 @@ def theoretical_memory(args) -> dict:
 
 
 def builtin_theoretical_memory(spec, dp: int) -> dict:
-    """``theoretical_memory`` of a built-in model (``real_shapes.MODEL_FLAGS``, the flags that
+    """``theoretical_memory`` of a built-in model (``grid.MODEL_FLAGS``, the flags that
     describe it) at DP ``dp``, parsed and validated by the tree's own ``megatron.training``
     (``FlagsSpec``: it also pads the vocabulary, as megatron's tokenizer set-up does);
     {"error": ...} for a model with no flags or flags the tree refuses."""
-    flags = real_shapes.MODEL_FLAGS.get(spec.label)
+    flags = grid.MODEL_FLAGS.get(spec.label)
     if flags is None:
-        return {"error": f"{spec.label}: no pretrain_gpt.py flags (real_shapes.MODEL_FLAGS)"}
+        return {"error": f"{spec.label}: no pretrain_gpt.py flags (grid.MODEL_FLAGS)"}
     try:
         args = FlagsSpec(spec.label, flags, dp=dp, pp_stage=spec.pp_stage).args  # sets padded_vocab_size
     except FlagsError as exc:
@@ -952,7 +941,7 @@ def builtin_theoretical_memory(spec, dp: int) -> dict:
     return theoretical_memory(args)
 
 
-def run_flags(mc, tree: real_shapes.TreeSpec, job: dict, paths, detail: bool = False) -> list:
+def run_flags(mc, tree: grid.TreeSpec, job: dict, paths, detail: bool = False) -> list:
     """The cells of the flags' model (``job``: see ``--flags``) on ``tree``, DP rank 0 each:
     per DP size (or world size) a ``run_cell`` record with ``size`` (["dp" | "world", n], as
     requested), ``flags`` (``FlagsSpec.describe``) and ``layer_spec``, or ``{"tree", "model",
@@ -965,7 +954,7 @@ def run_flags(mc, tree: real_shapes.TreeSpec, job: dict, paths, detail: bool = F
     except FlagsError as exc:
         return [dict(base, size=[kind, n], flags_error=str(exc)) for kind, n in sizes]
     if more:
-        print(f"[real_shapes_worker] {tree.label}: layer spec {layer_spec}", flush=True)
+        print(f"[audit worker] {tree.label}: layer spec {layer_spec}", flush=True)
     flags = [*flags, *more]
     records = []
     for kind, n in sizes:
@@ -979,7 +968,7 @@ def run_flags(mc, tree: real_shapes.TreeSpec, job: dict, paths, detail: bool = F
         rec = run_cell(mc, tree, spec, spec.dp, 0, paths, detail)
         rec.update(size=[kind, n], flags=spec.describe(), layer_spec=layer_spec, theoretical_memory=theory)
         records.append(rec)
-        print(f"[real_shapes_worker] {tree.label} {label} dp={spec.dp} {time.perf_counter() - t0:.1f} s"
+        print(f"[audit worker] {tree.label} {label} dp={spec.dp} {time.perf_counter() - t0:.1f} s"
               + (f" FLAGS {rec['flags_error'][:200]}" if "flags_error" in rec else "")
               + (f" ERROR {rec['error'][:200]}" if "error" in rec else ""), flush=True)  # fmt: skip
     return records
@@ -987,8 +976,8 @@ def run_flags(mc, tree: real_shapes.TreeSpec, job: dict, paths, detail: bool = F
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--tree", required=True, choices=sorted(real_shapes.TREES))
-    ap.add_argument("--cells", default="", help="model:dp[:dp_rank],... (harness/bench/real_shapes.py MODELS)")
+    ap.add_argument("--tree", required=True, choices=sorted(grid.TREES))
+    ap.add_argument("--cells", default="", help="model:dp[:dp_rank],... (harness/audit/grid.py MODELS)")
     ap.add_argument("--paths", default=",".join(PATHS))
     ap.add_argument("--out", required=True, help="JSON list of cell records")
     ap.add_argument("--bucket-detail", action="store_true",
@@ -1000,9 +989,9 @@ def main(argv=None) -> int:
                     "no sync run")
     args = ap.parse_args(argv)
     tree_dir = check_expected_tree()
-    tree = real_shapes.TREES[args.tree]
+    tree = grid.TREES[args.tree]
     torch.set_num_threads(1)
-    sync_worker._fake_all_gather_object()
+    model.fake_all_gather_object()
     _member_groups_only()
     mc = _mc()
     if args.flags:
@@ -1021,7 +1010,7 @@ def main(argv=None) -> int:
         rec["theoretical_memory"] = builtin_theoretical_memory(spec, dp)
         rec["tree_dir"] = tree_dir
         records.append(rec)
-        print(f"[real_shapes_worker] {tree.label} {spec.label} dp={dp} {rec['wall_s']:.1f} s"
+        print(f"[audit worker] {tree.label} {spec.label} dp={dp} {rec['wall_s']:.1f} s"
               + (f" ERROR {rec['error'][:200]}" if "error" in rec else ""), flush=True)  # fmt: skip
     Path(args.out).write_text(json.dumps(records, indent=1))
     return 0

@@ -1,10 +1,10 @@
-"""Tests of the real-shape audit (scripts/audit_param_sync.py, harness/bench/real_shapes*.py).
+"""Tests of the real-shape audit (scripts/audit_param_sync.py, harness/audit/).
 
-1. The audit is faithful: for a small MoE config at DP 4 (harness/bench/real_shapes.py
+1. The audit is faithful: for a small MoE config at DP 4 (harness/audit/grid.py
    CHECK_MODELS), its storage-free, fake-process-group run yields exactly the buckets
    (param names, numel) and per-rank shares (which params each DP and expert-DP rank owns
    in each bucket) of an ALLOCATED megatron DDP + LayerWiseDistributedOptimizer on 4 real
-   gloo ranks (tests/unit_tests/real_shapes_check_worker.py). The comparison has teeth:
+   gloo ranks (tests/unit_tests/audit_check_worker.py). The comparison has teeth:
    the audit of a tree whose ping-pong sharding order is reversed fails it.
 2. The audit runs (``--quick``: Llama-3-8B TP 1 and the DeepSeek-V2-Lite-like MoE at DP 8 and
    64, every tree; about 30 s on 2 cores): every cell is there, its structural checks hold,
@@ -44,13 +44,13 @@ from pathlib import Path
 
 import pytest
 
-from harness.bench import real_shapes
+from harness.audit import grid
 from harness.launch import CORE_PRELOAD, LaunchError, run_command, torchrun_command
 from harness.trees import REPO_ROOT, env_for_tree, make_mutant_tree, tree_parent
 
 SCRIPT = REPO_ROOT / "scripts" / "audit_param_sync.py"
-WORKER = REPO_ROOT / "harness" / "bench" / "real_shapes_worker.py"
-CHECK_WORKER = Path(__file__).with_name("real_shapes_check_worker.py")
+WORKER = REPO_ROOT / "harness" / "audit" / "worker.py"
+CHECK_WORKER = Path(__file__).with_name("audit_check_worker.py")
 CHECK_MODEL = "check_moe_ep2"
 CHECK_DP = 4
 AUDIT_MODEL = "dsv2_lite_ep8"  # the MoE of the quick audit: expert-DP buckets, 0.17.1's crash
@@ -102,10 +102,10 @@ def bucket_mismatches(audit: dict, real: dict) -> list:
 
 @pytest.fixture(scope="module")
 def allocated(tmp_path_factory):
-    """The check model's buckets on 4 real gloo ranks, allocated, on the patched tree."""
+    """The check model's buckets on 4 real gloo ranks, allocated, on the series-0.17.1 tree."""
     out = tmp_path_factory.mktemp("allocated") / "real.json"
     cmd, env = torchrun_command(CHECK_WORKER, ["--model", CHECK_MODEL, "--out", str(out)], CHECK_DP,
-                                tree="patched", extra_env={"PYTHONWARNINGS": "ignore"}, preload=CORE_PRELOAD)  # fmt: skip
+                                tree="series-0.17.1", extra_env={"PYTHONWARNINGS": "ignore"}, preload=CORE_PRELOAD)  # fmt: skip
     try:
         run_command(cmd, env, run_dir=out.with_suffix(".logs"), timeout_s=TIMEOUT_S, what="check worker x4")
     except LaunchError as exc:
@@ -125,7 +125,7 @@ def test_audit_buckets_and_shares_equal_an_allocated_run(allocated, tmp_path):
     assert len(real["buckets"]) >= 6
     assert {len(b["shares"]) for b in real["buckets"]} == {2, 4}
     assert any(0 in b["shares"] for b in real["buckets"])
-    audit = audit_cell("patched", "patched", tmp_path / "audit.json")
+    audit = audit_cell("series-0.17.1", "series-0.17.1", tmp_path / "audit.json")
     assert (audit["dp"], audit["expert_dp"]) == (CHECK_DP, 2)
     assert bucket_mismatches(audit, real) == []
 
@@ -135,13 +135,13 @@ def test_comparison_fails_with_reversed_ping_pong(allocated, tmp_path):
     ping-pong in reverse order (rank N-1 first) no longer matches the allocated run, in
     the per-rank shares only (the buckets themselves do not change)."""
     tree = tmp_path / "reversed"
-    shutil.copytree(tree_parent("patched") / "megatron", tree / "megatron",
+    shutil.copytree(tree_parent("series-0.17.1") / "megatron", tree / "megatron",
                     ignore=shutil.ignore_patterns("__pycache__"))  # fmt: skip
     lwo = tree / "megatron" / "core" / "optimizer" / "layer_wise_optimizer.py"
     text = lwo.read_text()
     assert text.count(PING_PONG) == 1, f"{lwo}: the ping-pong line moved; update PING_PONG"
     lwo.write_text(text.replace(PING_PONG, PING_PONG_REVERSED))
-    audit = audit_cell("patched", tree, tmp_path / "audit.json")
+    audit = audit_cell("series-0.17.1", tree, tmp_path / "audit.json")
     fails = bucket_mismatches(audit, allocated)
     assert fails, "reversing the ping-pong order went unnoticed"
     assert all(" share_names: " in f or " shares: " in f for f in fails), fails
@@ -169,14 +169,14 @@ def test_every_cell_ran_and_checks_hold(audit):
     _, rc, data = audit
     assert data["meta"]["checks_failed"] == [] and rc == 0
     got = {(c["tree"], c["model"], c["dp"]) for c in data["cells"]}
-    assert got == {(t, m, dp) for t in real_shapes.TREES for m in real_shapes.QUICK_MODELS
-                   for dp in real_shapes.QUICK_DP_SIZES}  # fmt: skip
+    assert got == {(t, m, dp) for t in grid.TREES for m in grid.QUICK_MODELS
+                   for dp in grid.QUICK_DP_SIZES}  # fmt: skip
     for c in data["cells"]:
         assert "error" not in c, (c["tree"], c["dp"], c["error"])
-        assert c["expert_dp"] == c["dp"] // real_shapes.MODELS[c["model"]].ep
+        assert c["expert_dp"] == c["dp"] // grid.MODELS[c["model"]].ep
         for path in PATHS:
             r = c["paths"][path]
-            if c["tree"] == "upstream" and c["expert_dp"] == 1 and path != "optimizer":
+            if c["tree"] == "pristine-0.17.1" and c["expert_dp"] == 1 and path != "optimizer":
                 assert r["error"].startswith("TypeError: 'NoneType' object is not iterable"), r
             else:
                 assert "error" not in r, (c["tree"], c["dp"], path, r["error"])
@@ -188,7 +188,7 @@ def test_pristine_collectives_follow_the_optimizers_shares(audit):
     equal shares (flat output) and one broadcast per rank otherwise, zero-size where a
     rank owns nothing; the collective model's records must say the same."""
     _, _, data = audit
-    for c in _cells(data, tree="upstream", dp=64):
+    for c in _cells(data, tree="pristine-0.17.1", dp=64):
         gathered = [b for b in c["buckets"] if b.get("layerwise") and b.get("max_share", 0) > 0]
         r = c["paths"]["async"]
         assert r["calls"] == r["launches"] == len(gathered)
@@ -205,7 +205,7 @@ def test_pristine_temporaries(audit):
     """0.17.1 receives into fresh tensors: its async path allocates > 0 bytes, and its
     NCCL temporaries are the flat outputs of the equal-share buckets (DP x share x 2 B)."""
     _, _, data = audit
-    (c,) = _cells(data, tree="upstream", model=AUDIT_MODEL, dp=64)
+    (c,) = _cells(data, tree="pristine-0.17.1", model=AUDIT_MODEL, dp=64)
     r = c["paths"]["async"]
     assert r["megatron_peak_bytes"] > 0
     equal = [b for b in c["buckets"] if b.get("layerwise") and b.get("shares_equal") and b["max_share"] > 0]
@@ -219,17 +219,17 @@ def test_layout_padding_is_megatrons_own(audit):
     equals the total_padding megatron logs for its layout ("overhead=...%"), and it grows
     with DP; its gathers are all_gather_into_tensor in place (0 temporaries)."""
     _, _, data = audit
-    layout_trees = [t for t, spec in real_shapes.TREES.items() if spec.layout]
-    assert layout_trees == ["mcore_0.18_layout", "mcore_0.19_layout"]
+    layout_trees = [t for t, spec in grid.TREES.items() if spec.layout]
+    assert layout_trees == ["pristine-0.18.2-layout", "pristine-0.19-layout"]
     for tree in layout_trees:
-        for model in real_shapes.QUICK_MODELS:
+        for model in grid.QUICK_MODELS:
             _layout_padding_is_megatrons_own(sorted(_cells(data, tree=tree, model=model), key=lambda c: c["dp"]))
-    for c in _cells(data, tree="upstream"):
+    for c in _cells(data, tree="pristine-0.17.1"):
         assert c["padding_elements"] == 0
 
 
 def _layout_padding_is_megatrons_own(cells):
-    assert [c["dp"] for c in cells] == sorted(real_shapes.QUICK_DP_SIZES)
+    assert [c["dp"] for c in cells] == sorted(grid.QUICK_DP_SIZES)
     for c in cells:
         layerwise_pad = sum(b["numel"] - b["param_numel"] for b in c["buckets"] if b["layerwise"])
         assert c["megatron_layout_log"], "megatron logged no layout"
@@ -245,10 +245,10 @@ def test_markdown_and_plot(audit):
     out, _, data = audit
     md = (out / "real_shapes.md").read_text()
     assert data["meta"]["command"] in md
-    for model in real_shapes.QUICK_MODELS:
-        section = md.split("## " + real_shapes.MODELS[model].title, 1)[1]
+    for model in grid.QUICK_MODELS:
+        section = md.split("## " + grid.MODELS[model].title, 1)[1]
         rows = [ln for ln in section.split("\n## ", 1)[0].splitlines() if ln.startswith("| ") and ln[2:3].isdigit()]
-        assert len(rows) == len(real_shapes.TREES) * len(real_shapes.QUICK_DP_SIZES), model
+        assert len(rows) == len(grid.TREES) * len(grid.QUICK_DP_SIZES), model
     assert "real_shapes.png" in md
     png = (out / "real_shapes.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
@@ -312,8 +312,8 @@ def test_series_claims_hold_on_every_series_cell(audit):
     0.17.1's, on every cell and path of the quick audit; every cell but 0.17.1's known
     crashes (expert-DP 1, async and forced paths) is compared with 0.17.1."""
     _, _, data = audit
-    series, pristine = _cells(data, tree="patched"), _cells(data, tree="upstream")
-    assert len(series) == len(real_shapes.QUICK_MODELS) * len(real_shapes.QUICK_DP_SIZES)
+    series, pristine = _cells(data, tree="series-0.17.1"), _cells(data, tree="pristine-0.17.1")
+    assert len(series) == len(grid.QUICK_MODELS) * len(grid.QUICK_DP_SIZES)
     assert series_claim_failures(series, pristine) == []
     compared = {(c["model"], c["dp"], p) for c in pristine for p in PATHS if "error" not in c["paths"][p]}
     crashed = {(c["model"], c["dp"], p) for c in pristine if c["expert_dp"] == 1 for p in ("async", "forced")}
@@ -321,17 +321,17 @@ def test_series_claims_hold_on_every_series_cell(audit):
 
 
 def test_019_series_claims_hold_and_equal_the_0171_series(audit):
-    """The 0.19 series (patched_0.19) against pristine 0.19.2's legacy path, on every quick
+    """The 0.19 series (series-0.19) against pristine 0.19.2's legacy path, on every quick
     cell and path: the same claims (0 bytes, no zero-size call, calls and launches at most
     0.19.2's, exact wire bytes); and every count equal to the 0.17.1 series' on the same
     cell. 0.19.2's legacy path is measured too: it equals 0.18.2's on every cell."""
     _, _, data = audit
-    series, pristine = _cells(data, tree="patched_0.19"), _cells(data, tree="mcore_0.19_legacy")
-    assert len(series) == len(real_shapes.QUICK_MODELS) * len(real_shapes.QUICK_DP_SIZES)
+    series, pristine = _cells(data, tree="series-0.19"), _cells(data, tree="pristine-0.19")
+    assert len(series) == len(grid.QUICK_MODELS) * len(grid.QUICK_DP_SIZES)
     assert series_claim_failures(series, pristine) == []
     keys = ("calls", "ops", "zero_size_ops", "launches", "wire_bytes", "zeroed_grad_bytes",
             "nccl_temporary_bytes", "megatron_temporary_bytes")
-    for tree, other in (("patched_0.19", "patched"), ("mcore_0.19_legacy", "mcore_0.18_legacy")):
+    for tree, other in (("series-0.19", "series-0.17.1"), ("pristine-0.19", "pristine-0.18.2")):
         for c in _cells(data, tree=tree):
             (o,) = _cells(data, tree=other, model=c["model"], dp=c["dp"])
             for path in PATHS:
@@ -348,21 +348,21 @@ def test_series_claims_fail_on_a_mutant(audit, tmp_path):
     env = env_for_tree(tree)
     env.update(MEGATRON_CPU_RUNTIME="force", OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     out = tmp_path / "mutant.json"
-    proc = subprocess.run([sys.executable, str(WORKER), "--tree", "patched", "--cells", CLAIM_MUTANT_CELL, "--out", str(out)],
+    proc = subprocess.run([sys.executable, str(WORKER), "--tree", "series-0.17.1", "--cells", CLAIM_MUTANT_CELL, "--out", str(out)],
                           cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    from scripts.audit_param_sync import exact_receive_bytes
+    from harness.audit.run import exact_receive_bytes
 
     cells = []
     for rec in json.loads(out.read_text()):
         rec["exact_receive_bytes"] = exact_receive_bytes(rec)
         cells.append(rec)
-    fails = series_claim_failures(cells, _cells(data, tree="upstream"))
+    fails = series_claim_failures(cells, _cells(data, tree="pristine-0.17.1"))
     assert fails and all("/async: megatron_" in f and "claimed 0" in f for f in fails), fails
     # The audit's own check and its printed claims say the same: the async path's does not hold.
-    from harness.bench.real_shapes_report import CLAIMS, claims_lines, series_claims, slim
+    from harness.audit.report import CLAIMS, claims_lines, series_claims, slim
 
-    claims = series_claims([slim(c) for c in cells] + _cells(data, tree="upstream"))
+    claims = series_claims([slim(c) for c in cells] + _cells(data, tree="pristine-0.17.1"))
     assert {c["path"] for c in claims if not c["holds"]} == {"async"}, claims
     printed = claims_lines(claims)
     assert any(ln.strip().startswith(f"async forward gather: {CLAIMS['async']}: does not hold: DP 64: megatron_")
@@ -378,17 +378,17 @@ def test_series_claims_hold_with_vpp(tmp_path):
     one layer-wise optimizer) on 0.17.1 and the series: the series' claims hold there
     too, and the optimizer path gathers every chunk at once (1 launch, as 0.17.1's one
     list all_gather; series v3 launched one NCCL group per chunk)."""
-    from scripts.audit_param_sync import exact_receive_bytes, worker_command
+    from harness.audit.run import exact_receive_bytes, worker_command
 
     cells = {}
-    for tree in ("upstream", "patched"):
+    for tree in ("pristine-0.17.1", "series-0.17.1"):
         out = tmp_path / f"{tree}.json"
         argv, env = worker_command(tree, f"{VPP_MODEL}:64", out)
         proc = subprocess.run(argv, env=env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=TIMEOUT_S)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         (cells[tree],) = json.loads(out.read_text())
         cells[tree]["exact_receive_bytes"] = exact_receive_bytes(cells[tree])
-    up, series = cells["upstream"], cells["patched"]
+    up, series = cells["pristine-0.17.1"], cells["series-0.17.1"]
     assert up["vpp"] == 5 and up["num_bucket_groups"] == series["num_bucket_groups"] == 5
     assert series_claim_failures([series], [up]) == []
     assert series["paths"]["optimizer"]["launches"] == up["paths"]["optimizer"]["launches"] == 1
@@ -399,7 +399,7 @@ def test_meta_device_mode_puts_every_new_tensor_on_meta():
     """Whatever device megatron asks for, tensors are storage-free; CUDA type names."""
     import torch
 
-    from harness.bench.real_shapes_worker import MetaDeviceMode
+    from harness.audit.worker import MetaDeviceMode
 
     with MetaDeviceMode():
         made = [torch.zeros(3, device="cuda"), torch.empty(2, 2), torch.tensor([1.0, 2.0], device=0),
@@ -416,7 +416,7 @@ def test_sync_counter_counts_zeroing_of_grad_data_views():
     import torch
 
     from harness.alloc_counter import storage_key
-    from harness.bench.real_shapes_worker import SyncCounter
+    from harness.audit.worker import SyncCounter
 
     grad = torch.empty(100, device="meta")
     other = torch.empty(10, device="meta", dtype=torch.bfloat16)
@@ -437,7 +437,7 @@ FLAGS_ONLY_KEYS = ("model", "wall_s", "init_s", "tree_dir", "flags", "layer_spec
 #: The flag run of a built-in model through the driver: Llama-3-8B TP 1 on 0.17.1, pristine and
 #: the series, at the quick DP sizes. The MoE model's flags run on pristine 0.19.2's parser and
 #: gpt_builder in ``worker_019`` (one process for everything that needs no driver).
-FLAGS_MODEL, FLAGS_TREES = "llama3_8b_tp1", ("upstream", "patched")
+FLAGS_MODEL, FLAGS_TREES = "llama3_8b_tp1", ("pristine-0.17.1", "series-0.17.1")
 #: Published cells of a pristine tree (they change only with megatron-core itself).
 PUBLISHED = REPO_ROOT / "docs" / "bench" / "real_shapes.json"
 
@@ -462,15 +462,15 @@ def cell_differences(got: dict, want: dict) -> list:
 def flags_audit(tmp_path_factory):
     """(data, stdout) of the driver's flag path on FLAGS_MODEL's flags (FLAGS_TREES, quick DP sizes)."""
     d = tmp_path_factory.mktemp("flags")
-    proc = run_audit_flags(d, real_shapes.MODEL_FLAGS[FLAGS_MODEL], "--trees", ",".join(FLAGS_TREES),
-                           "--label", FLAGS_MODEL, "--dp-sizes", ",".join(map(str, real_shapes.QUICK_DP_SIZES)))  # fmt: skip
+    proc = run_audit_flags(d, grid.MODEL_FLAGS[FLAGS_MODEL], "--trees", ",".join(FLAGS_TREES),
+                           "--label", FLAGS_MODEL, "--dp-sizes", ",".join(map(str, grid.QUICK_DP_SIZES)))  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return json.loads((d / "real_shapes.json").read_text()), proc.stdout
 
 
 @pytest.mark.extended
 def test_flags_reproduce_the_builtin_cells(audit, flags_audit):
-    """The flags of Llama-3-8B TP 1 (real_shapes.MODEL_FLAGS), parsed by 0.17.1's own
+    """The flags of Llama-3-8B TP 1 (grid.MODEL_FLAGS), parsed by 0.17.1's own
     megatron.training.arguments and built by its gpt_builder, give exactly the built-in model's
     cells of the same run (every key of every path: buckets, shares, collectives, temporaries,
     zeroing, padding) at DP 8 and 64, on pristine 0.17.1 and the series; and pristine's cells
@@ -478,14 +478,14 @@ def test_flags_reproduce_the_builtin_cells(audit, flags_audit):
     _, _, data = audit
     published = {(c["tree"], c["model"], c["dp"]): c for c in json.loads(PUBLISHED.read_text())["cells"]}
     fdata, stdout = flags_audit
-    want_cells = {(t, dp) for t in FLAGS_TREES for dp in real_shapes.QUICK_DP_SIZES}
+    want_cells = {(t, dp) for t in FLAGS_TREES for dp in grid.QUICK_DP_SIZES}
     assert {(c["tree"], c["dp"]) for c in fdata["cells"]} == want_cells
     for c in fdata["cells"]:
         assert c["model"] == FLAGS_MODEL and c["layer_spec"] == "local"
         (want,) = _cells(data, tree=c["tree"], model=FLAGS_MODEL, dp=c["dp"])
         assert cell_differences(c, want) == [], (c["tree"], c["dp"])
-        if c["tree"] == "upstream":
-            assert cell_differences(c, published[("upstream", FLAGS_MODEL, c["dp"])]) == [], c["dp"]
+        if c["tree"] == "pristine-0.17.1":
+            assert cell_differences(c, published[("pristine-0.17.1", FLAGS_MODEL, c["dp"])]) == [], c["dp"]
     assert fdata["meta"]["checks_failed"] == [] and fdata["meta"]["flags_rejected"] == []
     assert f"== {FLAGS_MODEL} (pretrain_gpt.py flags)" in stdout
 
@@ -495,18 +495,18 @@ def test_flags_report_the_series_claims_against_pristine(flags_audit):
     """The flag path's claims (``series_claims``) on Llama-3-8B: every series cell and path is
     judged against pristine, and holds; judged as if pristine were the series, every cell
     fails, named by the claim it breaks."""
-    from harness.bench.real_shapes_report import CLAIMS, PATH_NAMES, series_claims
+    from harness.audit.report import CLAIMS, PATH_NAMES, series_claims
 
     data, stdout = flags_audit
     claims = data["meta"]["series_claims"]
     assert claims == series_claims(data["cells"])
-    assert len(claims) == len(real_shapes.QUICK_DP_SIZES) * len(PATHS)
+    assert len(claims) == len(grid.QUICK_DP_SIZES) * len(PATHS)
     assert all(c["holds"] for c in claims), claims
-    assert "  patched against upstream:" in stdout
+    assert "  series-0.17.1 against pristine-0.17.1:" in stdout
     for path in PATHS:
         assert f"{PATH_NAMES[path]}: {CLAIMS[path]}: holds (DP 8, 64)" in stdout, path
     # A claim that fails is named: the pristine cell as the "series" one.
-    pristine_as_series = series_claims(data["cells"], pairs={"upstream": "patched"})
+    pristine_as_series = series_claims(data["cells"], pairs={"pristine-0.17.1": "series-0.17.1"})
     assert pristine_as_series and not any(c["holds"] for c in pristine_as_series)
     assert all(
         ("zero_size_ops" if c["path"] == "forced" else "megatron_temporary_bytes") in c["why"]
@@ -520,7 +520,7 @@ def _drop(flags, name: str, values: int = 1) -> list:
 
 
 #: Bad flags, one per kind, and what megatron (or the audit) says of each.
-_LLAMA = list(real_shapes.MODEL_FLAGS["llama3_8b_tp1"])
+_LLAMA = list(grid.MODEL_FLAGS["llama3_8b_tp1"])
 BAD_FLAGS = {
     "unknown": (_LLAMA + ["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
     "contradictory": (_LLAMA + ["--fp16"], "assert not args.bf16"),
@@ -536,18 +536,19 @@ BAD_FLAGS = {
 }  # fmt: skip
 #: The kinds run at world size 12 (--world-size), the others at DP 8 (--dp-sizes).
 AT_WORLD_12 = ("world not divisible by TP",)
-#: What ``worker_019`` runs in one process of pristine 0.19.2 (mcore_0.19_legacy): each bad
+#: What ``worker_019`` runs in one process of pristine 0.19.2 (pristine-0.19): each bad
 #: kind through run_flags, --world-size 64's DP, Llama-3-8B with megatron's default
 #: --transformer-impl (Transformer Engine, here its stand-in) at DP 8 (async path), and the
 #: MoE model's flags at DP 64 (every path).
-WORKER_019_TREE = "mcore_0.19_legacy"
+WORKER_019_TREE = "pristine-0.19"
 WORKER_019_SCRIPT = """
 import json, sys
-from harness.bench import real_shapes, real_shapes_worker as W, sync_worker
+from harness import model
+from harness.audit import grid, worker as W
 from harness.trees import check_expected_tree
 check_expected_tree()
-sync_worker._fake_all_gather_object(); W._member_groups_only(); mc = W._mc()
-tree = real_shapes.TREES[sys.argv[1]]
+model.fake_all_gather_object(); W._member_groups_only(); mc = W._mc()
+tree = grid.TREES[sys.argv[1]]
 kinds, at_world_12, flags_te, moe = json.loads(sys.argv[2])
 out = {}
 for kind, flags in kinds.items():
@@ -555,9 +556,9 @@ for kind, flags in kinds.items():
     (rec,) = W.run_flags(mc, tree, dict(label="bad", flags=flags, **size), ["async"])
     out[kind] = rec.get("flags_error")
 out["dp_of_world_64"] = W.FlagsSpec("w", flags_te, world_size=64).dp
-(out["moe"],) = W.run_flags(mc, tree, dict(label=moe, flags=real_shapes.MODEL_FLAGS[moe], dp_sizes=[64]), W.PATHS)
+(out["moe"],) = W.run_flags(mc, tree, dict(label=moe, flags=grid.MODEL_FLAGS[moe], dp_sizes=[64]), W.PATHS)
 (out["te"],) = W.run_flags(mc, tree, dict(label="te", flags=flags_te, dp_sizes=[8]), ["async"])
-from harness.bench import te_standin
+from harness.audit import te_standin
 def fail():
     raise ImportError("cannot import name 'X' from 'transformer_engine.pytorch'")
 te_standin.install = fail  # a release the stand-in cannot serve: the local spec, said so
@@ -570,7 +571,7 @@ print("RESULT " + json.dumps(out))
 def worker_019():
     """The output of WORKER_019_SCRIPT (one worker process on pristine 0.19.2)."""
     flags_te = _drop(_drop(_LLAMA, "--transformer-impl"), "--optimizer")
-    env = env_for_tree(real_shapes.tree_dir(real_shapes.TREES[WORKER_019_TREE]))
+    env = env_for_tree(grid.tree_dir(grid.TREES[WORKER_019_TREE]))
     env.update(MEGATRON_CPU_RUNTIME="force", OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     job = [{k: f for k, (f, _) in BAD_FLAGS.items()}, AT_WORLD_12, flags_te, AUDIT_MODEL]
     proc = subprocess.run([sys.executable, "-P", "-c", WORKER_019_SCRIPT, WORKER_019_TREE, json.dumps(job)],
@@ -610,8 +611,8 @@ def test_te_spec_gives_tes_parameter_layout(worker_019):
 def test_moe_flags_reproduce_the_builtin_cells(audit, worker_019):
     """The MoE model's flags on 0.19.2's own parser and gpt_builder at DP 64 (expert DP 8:
     expert buckets gathered) give exactly the built-in model's cell of the quick audit."""
-    from harness.bench.real_shapes_report import slim
-    from scripts.audit_param_sync import exact_receive_bytes
+    from harness.audit.report import slim
+    from harness.audit.run import exact_receive_bytes
 
     _, _, data = audit
     rec = worker_019["moe"]
@@ -625,9 +626,9 @@ def test_bad_flags_exit_2_with_no_traceback_and_nothing_written(tmp_path):
     """End to end: flags every tree refuses exit 2 with megatron's message per tree, no
     traceback, and no output directory."""
     out = tmp_path / "out"
-    proc = run_audit_flags(out, BAD_FLAGS["unknown"][0], "--trees", "upstream", "--dp-sizes", "8")
+    proc = run_audit_flags(out, BAD_FLAGS["unknown"][0], "--trees", "pristine-0.17.1", "--dp-sizes", "8")
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
-    assert "upstream (DP 8): pretrain_gpt.py: error: unrecognized arguments: --no-such-flag" in proc.stderr
+    assert "pristine-0.17.1 (DP 8): pretrain_gpt.py: error: unrecognized arguments: --no-such-flag" in proc.stderr
     assert "Traceback" not in proc.stdout + proc.stderr
     assert not out.exists()
 
@@ -643,7 +644,7 @@ def test_bad_flags_exit_2_with_no_traceback_and_nothing_written(tmp_path):
 ])  # fmt: skip
 def test_bad_audit_options_exit_2(options, message, capsys, tmp_path):
     """The audit's own options, with flags: argparse's exit 2 and message, before any worker."""
-    from scripts.audit_param_sync import main
+    from harness.audit.run import main
 
     flags = [] if not options else ["--num-layers", "2"]
     with pytest.raises(SystemExit) as exc:
@@ -655,17 +656,17 @@ def test_bad_audit_options_exit_2(options, message, capsys, tmp_path):
 def test_flags_refused_by_one_base_are_reported_per_tree():
     """sort_flags_results: a tree that refuses the flags is listed with megatron's message while
     the others' cells stand; a size every tree refuses, or flags no tree takes, are bad input."""
-    from scripts.audit_param_sync import FlagsRejected, sort_flags_results
+    from harness.audit.run import FlagsRejected, sort_flags_results
 
-    ok = dict(tree="mcore_0.19_legacy", model="m", dp=8, size=["dp", 8], paths={})
-    refused = dict(tree="upstream", model="m", size=["dp", 8], flags_error="pretrain_gpt.py: error: unrecognized")
-    ran, rejected = sort_flags_results({"upstream": [refused], "mcore_0.19_legacy": [ok]}, [("dp", 8)])
-    assert ran == [ok] and rejected == [dict(tree="upstream", size="DP 8", message=refused["flags_error"])]
-    with pytest.raises(FlagsRejected, match="upstream \\(DP 8\\): pretrain_gpt.py: error"):
-        sort_flags_results({"upstream": [refused]}, [("dp", 8)])
-    big = dict(refused, tree="mcore_0.19_legacy", size=["dp", 16], flags_error="validate_args: no")
+    ok = dict(tree="pristine-0.19", model="m", dp=8, size=["dp", 8], paths={})
+    refused = dict(tree="pristine-0.17.1", model="m", size=["dp", 8], flags_error="pretrain_gpt.py: error: unrecognized")
+    ran, rejected = sort_flags_results({"pristine-0.17.1": [refused], "pristine-0.19": [ok]}, [("dp", 8)])
+    assert ran == [ok] and rejected == [dict(tree="pristine-0.17.1", size="DP 8", message=refused["flags_error"])]
+    with pytest.raises(FlagsRejected, match="pristine-0.17.1 \\(DP 8\\): pretrain_gpt.py: error"):
+        sort_flags_results({"pristine-0.17.1": [refused]}, [("dp", 8)])
+    big = dict(refused, tree="pristine-0.19", size=["dp", 16], flags_error="validate_args: no")
     with pytest.raises(FlagsRejected, match="at DP 16 on every tree"):
-        sort_flags_results({"upstream": [dict(refused, size=["dp", 16])], "mcore_0.19_legacy": [ok, big]},
+        sort_flags_results({"pristine-0.17.1": [dict(refused, size=["dp", 16])], "pristine-0.19": [ok, big]},
                            [("dp", 8), ("dp", 16)])  # fmt: skip
 
 
@@ -684,19 +685,19 @@ def _claim_cells(series_async_peak: int = 0):
     base = dict(model="m", dp=8, expert_dp=8, ep=1, param_bytes=4000, param_numel=2000, buckets=buckets,
                 exact_receive_bytes=2000, theoretical_memory=dict(weight_and_optimizer_mb=1024.0, activation_mb=1024.0,
                                                                   total_mb=2048.0, num_microbatches=1))  # fmt: skip
-    pristine = dict(base, tree="mcore_0.19_legacy", paths={
+    pristine = dict(base, tree="pristine-0.19", paths={
         "async": path(16, 10, 2, 4000, 2000), "forced": path(16, 10, 2, 4000, 2000),
         "optimizer": path(8, 0, 1, 4000, 4000)})  # fmt: skip
-    series = dict(base, tree="patched_0.19", paths={
+    series = dict(base, tree="series-0.19", paths={
         "async": path(6, 0, 2, series_async_peak, series_async_peak), "forced": path(6, 0, 2, 2000, 1000),
         "optimizer": path(8, 0, 1)})  # fmt: skip
     return [pristine, series]
 
 
 def _flags_data(cells):
-    from harness.bench.real_shapes_report import series_claims
+    from harness.audit.report import series_claims
 
-    trees = {t: dict(title=real_shapes.TREES[t].title, layout=False) for t in ("mcore_0.19_legacy", "patched_0.19")}
+    trees = {t: dict(title=grid.TREES[t].title, layout=False) for t in ("pristine-0.19", "series-0.19")}
     meta = dict(models={"m": dict(title="m (pretrain_gpt.py flags)", summary="", notes="")}, trees=trees, base="0.19",
                 series_claims=series_claims(cells))  # fmt: skip
     return {"meta": meta, "cells": cells}
@@ -708,7 +709,7 @@ def test_printed_claims_are_series_claims_per_path():
     counts meet them (195 operations against pristine's 32 on the optimizer path is the claim:
     one per sharded param), and a cell with a temporary on the async path prints "does not
     hold" for that path and for no other."""
-    from harness.bench.real_shapes_report import CLAIMS, PATH_NAMES, claims_lines, flags_text, series_claims
+    from harness.audit.report import CLAIMS, PATH_NAMES, claims_lines, flags_text, series_claims
 
     good = _flags_data(_claim_cells())
     text = flags_text(good)
@@ -728,7 +729,7 @@ def test_flags_text_legend_and_the_users_path():
     """The flag path's stdout names every path (what it is, when megatron.training takes it)
     and every tree, says which rows are the user's release (``--base``) and path (from the
     flags megatron parsed), and shows each path's peak next to megatron's step estimate."""
-    from harness.bench.real_shapes_report import PATH_WHEN, flags_text
+    from harness.audit.report import PATH_WHEN, flags_text
 
     cells = _claim_cells()
     for c in cells:
@@ -737,18 +738,18 @@ def test_flags_text_legend_and_the_users_path():
     text = flags_text(_flags_data(cells))
     for path in PATHS:
         assert PATH_WHEN[path] in text
-    assert "patched_0.19        0.19.2 + its series" in text and "Rows of megatron-core 0.19 only (--base 0.19" in text
+    assert "series-0.19             0.19.2 + its series" in text and "Rows of megatron-core 0.19 only (--base 0.19" in text
     assert "Your flags take the optimizer-step gather (no --overlap-param-gather)" in text
     opt = [ln for ln in text.splitlines() if ln.startswith(" * ")]
     assert len(opt) == 2 and all(" optimizer " in ln for ln in opt), opt
     assert "megatron's step estimate GiB, weights + optimizer state + activations: 2.00 (1.00 + 1.00)" in text
-    forced = [ln for ln in text.splitlines() if "forced    patched_0.19" in ln]
+    forced = [ln for ln in text.splitlines() if "forced    series-0.19" in ln]
     assert len(forced) == 1 and forced[0].endswith(" 0.50 / 2.00 (25.0%)"), forced
 
 
 def test_plot_is_readable_with_one_model(tmp_path):
     """One model's plot is at least PLOT_MIN_WIDTH_IN wide (880 px), title and legend inside."""
-    from harness.bench.real_shapes_report import PLOT_MIN_WIDTH_IN, write_plot
+    from harness.audit.report import PLOT_MIN_WIDTH_IN, write_plot
 
     data = _flags_data(_claim_cells())
     data["meta"]["trees"] = {t: dict(m, layout=False) for t, m in data["meta"]["trees"].items()}
@@ -760,10 +761,10 @@ def test_plot_is_readable_with_one_model(tmp_path):
 
 #: The user's run of the flag path's end-to-end test: Llama-3-8B TP 2 with the forward's gathers
 #: overlapped, at DP 8, on the default base (0.19).
-USER_FLAGS = [*real_shapes.MODEL_FLAGS["llama3_8b_tp2"], "--overlap-grad-reduce", "--overlap-param-gather"]
+USER_FLAGS = [*grid.MODEL_FLAGS["llama3_8b_tp2"], "--overlap-grad-reduce", "--overlap-param-gather"]
 DIRECT_THEORY = """
 import json, sys
-from harness.bench import real_shapes_worker as W
+from harness.audit import worker as W
 from megatron.core.tokenizers.utils.build_tokenizer import vocab_size_with_padding
 from megatron.training.theoretical_memory_usage import report_theoretical_memory
 flags, dp = json.loads(sys.argv[1])
@@ -785,14 +786,14 @@ def user_audit(tmp_path_factory):
 def test_flags_default_to_the_019_rows_and_say_the_users_path(user_audit):
     """No --base: only megatron-core 0.19's trees run and print; the flags' path (async and
     forced, --overlap-param-gather) is named and its legacy rows marked; the plot is readable."""
-    from harness.bench.real_shapes_report import PLOT_MIN_WIDTH_IN
+    from harness.audit.report import PLOT_MIN_WIDTH_IN
 
     data, stdout, out = user_audit
-    assert list(data["meta"]["trees"]) == ["mcore_0.19_legacy", "patched_0.19", "mcore_0.19_layout"]
+    assert list(data["meta"]["trees"]) == ["pristine-0.19", "series-0.19", "pristine-0.19-layout"]
     assert data["meta"]["base"] == "0.19" and "Rows of megatron-core 0.19 only" in stdout
     assert "Your flags take the async forward gather (--overlap-param-gather) every step, and a forced sync" in stdout
     marked = [ln.split()[1:3] for ln in stdout.splitlines() if ln.startswith(" * ")]
-    assert sorted(marked) == sorted([p, t] for p in ("async", "forced") for t in ("mcore_0.19_legacy", "patched_0.19"))
+    assert sorted(marked) == sorted([p, t] for p in ("async", "forced") for t in ("pristine-0.19", "series-0.19"))
     png = (out / "real_shapes.png").read_bytes()
     assert int.from_bytes(png[16:20], "big") >= PLOT_MIN_WIDTH_IN * 110 * 0.95
 
@@ -801,10 +802,10 @@ def test_step_estimate_is_megatrons_theoretical_memory(user_audit):
     """Every cell's step estimate is what megatron's own report_theoretical_memory prints for
     the same flags at that DP (a direct call in a process of the tree), and the stdout table,
     the Markdown table and the forced-sync section show it next to the forced sync's peak."""
-    from harness.bench.real_shapes_report import forced_against_step, gib, theory_text, transient_peak
+    from harness.audit.report import forced_against_step, gib, theory_text, transient_peak
 
     data, stdout, out = user_audit
-    env = env_for_tree(real_shapes.tree_dir(real_shapes.TREES["mcore_0.19_legacy"]))
+    env = env_for_tree(grid.tree_dir(grid.TREES["pristine-0.19"]))
     env.update(MEGATRON_CPU_RUNTIME="force", OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     proc = subprocess.run([sys.executable, "-P", "-c", DIRECT_THEORY, json.dumps([USER_FLAGS, 8])],
                           cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)  # fmt: skip
@@ -822,15 +823,15 @@ def test_step_estimate_is_megatrons_theoretical_memory(user_audit):
         assert forced_against_step(c) in md.split("## Forced syncs")[0]  # the model table's column
     estimate = theory_text(data["cells"][0])
     assert f"megatron's step estimate GiB, weights + optimizer state + activations: {estimate}" in stdout
-    forced = [ln for ln in stdout.splitlines() if ln.startswith(" * forced    patched_0.19")]
-    (series,) = _cells(data, tree="patched_0.19")
+    forced = [ln for ln in stdout.splitlines() if ln.startswith(" * forced    series-0.19")]
+    (series,) = _cells(data, tree="series-0.19")
     assert len(forced) == 1 and f"{gib(transient_peak(series, 'forced'))} / {gib(direct[2] * 2**20)}" in forced[0]
 
 
 def test_render_from_a_published_json_runs_no_audit(tmp_path, capsys):
     """``--render-from``: the Markdown and plot again from a JSON whose cells all carry megatron's
     step estimate: no worker runs, the cells are unchanged, the forced-sync section is there."""
-    from scripts.audit_param_sync import COLUMNS, dump_json, main
+    from harness.audit.run import COLUMNS, dump_json, main
 
     data = _flags_data(_claim_cells())
     data["meta"].update(command="c", date="d", torch="t", wall_s=1.0, cpus=2, method="m", columns="old",
@@ -846,4 +847,4 @@ def test_render_from_a_published_json_runs_no_audit(tmp_path, capsys):
     assert "## Forced syncs against the step's peak" in md and "| m | 8 | 2.00 (1.00 + 1.00) |" in md
     assert not (tmp_path / "out" / "raw-theory").exists()
     with pytest.raises(SystemExit):
-        main(["--render-from", str(src), "--trees", "upstream", "--out-dir", str(tmp_path / "o2")])
+        main(["--render-from", str(src), "--trees", "pristine-0.17.1", "--out-dir", str(tmp_path / "o2")])

@@ -2,8 +2,8 @@
 
 ``scripts/audit_param_sync.py`` runs, for every cell (model x TP/PP/EP x DP x tree), the
 tree's own megatron-core code on storage-free tensors (meta device) over PyTorch's fake
-process group (``harness/bench/real_shapes_worker.py``) and reports what the param sync
-issues and allocates (``harness/bench/real_shapes_report.py``). Nothing here plans a
+process group (``harness/audit/worker.py``) and reports what the param sync
+issues and allocates (``harness/audit/report.py``). Nothing here plans a
 gather: the buckets come from the tree's ``_ParamAndGradBuffer`` / DDP, the shards from its
 ``LayerWiseDistributedOptimizer`` (ping-pong ``shard_params`` or 0.18.2's
 ``compute_full_param_layout``), the collectives from running its bucket groups'
@@ -11,7 +11,10 @@ gather: the buckets come from the tree's ``_ParamAndGradBuffer`` / DDP, the shar
 
 This module is data: the model configs (``MODELS``, real published shapes), the
 ``pretrain_gpt.py`` flags that describe them (``MODEL_FLAGS``, for the audit's flag path), the
-trees (``TREES``, ``SERIES_PAIRS``) and the DP sizes. It imports neither torch nor megatron, so the driver can
+trees (``TREES``, ``SERIES_PAIRS``) and the DP sizes. A tree's label says what it is, as
+``harness.trees`` does: ``pristine-<release>`` (as released; 0.19 = 0.19.2), ``series-<base>``
+(with patches/<base>/), ``-layout`` for the release's default layer-wise param layout path (the
+others run its legacy path); ``exact_list_slots`` is a comparison tree (``harness.audit.trees``). It imports neither torch nor megatron, so the driver can
 read it under any Python.
 """
 
@@ -213,7 +216,7 @@ MODEL_FLAGS: Dict[str, Tuple[str, ...]] = {
 }
 
 #: Small configs for the check against allocated megatron objects on real gloo ranks
-#: (tests/unit_tests/test_real_shapes_audit.py): the same code paths (dense and expert-DP
+#: (tests/unit_tests/test_audit.py): the same code paths (dense and expert-DP
 #: buckets, several buckets, uneven shares) at a size that trains on CPU.
 CHECK_MODELS: Dict[str, ModelSpec] = {
     m.label: m
@@ -238,7 +241,7 @@ class TreeSpec:
     Attributes:
         label: table and JSON name.
         title: what it is.
-        source: what ``harness.bench.trees.tree_for`` takes ("upstream", "patched", a
+        source: what ``harness.audit.trees.tree_for`` takes (a label of ``harness.trees``, a
             comparison-tree label), or a path relative to the repo root holding megatron/.
         layout: True for 0.18.2's default layer-wise param layout path
             (``LayerWiseDistributedOptimizer.compute_full_param_layout`` passed to DDP as
@@ -255,20 +258,20 @@ class TreeSpec:
 TREES: Dict[str, TreeSpec] = {
     t.label: t
     for t in (
-        TreeSpec("upstream", "megatron-core 0.17.1, pristine", "upstream"),
+        TreeSpec("pristine-0.17.1", "megatron-core 0.17.1, pristine", "pristine-0.17.1"),
         TreeSpec("exact_list_slots", "0.18's legacy design (grad_data list slots, #3751 + #4609) on 0.17.1, "
-                 "with the optimizer path through the buckets (harness/bench/trees/exact_list_slots.diff)",
+                 "with the optimizer path through the buckets (harness/audit/trees/exact_list_slots.diff)",
                  "exact_list_slots"),  # fmt: skip
-        TreeSpec("patched", "0.17.1 + the series (patches/0.17.1/)", "patched"),
-        TreeSpec("mcore_0.18_legacy", "megatron-core 0.18.2 with --no-use-layer-wise-param-layout "
+        TreeSpec("series-0.17.1", "0.17.1 + the series (patches/0.17.1/)", "series-0.17.1"),
+        TreeSpec("pristine-0.18.2", "megatron-core 0.18.2 with --no-use-layer-wise-param-layout "
                  "(its legacy layer-wise path, #3751 + #4609)", "build/megatron-lm/core_v0.18.2"),  # fmt: skip
-        TreeSpec("mcore_0.18_layout", "megatron-core 0.18.2, its default layer-wise param layout",
+        TreeSpec("pristine-0.18.2-layout", "megatron-core 0.18.2, its default layer-wise param layout",
                  "build/megatron-lm/core_v0.18.2", layout=True),  # fmt: skip
-        TreeSpec("mcore_0.19_legacy", "megatron-core 0.19.2 with --no-use-layer-wise-param-layout "
-                 "(its legacy layer-wise path)", "build/upstream-0.19"),  # fmt: skip
-        TreeSpec("mcore_0.19_layout", "megatron-core 0.19.2, its default layer-wise param layout",
-                 "build/upstream-0.19", layout=True),  # fmt: skip
-        TreeSpec("patched_0.19", "0.19.2 + its series (patches/0.19/), legacy path", "build/patched-0.19"),
+        TreeSpec("pristine-0.19", "megatron-core 0.19.2 with --no-use-layer-wise-param-layout "
+                 "(its legacy layer-wise path)", "pristine-0.19"),  # fmt: skip
+        TreeSpec("pristine-0.19-layout", "megatron-core 0.19.2, its default layer-wise param layout",
+                 "pristine-0.19", layout=True),  # fmt: skip
+        TreeSpec("series-0.19", "0.19.2 + its series (patches/0.19/), legacy path", "series-0.19"),
     )
 }
 
@@ -276,13 +279,13 @@ TREES: Dict[str, TreeSpec] = {
 #: The megatron-core release each tree's ``megatron.training`` comes from (its estimate of the
 #: step's memory, ``theoretical_memory_usage``, differs between releases).
 RELEASE_OF_TREE: Dict[str, str] = {
-    "upstream": "0.17.1", "exact_list_slots": "0.17.1", "patched": "0.17.1",
-    "mcore_0.18_legacy": "0.18.2", "mcore_0.18_layout": "0.18.2",
-    "mcore_0.19_legacy": "0.19.2", "mcore_0.19_layout": "0.19.2", "patched_0.19": "0.19.2",
+    "pristine-0.17.1": "0.17.1", "exact_list_slots": "0.17.1", "series-0.17.1": "0.17.1",
+    "pristine-0.18.2": "0.18.2", "pristine-0.18.2-layout": "0.18.2",
+    "pristine-0.19": "0.19.2", "pristine-0.19-layout": "0.19.2", "series-0.19": "0.19.2",
 }  # fmt: skip
 
 #: Each series tree and the pristine tree it patches (the claims compare them cell by cell).
-SERIES_PAIRS: Dict[str, str] = {"patched": "upstream", "patched_0.19": "mcore_0.19_legacy"}
+SERIES_PAIRS: Dict[str, str] = {"series-0.17.1": "pristine-0.17.1", "series-0.19": "pristine-0.19"}
 
 
 def tree_dir(spec: TreeSpec):
@@ -290,14 +293,14 @@ def tree_dir(spec: TreeSpec):
 
     Raises:
         FileNotFoundError: a path tree that is missing (run scripts/setup.sh).
-        ValueError / RuntimeError: as ``harness.bench.trees.tree_for``.
+        ValueError / RuntimeError: as ``harness.audit.trees.tree_for``.
     """
     if "/" in spec.source:
         path = _trees.REPO_ROOT / spec.source
         if not (path / "megatron" / "core" / "__init__.py").is_file():
             raise FileNotFoundError(f"tree {spec.label}: {path}/megatron is missing; run scripts/setup.sh")
         return Path(path)
-    from harness.bench.trees import tree_for
+    from harness.audit.trees import tree_for
 
     return tree_for(spec.source)
 
