@@ -960,7 +960,17 @@ def test_idle_window_forced_sync_on_the_prefix_before_copy_back(runs, tmp_path, 
         EXPECT["gather_then_forced_before_step_idle"](runs, tree)
     else:
         tree = make_prefix_tree(copy_back_prefix(base), tmp_path / "tree", base)
-    bad = check_prefix(runs, tree, base, FINDING_1)
+    try:
+        bad = check_prefix(runs, tree, base, FINDING_1)
+    except AssertionError as e:
+        # As in test_every_prefix_is_as_safe_as_pristine: a 0.19 tree before the receive into
+        # idle grad_data keeps pristine 0.19.2's race, which now and then kills a rank.
+        before = copy_back_prefix(base) < patch_number(base, "into idle grad_data")
+        if base == "0.19" and which != "whole_series" and before and re.search(
+            r"killed by signal SIG(SEGV|ABRT|BUS)", str(e)
+        ):
+            pytest.skip(f"{which} of 0.19: a rank killed by a signal twice, pristine 0.19.2's race")
+        raise
     assert not bad, f"{which} of {base}: {bad}"
 
 
