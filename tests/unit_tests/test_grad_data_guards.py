@@ -58,6 +58,7 @@ scenario on each guard mutant (tests/mutants/guards/), on both bases (tests/muta
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import subprocess
@@ -793,6 +794,21 @@ def patch_number(base, words) -> int:
     return hits[0]
 
 
+@contextlib.contextmanager
+def skip_019_race_crash(base, before_receive, label):
+    """Skip, saying so, where a worker run on a 0.19 tree before the receive into idle
+    grad_data (patch 0004) had a rank killed by a signal twice in a row (run_worker retries
+    once): such a tree keeps pristine 0.19.2's receive into grad_data whatever it holds,
+    whose races with gloo's threads kill a rank now and then (pristine's offload runs are
+    left out for it). Any other failure, and any failure elsewhere, is raised."""
+    try:
+        yield
+    except AssertionError as e:
+        if base == "0.19" and before_receive and re.search(r"killed by signal SIG(SEGV|ABRT|BUS)", str(e)):
+            pytest.skip(f"{label} of 0.19: a rank killed by a signal twice, pristine 0.19.2's race")
+        raise
+
+
 def copy_back_prefix(base) -> int:
     """The patches before the one that copies back pending gathers ("copy back" in its
     subject): the last prefix on which a forced sync or free_overlap_buffers() drops them."""
@@ -898,15 +914,8 @@ def test_every_prefix_is_as_safe_as_pristine(runs, tmp_path, base, k):
     skip = set(NOT_RUN_ON.get(str(pristine), ())) | RACING_ON_019.get(base, set()) if k < guarded else set()
     n = len(series_patches(base=base))
     tree = BASES[base][1] if k == n else make_prefix_tree(k, tmp_path / "tree", base)
-    try:
+    with skip_019_race_crash(base, k < guarded, f"prefix {k}"):
         bad = check_prefix(runs, tree, base, sweep_hazards(), skip)
-    except AssertionError as e:
-        # 0.19 before 0004 keeps pristine 0.19.2's receive into grad_data whatever it holds,
-        # whose races with gloo's threads kill a rank now and then (pristine's offload runs
-        # are left out for it): a rank killed by a signal there, twice in a row, is that.
-        if base == "0.19" and k < guarded and re.search(r"killed by signal SIG(SEGV|ABRT|BUS)", str(e)):
-            pytest.skip(f"prefix {k} of 0.19: a rank killed by a signal twice, pristine 0.19.2's race")
-        raise
     for hazard in PRISTINE_BUG_KEPT.get(base, set()) & set(bad) if k < guarded else ():
         ref_tree, ref = sweep_hazards()[hazard]
         clean = record(runs, pristine if ref_tree else tree, ref)
@@ -960,17 +969,9 @@ def test_idle_window_forced_sync_on_the_prefix_before_copy_back(runs, tmp_path, 
         EXPECT["gather_then_forced_before_step_idle"](runs, tree)
     else:
         tree = make_prefix_tree(copy_back_prefix(base), tmp_path / "tree", base)
-    try:
+    before = which != "whole_series" and copy_back_prefix(base) < patch_number(base, "into idle grad_data")
+    with skip_019_race_crash(base, before, which):
         bad = check_prefix(runs, tree, base, FINDING_1)
-    except AssertionError as e:
-        # As in test_every_prefix_is_as_safe_as_pristine: a 0.19 tree before the receive into
-        # idle grad_data keeps pristine 0.19.2's race, which now and then kills a rank.
-        before = copy_back_prefix(base) < patch_number(base, "into idle grad_data")
-        if base == "0.19" and which != "whole_series" and before and re.search(
-            r"killed by signal SIG(SEGV|ABRT|BUS)", str(e)
-        ):
-            pytest.skip(f"{which} of 0.19: a rank killed by a signal twice, pristine 0.19.2's race")
-        raise
     assert not bad, f"{which} of {base}: {bad}"
 
 
