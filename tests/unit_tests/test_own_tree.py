@@ -570,9 +570,9 @@ def test_upstream_tests_of_an_own_tree_are_the_files_and_tests_it_has(tmp_path):
         assert ur.own_files(MAIN, "0.19") == list(ur.FILES_OWN_019)
 
 
-def test_an_own_tree_with_the_series_runs_the_series_own_tests_on_the_patched_side(tmp_path):
-    """The patched clone has the series' own tests (each patch adds its own), the tree as it
-    is does not: they run on the patched side only, and the table says so."""
+def test_an_own_tree_with_the_series_runs_the_series_own_tests_on_the_series_side(tmp_path):
+    """The series clone has the series' own tests (each patch adds its own), the tree as it
+    is does not: they run on the series side only, and the table says so."""
     from tests.upstream_tests import upstream_runner as ur
 
     upstream, patched = tmp_path / "u", tmp_path / "p"
@@ -584,9 +584,9 @@ def test_an_own_tree_with_the_series_runs_the_series_own_tests_on_the_patched_si
     assert pri == ["tests/unit_tests/distributed/test_param_and_grad_buffer.py"]
     assert pat == [*pri, ur.SERIES_TESTS]
     runs = [ur.Run(tree=t, nproc=2, files=f, results={f"{x}::test_{t}": "passed" for x in f})
-            for t, f in (("pristine", pri), ("patched", pat))]
+            for t, f in (("pristine", pri), ("series", pat))]
     rows = ur.own_table(*runs).splitlines()[2:]
     assert rows[-1] == "| `distributed/test_layer_wise_param_gather.py` | 2 | not in the tree | 1 / 0 / 0 |"
     assert ur.new_test_failures(*runs) == []
-    runs[1].results[f"{ur.SERIES_TESTS}::test_patched"] = "failed"
-    assert ur.new_test_failures(*runs) == [f"{ur.SERIES_TESTS}::test_patched: failed"]
+    runs[1].results[f"{ur.SERIES_TESTS}::test_series"] = "failed"
+    assert ur.new_test_failures(*runs) == [f"{ur.SERIES_TESTS}::test_series: failed"]

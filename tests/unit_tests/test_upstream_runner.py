@@ -27,22 +27,22 @@ def test_a_connect_failure_on_one_rank_is_retried_and_an_assertion_is_not():
     assert ur.connect_failures(run) == [T1]
 
 
-# ------------------------------------------------------- tests that exist only on patched
+# ------------------------------------------------- tests that exist only with the series
 def _recorded(tree, results):
     run = ur.Run(tree=tree, nproc=2, files=["tests/unit_tests/test_x.py"])
     run.results = dict(results)
     return run
 
 
-def test_a_failing_or_skipped_patched_only_test_counts_and_a_passing_one_does_not():
-    """A test that exists only on patched (the series' regression tests) and fails or skips
+def test_a_failing_or_skipped_series_only_test_counts_and_a_passing_one_does_not():
+    """A test that exists only with the series (the series' own tests) and fails or skips
     there is reported, though comparing the tests pristine has sees nothing."""
     T4 = "tests/unit_tests/test_x.py::test_caught"
-    pristine = _recorded("pristine", {T1: "passed"})
-    patched = _recorded("patched", {T1: "passed", T2: "skipped", T3: "passed", T4: "failed"})
-    assert ur.regressions(pristine, patched) == []
-    assert ur.patched_only(pristine, patched) == [T2, T3, T4]
-    assert ur.new_test_failures(pristine, patched) == [f"{T2}: skipped", f"{T4}: failed"]
+    pristine = _recorded("pristine-0.17.1", {T1: "passed"})
+    series = _recorded("series-0.17.1", {T1: "passed", T2: "skipped", T3: "passed", T4: "failed"})
+    assert ur.regressions(pristine, series) == []
+    assert ur.series_only(pristine, series) == [T2, T3, T4]
+    assert ur.new_test_failures(pristine, series) == [f"{T2}: skipped", f"{T4}: failed"]
 
 
 # ------------------------------------------------------- per-file node-id selection

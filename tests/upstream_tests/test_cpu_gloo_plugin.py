@@ -27,7 +27,7 @@ SEED = 0
 @pytest.fixture
 def checkout():
     """The pristine 0.17.1 checkout: the plugin needs a Megatron-LM checkout to run in."""
-    path = ur.CHECKOUTS["pristine"]
+    path = ur.CHECKOUTS["pristine-0.17.1"]
     if not (path / "tests" / "unit_tests").is_dir():
         pytest.skip(f"{path} missing (scripts/setup.sh)")
     return path
@@ -83,7 +83,7 @@ def test_a_gloo_connect_failure_stops_the_run_and_the_rest_runs_again(checkout, 
     monkeypatch.setenv("CONNECT_FAILURES", str(ur.RETRIES))  # the test fails in the run and in all but the last retry
     monkeypatch.setattr(ur, "RETRY_PAUSE_S", 0)
     out = tmp_path / "results"
-    result = ur.run("pristine", 2, [str(test_file)], timeout_s=300, out_dir=out, checkout=checkout)
+    result = ur.run("pristine-0.17.1", 2, [str(test_file)], timeout_s=300, out_dir=out, checkout=checkout)
     first = json.loads((out / "rank0.json").read_text())
     assert first["aborted"] and not [k for k in first["results"] if k.endswith("::test_2_after")], first
     assert [k.split("::")[-1] for k in result.retried] == ["test_1_connect"], (result.retried, result.log)

@@ -5,7 +5,7 @@ Every patch of ``patches/<base>/`` adds its tests to one upstream-style file,
 ``tests/unit_tests/test_layer_wise_optimizer.py``: ``Utils``, DDP without the distributed
 optimizer, the layer-wise Muon optimizer). A *prefix* k of a series is the base plus its first k
 patches. Here the file runs on 2 CPU gloo ranks (``upstream_runner``, ``cpu_gloo_plugin``) in a
-clone of the patched Megatron-LM checkout (``scripts/setup.sh``: the base's tag + one commit per
+clone of the series' Megatron-LM checkout (``scripts/setup.sh``: the base's tag + one commit per
 patch, by ``scripts/apply_patches.sh``) at that prefix, and it is asserted that:
 
 * at prefix k the file holds exactly the tests that patches 1..k add (read from the patches'
@@ -75,21 +75,21 @@ def _n(base: str) -> int:
 
 
 def prefix_checkout(base: str, k: int, tests_of: int, dest: Path) -> Path:
-    """A clone of the patched checkout of ``base`` at prefix ``k`` (its tag + the first k
+    """A clone of the series checkout of ``base`` at prefix ``k`` (its tag + the first k
     commits), with OWN_FILE as prefix ``tests_of`` (1..N) has it.
 
     Raises:
         AssertionError: the checkout's commits are not the series' patches (rerun setup.sh).
     """
-    pristine, patched = (ur.CHECKOUTS[t] for t in CHECKOUT_OF[base])
-    if not (patched / ".git").is_dir():
-        pytest.skip(f"{patched} missing (scripts/setup.sh found no source of its base)")
+    pristine, series = (ur.CHECKOUTS[t] for t in CHECKOUT_OF[base])
+    if not (series / ".git").is_dir():
+        pytest.skip(f"{series} missing (scripts/setup.sh found no source of its base)")
     git = ["git", "-c", "advice.detachedHead=false"]
-    subprocess.run([*git, "clone", "-q", "--shared", "--no-checkout", str(patched), str(dest)], check=True)
+    subprocess.run([*git, "clone", "-q", "--shared", "--no-checkout", str(series), str(dest)], check=True)
     tag = pristine.name
     commits = subprocess.run([*git, "-C", str(dest), "rev-list", "--reverse", f"{tag}..HEAD"],
                              check=True, capture_output=True, text=True).stdout.split()
-    assert len(commits) == _n(base), f"{patched} has {len(commits)} commits over {tag}, the series {_n(base)}; rerun scripts/setup.sh"
+    assert len(commits) == _n(base), f"{series} has {len(commits)} commits over {tag}, the series {_n(base)}; rerun scripts/setup.sh"
     at = [tag, *commits]
     subprocess.run([*git, "-C", str(dest), "checkout", "-q", "--detach", at[k]], check=True)
     if tests_of != k:

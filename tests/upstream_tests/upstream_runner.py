@@ -3,8 +3,10 @@
 One run = one ``torchrun --standalone --nproc-per-node N -m pytest -p cpu_gloo_plugin FILES``
 inside a Megatron-LM checkout (``scripts/setup.sh`` builds them under ``build/megatron-lm/``):
 
-    pristine  build/megatron-lm/core_v0.17.1   upstream at tag core_v0.17.1
-    patched   build/megatron-lm/patched        the same + the series (scripts/apply_patches.sh)
+    pristine-0.17.1  build/megatron-lm/core_v0.17.1   Megatron-LM at tag core_v0.17.1
+    series-0.17.1    build/megatron-lm/patched        the same + patches/0.17.1 (git am)
+    pristine-0.19    build/megatron-lm/core_v0.19.0   Megatron-LM at tag core_v0.19.0
+    series-0.19      build/megatron-lm/patched-0.19   the same + patches/0.19
 
 Each rank reports ``{nodeid: passed | failed | skipped}`` (``cpu_gloo_plugin``);
 ``merge_ranks`` combines them: failed on any rank -> failed, else passed on any -> passed,
@@ -16,15 +18,14 @@ tree, but leaves the ranks out of step, and the run would hang to its timeout: t
 the run there (its item 9), the tests not finished on every rank run once more, and
 ``Run.retried`` keeps the first failure's message.
 
-``python -m tests.upstream_tests.upstream_runner`` runs the whole matrix, writes
-``build/upstream_tests/results.json`` and prints the per-file table of
-``docs/upstream_tests.md``. With ``--checkout PATH`` it runs the tests of your own tree
-(``run_own``, docs/own_tree.md). Exit codes: 0 no regression; 1 a regression (a test that
-passes on pristine and not on patched, or one only patched has that does not pass);
+``tests/upstream_tests/test_upstream_unit_tests.py`` runs the files of each base on its two
+checkouts and asserts on them, writing ``build/upstream_tests/results.json``.
+``python -m tests.upstream_tests.upstream_runner --checkout PATH`` runs the tests of your own
+tree (``run_own``, docs/own_tree.md). Exit codes: 0 no regression; 1 a regression (a test that
+passes on pristine and not with the series, or one only the series has that does not pass);
 2 ``--checkout PATH`` refused, nothing run, one line on stderr (``harness.own_tree``: PATH does
 not exist, is a file or an empty directory, is not a Megatron-LM git checkout, is dirty, or the
-series cannot serve it). ``tests/upstream_tests/test_upstream_unit_tests.py`` runs the same
-matrix under pytest and asserts on it.
+series cannot serve it).
 """
 
 from __future__ import annotations
@@ -45,14 +46,14 @@ from typing import Dict, Iterable, List, Sequence
 REPO_ROOT = Path(__file__).resolve().parents[2]
 PLUGIN_DIR = Path(__file__).resolve().parent
 CHECKOUTS = {
-    "pristine": REPO_ROOT / "build" / "megatron-lm" / "core_v0.17.1",
-    "patched": REPO_ROOT / "build" / "megatron-lm" / "patched",
+    "pristine-0.17.1": REPO_ROOT / "build" / "megatron-lm" / "core_v0.17.1",
+    "series-0.17.1": REPO_ROOT / "build" / "megatron-lm" / "patched",
     # The 0.19 base (optional: scripts/setup.sh builds them when the core_v0.19.0 source is found).
     "pristine-0.19": REPO_ROOT / "build" / "megatron-lm" / "core_v0.19.0",
-    "patched-0.19": REPO_ROOT / "build" / "megatron-lm" / "patched-0.19",
+    "series-0.19": REPO_ROOT / "build" / "megatron-lm" / "patched-0.19",
 }
-#: Each series base's checkouts, as labels of CHECKOUTS: (pristine, patched).
-CHECKOUTS_OF_BASE = {"0.17.1": ("pristine", "patched"), "0.19": ("pristine-0.19", "patched-0.19")}
+#: Each series base's checkouts, as labels of CHECKOUTS: (pristine, series).
+CHECKOUTS_OF_BASE = {base: (f"pristine-{base}", f"series-{base}") for base in ("0.17.1", "0.19")}
 RESULTS_DIR = REPO_ROOT / "build" / "upstream_tests"
 
 #: Upstream test files of the code the series touches that run on CPU, and the rank counts
@@ -128,7 +129,7 @@ FILES_OWN_019: tuple = (
 )
 FILES_OWN = {"0.19": FILES_OWN_019}
 #: The series' own tests: each patch of patches/<base>/ adds its tests to this file (upstream's
-#: style), so only a tree with the series has it. An own-tree run runs it on the patched side.
+#: style), so only a tree with the series has it. An own-tree run runs it on the series side.
 SERIES_TESTS = "tests/unit_tests/distributed/test_layer_wise_param_gather.py"
 
 
@@ -149,41 +150,41 @@ def own_files(checkout: Path, series: str) -> List[str]:
     return out
 
 
-def own_run_files(upstream: Path, patched: Path, series: str) -> tuple:
-    """``(pristine files, patched files)`` of an own-tree run: ``own_files`` of the tree as it
-    is on both sides, and on the patched side also SERIES_TESTS, which the series adds (it
+def own_run_files(upstream: Path, with_series: Path, series: str) -> tuple:
+    """``(pristine files, series files)`` of an own-tree run: ``own_files`` of the tree as it
+    is on both sides, and on the series side also SERIES_TESTS, which the series adds (it
     must pass there: ``new_test_failures``)."""
     files = own_files(upstream, series)
-    extra = [SERIES_TESTS] if (Path(patched) / SERIES_TESTS).is_file() and SERIES_TESTS not in files else []
+    extra = [SERIES_TESTS] if (Path(with_series) / SERIES_TESTS).is_file() and SERIES_TESTS not in files else []
     return files, files + extra
 
 
 def run_own(checkout: Path, nproc: int = 2, timeout_s: float = 1800) -> tuple:
     """Upstream's tests of your own tree (``harness.own_tree``): its HEAD as it is ("pristine")
-    and with the series ("patched"), the same files (``own_files``) on ``nproc`` ranks, and on
-    the patched side the series' own tests (``own_run_files``).
+    and with the series ("series"), the same files (``own_files``) on ``nproc`` ranks, and on
+    the series side the series' own tests (``own_run_files``).
 
     Returns:
-        ``(own_tree, pristine Run, patched Run)``.
+        ``(own_tree, pristine Run, series Run)``.
     """
     from harness import own_tree
 
     tree = own_tree.prepare(checkout)
-    files = dict(zip(("pristine", "patched"), own_run_files(tree.upstream, tree.patched, tree.series.name)))
+    files = dict(zip(("pristine", "series"), own_run_files(tree.upstream, tree.patched, tree.series.name)))
     out = RESULTS_DIR / f"checkout-{tree.source.name}-{tree.head[:12]}"
     runs = [run(label, nproc, files[label], timeout_s=timeout_s, out_dir=out / f"{label}-np{nproc}", checkout=clone)
-            for label, clone in (("pristine", tree.upstream), ("patched", tree.patched))]
+            for label, clone in (("pristine", tree.upstream), ("series", tree.patched))]
     return (tree, *runs)
 
 
-def own_table(pristine: "Run", patched: "Run") -> str:
+def own_table(pristine: "Run", series: "Run") -> str:
     """Markdown: one row per file of an own-tree run (``run_own``)."""
-    lines = ["| file | ranks | pristine passed / failed / skipped | patched passed / failed / skipped |",
+    lines = ["| file | ranks | pristine passed / failed / skipped | series passed / failed / skipped |",
              "|---|---|---|---|"]
-    a, b = pristine.by_file(), patched.by_file()
-    for f in files_of([*pristine.files, *patched.files]):
+    a, b = pristine.by_file(), series.by_file()
+    for f in files_of([*pristine.files, *series.files]):
         cells = [f"{c['passed']} / {c['failed']} / {c['skipped']}" if f in files_of(r.files) else "not in the tree"
-                 for r, c in ((pristine, a.get(f, Counter())), (patched, b.get(f, Counter())))]
+                 for r, c in ((pristine, a.get(f, Counter())), (series, b.get(f, Counter())))]
         lines.append(f"| `{f.removeprefix('tests/unit_tests/')}` | {pristine.nproc} | {cells[0]} | {cells[1]} |")
     return "\n".join(lines)
 
@@ -327,7 +328,7 @@ def run(tree: str, nproc: int, files: Sequence[str] | None = None, timeout_s: fl
     stops there (``cpu_gloo_plugin`` item 9); up to ``retry`` times (0 or False: never), that
     test and every test not finished on all ranks run again after RETRY_PAUSE_S (in
     ``out_dir/retry``, ``out_dir/retry/retry``), else they count as failed.
-    ``checkout`` replaces ``CHECKOUTS[tree]`` (e.g. a copy of the patched checkout with a
+    ``checkout`` replaces ``CHECKOUTS[tree]`` (e.g. a copy of the series checkout with a
     deliberate bug in it); ``tree`` stays the run's label.
 
     Raises:
@@ -394,31 +395,25 @@ def connect_failures(result: Run) -> List[str]:
                   if GLOO_CONNECT_FAILURE in why and result.results.get(k) == "failed")
 
 
-def matrix(trees: Sequence[str] = ("pristine", "patched"), nprocs: Sequence[int] = (2, 4)) -> List[Run]:
-    """Every (tree, nproc) run of ``FILES_BY_NPROC``."""
-    return [run(tree, n) for n in nprocs for tree in trees]
-
-
-def regressions(pristine: Run, patched: Run) -> List[str]:
-    """Tests that pass on pristine but do not pass on patched (nodeid: outcome)."""
+def regressions(pristine: Run, series: Run) -> List[str]:
+    """Tests that pass on pristine but do not pass on series (nodeid: outcome)."""
     return sorted(
-        f"{k}: {patched.results.get(k, 'not run')}"
+        f"{k}: {series.results.get(k, 'not run')}"
         for k, v in pristine.results.items()
-        if v == "passed" and patched.results.get(k) != "passed"
+        if v == "passed" and series.results.get(k) != "passed"
     )
 
 
-def patched_only(pristine: Run, patched: Run) -> List[str]:
-    """Tests that patched ran and pristine did not: those the series adds (its last patch
-    adds regression tests to upstream's files)."""
-    return sorted(k for k in patched.results if k not in pristine.results)
+def series_only(pristine: Run, series: Run) -> List[str]:
+    """Tests that the series run ran and pristine did not: those the series adds (its own tests, SERIES_TESTS)."""
+    return sorted(k for k in series.results if k not in pristine.results)
 
 
-def new_test_failures(pristine: Run, patched: Run) -> List[str]:
-    """Tests that exist only on patched (``patched_only``) and do not pass there
+def new_test_failures(pristine: Run, series: Run) -> List[str]:
+    """Tests that exist only on series (``series_only``) and do not pass there
     (nodeid: outcome). A skip counts: a regression test that never runs checks nothing."""
-    return [f"{k}: {patched.results[k]}" for k in patched_only(pristine, patched)
-            if patched.results[k] != "passed"]
+    return [f"{k}: {series.results[k]}" for k in series_only(pristine, series)
+            if series.results[k] != "passed"]
 
 
 def write_json(runs: Sequence[Run], path: Path = RESULTS_DIR / "results.json") -> Path:
@@ -441,65 +436,33 @@ def write_json(runs: Sequence[Run], path: Path = RESULTS_DIR / "results.json") -
     return path
 
 
-def table(runs: Sequence[Run]) -> str:
-    """Markdown: one row per (file, ranks), pristine and patched ``passed/failed/skipped``."""
-    index = {(r.tree, r.nproc): r for r in runs}
-    lines = [
-        "| file | ranks | pristine passed / failed / skipped | patched passed / failed / skipped |",
-        "|---|---|---|---|",
-    ]
-    for nproc in sorted({r.nproc for r in runs}):
-        pri, pat = index.get(("pristine", nproc)), index.get(("patched", nproc))
-        for f in FILES_BY_NPROC[nproc]:
-            cells = []
-            for r in (pri, pat):
-                c = r.by_file().get(f, Counter()) if r else Counter()
-                cells.append(f"{c['passed']} / {c['failed']} / {c['skipped']}" if r else "not run")
-            lines.append(f"| `{f.removeprefix('tests/unit_tests/')}` | {nproc} | {cells[0]} | {cells[1]} |")
-    return "\n".join(lines)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
+    """``--checkout PATH``: upstream's tests of your own tree, as it is and with the series
+    (``run_own``); prints each run, the per-file table and every regression."""
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0],
         epilog="exit: 0 no regression; 1 a regression; 2 --checkout PATH refused, nothing run (one line "
         "on stderr: what PATH must be, or why the series cannot serve it)")
-    parser.add_argument("--nproc", type=int, action="append", help="rank counts (default 2 and 4)")
-    parser.add_argument("--tree", action="append", choices=sorted(CHECKOUTS), help="default both")
-    parser.add_argument("--checkout", type=Path, metavar="PATH",
+    parser.add_argument("--nproc", type=int, default=2, help="rank count (default 2)")
+    parser.add_argument("--checkout", type=Path, metavar="PATH", required=True,
                         help="your own Megatron-LM checkout (docs/own_tree.md): its upstream tests of the "
                         "touched code (FILES_OWN) on PATH as it is and with the series, in scratch clones")
     args = parser.parse_args(argv)
-    if args.checkout is not None:
-        from harness.own_tree import OwnTreeError
+    from harness.own_tree import OwnTreeError
 
-        try:
-            tree, pri, pat = run_own(args.checkout, (args.nproc or [2])[0])
-        except OwnTreeError as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 2
-        for r in (pri, pat):
-            print(f"{r.tree} np{r.nproc}: wall {r.wall_s:.0f} s, cpu {r.cpu_s:.0f} s, exit {r.returncode}, log {r.log}")
-        print(f"{tree.label}, megatron-core {tree.version}, patches/{tree.series.name}")
-        print(own_table(pri, pat))
-        bad = regressions(pri, pat) + [f"(only on patched) {b}" for b in new_test_failures(pri, pat)]
-        for k, v in sorted(pri.results.items()):
-            if v == "failed":
-                print(f"fails on pristine too: {k}: {pri.fail_reasons.get(k, '')[:160]}")
-        for b in bad:
-            print(f"REGRESSION {b}")
-        return 1 if bad else 0
-    runs = matrix(args.tree or ("pristine", "patched"), args.nproc or (2, 4))
-    for r in runs:
+    try:
+        tree, pri, ser = run_own(args.checkout, args.nproc)
+    except OwnTreeError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    for r in (pri, ser):
         print(f"{r.tree} np{r.nproc}: wall {r.wall_s:.0f} s, cpu {r.cpu_s:.0f} s, exit {r.returncode}, log {r.log}")
-    print(f"results: {write_json(runs)}")
-    print(table(runs))
-    bad = []
-    for n in sorted({r.nproc for r in runs}):
-        pair = [r for r in runs if r.nproc == n]
-        if len(pair) == 2:
-            pri, pat = sorted(pair, key=lambda r: r.tree != "pristine")
-            bad += regressions(pri, pat) + [f"(only on patched) {b}" for b in new_test_failures(pri, pat)]
+    print(f"{tree.label}, megatron-core {tree.version}, patches/{tree.series.name}")
+    print(own_table(pri, ser))
+    bad = regressions(pri, ser) + [f"(only with the series) {b}" for b in new_test_failures(pri, ser)]
+    for k, v in sorted(pri.results.items()):
+        if v == "failed":
+            print(f"fails on pristine too: {k}: {pri.fail_reasons.get(k, '')[:160]}")
     for b in bad:
         print(f"REGRESSION {b}")
     return 1 if bad else 0
