@@ -1,9 +1,13 @@
-"""Functional tests: every test case, upstream vs patched in one run, against golden values.
+"""Functional tests: every test case, pristine vs series tree in one run, against golden values.
 
-Each case trains the pristine and the patched tree on CPU gloo ranks
-(tests/functional_tests/python_test_utils/run_case.py) and must come out "identical":
-patched == upstream bit for bit on lm loss, grad-norm, num-zeros (and params-norm,
-learning-rate), and both within the golden tolerance at every step.
+Each case trains the pristine tree (pristine-<base>) and the series tree (series-<base>) on
+CPU gloo ranks (tests/functional_tests/python_test_utils/run_case.py) and must come out
+"identical": the series equal to pristine bit for bit on lm loss, grad-norm, num-zeros (and
+params-norm, learning-rate), and both within the golden tolerance at every step.
+
+The same runs' param-sync records (``param_sync/rank<R>.json``) check what the main job makes
+of them: memory.json, the memory block next to the verdict and the plot's memory panels
+(memory_report, plot), with the expected numbers computed here from the rank files.
 
 Teeth: the mutants in tests/mutants (deliberate bugs on top of the
 series) must make the default case diverge or fail, and those in MORE_MUTANT_CASES the
@@ -23,7 +27,7 @@ import pytest
 
 from harness import param_sync_trace
 from harness.trees import REPO_ROOT, make_mutant_tree
-from tests.functional_tests.python_test_utils import memory_report, tensorboard_reader
+from tests.functional_tests.python_test_utils import memory_report, plot, tensorboard_reader
 from tests.functional_tests.python_test_utils import run_case as rc
 from tests.tiers import tiered
 
@@ -82,6 +86,10 @@ MUTANT_STEPS = 8
 #: case (#3751's bug); the others run in the extended tier.
 DEFAULT_RUN_CASES = {rc.DEFAULT_CASE, DEFAULT_CASE_019, "gpt_dp2_bf16_fp32grad_overlap_layerwise_eval"}
 DEFAULT_RUN_MUTANTS = {(rc.DEFAULT_CASE, "no_zeroing")}
+#: The cases whose param-sync records the memory checks read, each kind of param sync with the
+#: group it gathers on: DP 2; the MoE case, expert-DP 2 and dense DP 4 (expert buckets).
+MEMORY_CASES = {rc.DEFAULT_CASE: {"dense": 2}, MOE_CASE: {"expert": 2, "dense": 4}}
+MIB = 1024 * 1024
 
 
 pytestmark = [pytest.mark.slow, pytest.mark.gloo]
@@ -157,6 +165,134 @@ def test_series_param_sync_allocates_nothing(case_results, case):
     assert {k: got[k] for k in keys} == dict.fromkeys(keys, 0), memory_report.format_memory(memory)
     assert patched["kinds"] and all(k["calls"] > 0 and k["wire_bytes"] > 0 for k in patched["kinds"].values()), patched["kinds"]
     assert memory_report.step_maxima(upstream)["megatron_bytes"] > 0, memory_report.format_memory(memory)
+
+
+def rank_files_reduced(case: str, variant: str) -> dict:
+    """What a run's memory.json must hold, computed from its ranks' ``param_sync/rank<R>.json``
+    (harness.param_sync_recorder) without memory_report: {"ranks": number of files, "steps" and
+    "between_steps": {step: per field the max over ranks}, of the kinds' summed megatron_bytes and
+    nccl_temporary_bytes (and the step_peak_bytes of a training step), "kinds": {kind: every
+    count summed over ranks and slots, group_size the largest}}. Bytes."""
+    files = sorted((rc.OUT_ROOT / case / variant / rc.RECORD_DIR).glob("rank*.json"))
+    records = [json.loads(p.read_text()) for p in files]
+    out = {"ranks": len(records), "steps": {}, "between_steps": {}, "kinds": {}}
+    for r in records:
+        for section in ("steps", "between_steps"):
+            for step, slot in r[section].items():
+                syncs = slot["param_sync"].values()
+                row = {f: sum(k[f] for k in syncs) for f in ("megatron_bytes", "nccl_temporary_bytes")}
+                if section == "steps":
+                    row["step_peak_bytes"] = slot["step_peak_bytes"]
+                into = out[section].setdefault(step, dict.fromkeys(row, 0))
+                into.update({f: max(into[f], v) for f, v in row.items()})
+                for kind, counts in slot["param_sync"].items():
+                    total = out["kinds"].setdefault(kind, dict.fromkeys(counts, 0))
+                    for f, v in counts.items():
+                        total[f] = max(total[f], v) if f == "group_size" else total[f] + v
+    return out
+
+
+def _largest(reduced: dict, section: str, field: str) -> float:
+    """The largest ``field`` over ``reduced[section]``'s steps, in MiB."""
+    return max(row[field] for row in reduced[section].values()) / MIB
+
+
+@pytest.mark.parametrize("case", tiered(MEMORY_CASES, DEFAULT_RUN_CASES.__contains__))
+def test_memory_json_is_the_rank_files_reduced(case_results, case, tmp_path):
+    """Each run's memory.json (memory_report.write_run_memory), as comparison.json holds it, is
+    its rank files reduced (``rank_files_reduced``): one record per rank, each kind of param
+    sync on its group (``MEMORY_CASES``) with bytes on the wire, and the forced sync of the end
+    of training (megatron's train() disables the pre-hooks) recorded between steps."""
+    comparison = case_results(case)
+    nproc = rc.load_case(rc.find_case(case)).nproc
+    for variant in rc.VARIANTS:
+        got, want = comparison["memory"][variant], rank_files_reduced(case, variant)
+        assert got["ranks"] == want["ranks"] == nproc, variant
+        for section in ("steps", "between_steps", "kinds"):
+            assert got[section] == want[section], (variant, section)
+        assert {k: t["group_size"] for k, t in got["kinds"].items()} == MEMORY_CASES[case], variant
+        assert all(t["wire_bytes"] > 0 for t in got["kinds"].values()), (variant, got["kinds"])
+        assert want["between_steps"], f"{variant}: no forced sync recorded between steps"
+        assert memory_report.load_run_memory(rc.OUT_ROOT / case / variant) == got
+    assert memory_report.load_run_memory(tmp_path) is None
+
+
+@pytest.mark.parametrize("case", tiered(MEMORY_CASES, DEFAULT_RUN_CASES.__contains__))
+def test_memory_block_prints_both_runs_in_mib(case_results, case):
+    """The memory block next to the verdict (memory_report.format_memory): per run, in MiB, the
+    largest per-step param-sync bytes, step peak and forced-sync bytes of the rank files; per
+    kind of param sync its group and each run's counts; the terms it uses."""
+    memory = case_results(case)["memory"]
+    text = memory_report.format_memory(memory)
+    lines = [line.strip() for line in text.splitlines()]
+    want = {v: rank_files_reduced(case, v) for v in rc.VARIANTS}
+    for label, section, field in (
+        ("param sync, megatron tensors", "steps", "megatron_bytes"),
+        ("param sync, NCCL temporaries", "steps", "nccl_temporary_bytes"),
+        ("step peak", "steps", "step_peak_bytes"),
+        ("forced syncs between steps, megatron", "between_steps", "megatron_bytes"),
+        ("forced syncs between steps, NCCL", "between_steps", "nccl_temporary_bytes"),
+    ):
+        row = [line for line in lines if line.startswith(label)]
+        assert len(row) == 1, (label, text)
+        assert row[0].split()[-2:] == [f"{_largest(want[v], section, field):.3f}" for v in rc.VARIANTS], row
+    for kind, group in MEMORY_CASES[case].items():
+        assert f"{kind} param sync on a group of {group} ranks, totals over the run and all ranks:" in lines, text
+        for v in rc.VARIANTS:
+            k = want[v]["kinds"][kind]
+            zero = f" ({k['zero_size_ops']} zero-size)" if k["zero_size_ops"] else ""
+            counts = (f"{k['calls']} c10d calls, {k['ops']} NCCL operations{zero} in {k['launches']} group "
+                      f"launches, {k['wire_bytes'] / MIB:.2f} MiB received")
+            assert [v, counts] in [[s.strip() for s in line.split(":", 1)] for line in lines], (kind, v, text)
+    assert "c10d call: one torch.distributed function call" in lines
+    assert memory_report.format_memory({"upstream": None, "patched": None}) == "memory: no param-sync records"
+
+
+@pytest.mark.parametrize("case", tiered(MEMORY_CASES, DEFAULT_RUN_CASES.__contains__))
+def test_plot_memory_panels_draw_both_runs(case_results, case, tmp_path):
+    """loss_curves.png's memory panels (plot): per run, each per-step param-sync series of the
+    rank files in MiB, the forced syncs between steps and the step peak, each legend entry
+    with the maximum the memory block prints; the PNG is written."""
+    memory = case_results(case)["memory"]
+    want = {v: rank_files_reduced(case, v) for v in rc.VARIANTS}
+    fields = {"megatron_bytes": "megatron tensors", "nccl_temporary_bytes": "NCCL temporaries"}
+    lines = plot.memory_lines(memory)
+    assert [(v, f) for v, f, _, _ in lines] == [(v, f) for v in rc.VARIANTS for f in fields]
+    for v, f, xs, ys in lines:
+        steps = sorted(want[v]["steps"], key=int)
+        assert xs == [int(s) for s in steps], v
+        assert ys == [want[v]["steps"][s][f] / MIB for s in steps], (v, f)
+    curves = {v: tensorboard_reader.load_run_metrics(rc.OUT_ROOT / case / v) for v in rc.VARIANTS}
+    fig = plot.build_figure(curves, memory=memory)
+    labels = [line.get_label() for ax in fig.axes for line in ax.get_lines()]
+    for v in rc.VARIANTS:
+        for f, text in fields.items():
+            assert f"{v}: {text}, per step (max {_largest(want[v], 'steps', f):.3f})" in labels, labels
+            assert f"{v}: {text}, forced sync after the step (max {_largest(want[v], 'between_steps', f):.3f})" in labels
+        assert f"{v} (max {_largest(want[v], 'steps', 'step_peak_bytes'):.3f})" in labels, labels
+    path = plot.plot_loss_curves(tmp_path / "p.png", curves, memory=memory)
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert plot.memory_lines({"upstream": None}) == []
+
+
+@pytest.mark.parametrize("case", tiered(MEMORY_CASES, DEFAULT_RUN_CASES.__contains__))
+def test_expected_param_syncs_are_checked_against_the_memory_record(case_results, case):
+    """memory_report.check_expected_syncs (a case's EXPECT_PARAM_SYNC) on a real run's
+    memory.json: the kinds and groups it gathered on pass; another group, a kind it never
+    gathered (optimizer: the overlap path has none) and a kind without bytes on the wire
+    each fail, saying which."""
+    summary = case_results(case)["memory"]["patched"]
+    groups = MEMORY_CASES[case]
+    assert memory_report.check_expected_syncs(summary, {k: {"group_size": g} for k, g in groups.items()}) == []
+    kind, group = next(iter(groups.items()))
+    (wrong_group,) = memory_report.check_expected_syncs(summary, {kind: {"group_size": 2 * group}})
+    assert f"{kind} param sync ran on a group of {group} ranks, expected {2 * group}" == wrong_group
+    (absent,) = memory_report.check_expected_syncs(summary, {"optimizer": {"group_size": group}})
+    assert absent.startswith("no optimizer param-sync gather was recorded"), absent
+    no_wire = json.loads(json.dumps(summary))
+    no_wire["kinds"][kind]["wire_bytes"] = 0
+    (silent,) = memory_report.check_expected_syncs(no_wire, {kind: {"group_size": group}})
+    assert silent.startswith(f"no {kind} param-sync gather was recorded"), silent
 
 
 def readme_example() -> dict:

@@ -749,3 +749,19 @@ def test_an_unknown_base_in_a_case_is_refused(tmp_path):
     (tmp_path / "model_config.yaml").write_text('BASE: "0.18.2"\n' + src.read_text())
     with pytest.raises(rc.CaseConfigError, match=r"BASE '0.18.2' not in \['0.17.1', '0.19'\]"):
         rc.load_case(tmp_path)
+
+
+def test_bad_expect_param_sync_is_a_config_error(tmp_path):
+    import yaml
+
+    from tests.functional_tests.python_test_utils import run_case as rc
+
+    src = rc.find_case(rc.DEFAULT_CASE) / "model_config.yaml"
+    for bad, match in ((["expert"], "must map a kind"), ({"experts": {"group_size": 2}}, "not in")):
+        folder = tmp_path / f"case{len(match)}"
+        folder.mkdir()
+        doc = yaml.safe_load(src.read_text())
+        doc["EXPECT_PARAM_SYNC"] = bad
+        (folder / "model_config.yaml").write_text(yaml.safe_dump(doc))
+        with pytest.raises(rc.CaseConfigError, match=match):
+            rc.load_case(folder)
