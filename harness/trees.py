@@ -172,19 +172,10 @@ def make_mutant_tree(mutant_patch: Path, dest: Path, tree: str = "series-0.17.1"
     return _tree_with_patches(tree_parent(tree), [mutant_patch], dest)
 
 
-def is_checkout_only(patch: Path) -> bool:
-    """True for a patch that touches only upstream's tests/unit_tests/ (of a Megatron-LM
-    checkout): the wheel trees have no tests/, so it is skipped for them (scripts/setup.sh)."""
-    paths = re.findall(r"^diff --git a/(\S+) b/", Path(patch).read_text(), flags=re.M)
-    return bool(paths) and all(p.startswith("tests/unit_tests/") for p in paths)
-
-
-def series_patches(checkout: bool = False, base: str = "0.17.1") -> list:
+def series_patches(base: str = "0.17.1") -> list:
     """Patch files of patches/<base>/series, in order (comments and blank lines skipped).
 
     Args:
-        checkout: include the checkout-only patches (``is_checkout_only``); by default only
-            the patches of the megatron/ trees.
         base: a key of BASES.
 
     Raises:
@@ -194,9 +185,7 @@ def series_patches(checkout: bool = False, base: str = "0.17.1") -> list:
         raise ValueError(f"unknown base {base!r}; expected one of {tuple(BASES)}")
     series_dir = REPO_ROOT / "patches" / base
     lines = (series_dir / "series").read_text().splitlines()
-    names = [ln.strip() for ln in lines if ln.strip() and not ln.lstrip().startswith("#")]
-    patches = [series_dir / n for n in names]
-    return patches if checkout else [p for p in patches if not is_checkout_only(p)]
+    return [series_dir / ln.strip() for ln in lines if ln.strip() and not ln.lstrip().startswith("#")]
 
 
 def make_prefix_tree(k: int, dest: Path, base: str = "0.17.1") -> Path:

@@ -19,8 +19,6 @@ from pathlib import Path
 
 import pytest
 
-from harness.trees import is_checkout_only
-
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = ROOT / "scripts"
 APPLY = str(SCRIPTS / "apply_patches.sh")
@@ -84,12 +82,10 @@ def tree_hashes(root):
     return out
 
 
-def read_series(patches_dir, checkout=False):
-    """Patch names in order; by default without the checkout-only ones (tests/unit_tests/),
-    which apply to Megatron-LM checkouts only (not to a megatron/ tree from the wheel)."""
+def read_series(patches_dir):
+    """Patch names in order (comments and blank lines skipped)."""
     lines = (Path(patches_dir) / "series").read_text().splitlines()
-    names = [ln.strip() for ln in lines if ln.strip() and not ln.strip().startswith("#")]
-    return names if checkout else [n for n in names if not is_checkout_only(Path(patches_dir) / n)]
+    return [ln.strip() for ln in lines if ln.strip() and not ln.strip().startswith("#")]
 
 
 def read_manifest(patches_dir, checkout=False):
@@ -734,7 +730,7 @@ def clone_checkout(tag, dest):
 def test_real_checkout_check_apply_reapply_reverse(tmp_path):
     """The real series on a core_v0.17.1 checkout, as a user runs it."""
     repo = clone_checkout("core_v0.17.1", tmp_path / "Megatron-LM")
-    names = read_series(REAL_PATCHES, checkout=True)
+    names = read_series(REAL_PATCHES)
     manifest = read_manifest(REAL_PATCHES, checkout=True)
     base = git(repo, "rev-parse", "HEAD").strip()
     assert git(repo, "describe", "--tags", "--exact-match").strip() == "core_v0.17.1"
@@ -744,7 +740,7 @@ def test_real_checkout_check_apply_reapply_reverse(tmp_path):
     proc = run(APPLY, repo)
     assert proc.returncode == OK, proc.stderr
     subjects = git(repo, "log", "--format=%s", f"{base}..HEAD").splitlines()[::-1]
-    assert len(subjects) == len(names)  # one commit per patch, checkout-only ones included
+    assert len(subjects) == len(names)  # one commit per patch
     for name, subj in zip(names, subjects):
         m = re.search(r"^Subject: \[PATCH[^]]*\] (.*)$", (REAL_PATCHES / name).read_text(), re.M)
         assert subj.startswith(m.group(1)), (subj, m.group(1))
@@ -778,7 +774,7 @@ def test_setup_patched_checkout_is_the_series_on_core_v0_17_1():
     if not (pc / ".git").is_dir():
         pytest.skip(f"{pc} is missing; run scripts/setup.sh")
     subjects = git(pc, "log", "--format=%s", "core_v0.17.1..HEAD").splitlines()
-    assert len(subjects) == len(read_series(REAL_PATCHES, checkout=True))
+    assert len(subjects) == len(read_series(REAL_PATCHES))
     for f, (_, patched_sha) in read_manifest(REAL_PATCHES, checkout=True).items():
         assert sha256(pc / f) == patched_sha, f
     assert run(APPLY, pc, "--check").returncode == OK

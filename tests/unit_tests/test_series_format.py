@@ -88,7 +88,7 @@ def test_touched_files_keep_upstream_format(base, side, tool):
 
 @pytest.mark.parametrize(
     "patch",
-    [p for b in BASES for p in series_patches(checkout=True, base=b)],
+    [p for b in BASES for p in series_patches(base=b)],
     ids=lambda p: f"{p.parent.name}-{p.name[:4]}",
 )
 def test_patch_header(patch):
@@ -308,7 +308,7 @@ def test_message_numbers_rule():
 def test_every_message_number_is_in_the_table(base):
     """Per patch of the base's series: the numbers its message states == the table's."""
     table = MESSAGE_NUMBERS[base]
-    patches = {p.name[:4]: p for p in series_patches(checkout=True, base=base)}
+    patches = {p.name[:4]: p for p in series_patches(base=base)}
     bad = []
     for key, patch in patches.items():
         stated, listed = message_numbers(patch.read_text()), set(table.get(key, {}))
