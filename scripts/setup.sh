@@ -35,7 +35,6 @@
 #        pyenv's oldest 3.12.x, or python3 if it is 3.12). Only 3.12: the
 #        pinned wheel's prebuilt extension (helpers_cpp) is cp312.
 #        MEGATRON_LM_SRC, MEGATRON_LM_NEXT_SRC, MEGATRON_LM_019_SRC (core_v0.19.0): see above.
-#        MEGATRON_LM_NO_CLONE=1  never try the network for the checkouts.
 # Exit:  0 ready; 1 a step failed (the message says which and what to do).
 #
 # Developer workflow for changing the series: see patches/README.md, "Editing the series".
@@ -282,10 +281,6 @@ mlm_checkout() {
             say "copying Megatron-LM $tag from $src"
             tar -C "$src" --exclude=./.git -cf - . | tar -x -C "$tmp/x" ;;
         clone)
-            if [[ "${MEGATRON_LM_NO_CLONE:-0}" == 1 ]]; then
-                rm -rf "$tmp"
-                $fail "no Megatron-LM $tag: put $tarball into ../shared/upstream/ beside the repository, or set MEGATRON_LM_SRC=/path/to/Megatron-LM (a checkout at $tag or its tarball)" || return 1
-            fi
             say "cloning Megatron-LM $tag from $MLM_REPO_URL (no local source found)"
             if ! timeout 600 git clone -q --depth 1 --branch "$tag" "$MLM_REPO_URL" "$tmp/clone" 2>"$tmp/clone.err"; then
                 local why; why="$(tail -n1 "$tmp/clone.err")"; rm -rf "$tmp"
