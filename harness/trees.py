@@ -33,8 +33,6 @@ from pathlib import Path
 from typing import Dict, Optional, Tuple, Union
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-#: The series of the 0.17.1 base (patches/<base>/: series, *.patch, manifest.sha256).
-SERIES_DIR = REPO_ROOT / "patches" / "0.17.1"
 #: Tree label -> the directory holding its megatron/ (relative to the repo root).
 TREE_PARENTS = {"pristine-0.17.1": "build/upstream", "series-0.17.1": ".", "pristine-0.19": "build/upstream-0.19",
                 "series-0.19": "build/patched-0.19"}
@@ -77,14 +75,14 @@ def tree_parent(tree: Union[str, Path]) -> Path:
     return parent
 
 
-def env_for_tree(tree: Union[str, Path], base: Dict[str, str] | None = None) -> Dict[str, str]:
+def env_for_tree(tree: Union[str, Path]) -> Dict[str, str]:
     """Environment for a child process that must import `tree` (see tree_parent()).
 
-    Sets PYTHONPATH to "<tree parent>:<repo root>" (dropping any inherited entries, so
-    that nothing can shadow the choice) and MEGATRON_EXPECT_TREE to the tree's megatron
-    directory.
+    A copy of os.environ with PYTHONPATH set to "<tree parent>:<repo root>" (dropping any
+    inherited entries, so that nothing can shadow the choice) and MEGATRON_EXPECT_TREE to
+    the tree's megatron directory.
     """
-    env = dict(os.environ if base is None else base)
+    env = dict(os.environ)
     parent = tree_parent(tree)
     env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys([str(parent), str(REPO_ROOT)]))
     env["MEGATRON_EXPECT_TREE"] = str(parent / "megatron")
@@ -172,19 +170,10 @@ def make_mutant_tree(mutant_patch: Path, dest: Path, tree: str = "series-0.17.1"
     return _tree_with_patches(tree_parent(tree), [mutant_patch], dest)
 
 
-def is_checkout_only(patch: Path) -> bool:
-    """True for a patch that touches only upstream's tests/unit_tests/ (of a Megatron-LM
-    checkout): the wheel trees have no tests/, so it is skipped for them (scripts/setup.sh)."""
-    paths = re.findall(r"^diff --git a/(\S+) b/", Path(patch).read_text(), flags=re.M)
-    return bool(paths) and all(p.startswith("tests/unit_tests/") for p in paths)
-
-
-def series_patches(checkout: bool = False, base: str = "0.17.1") -> list:
+def series_patches(base: str) -> list:
     """Patch files of patches/<base>/series, in order (comments and blank lines skipped).
 
     Args:
-        checkout: include the checkout-only patches (``is_checkout_only``); by default only
-            the patches of the megatron/ trees.
         base: a key of BASES.
 
     Raises:
@@ -194,12 +183,10 @@ def series_patches(checkout: bool = False, base: str = "0.17.1") -> list:
         raise ValueError(f"unknown base {base!r}; expected one of {tuple(BASES)}")
     series_dir = REPO_ROOT / "patches" / base
     lines = (series_dir / "series").read_text().splitlines()
-    names = [ln.strip() for ln in lines if ln.strip() and not ln.lstrip().startswith("#")]
-    patches = [series_dir / n for n in names]
-    return patches if checkout else [p for p in patches if not is_checkout_only(p)]
+    return [series_dir / ln.strip() for ln in lines if ln.strip() and not ln.lstrip().startswith("#")]
 
 
-def make_prefix_tree(k: int, dest: Path, base: str = "0.17.1") -> Path:
+def make_prefix_tree(k: int, dest: Path, base: str) -> Path:
     """Pristine tree of `base` (a key of BASES) plus the first k patches of its series, in
     dest/megatron.
 

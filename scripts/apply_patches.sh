@@ -42,8 +42,7 @@
 #            Not the megatron/ package itself: pass the directory above it.
 #            The series' tests/unit_tests/ parts (each patch's own tests) apply only to a
 #            Megatron-LM checkout (TARGET has pretrain_gpt.py and tests/unit_tests/); any
-#            other TARGET gets the megatron/ parts alone, and a patch that touches only
-#            tests/unit_tests/ is skipped there, with a note.
+#            other TARGET gets the megatron/ parts alone.
 #   (none)     apply the whole series. On a git checkout whose top level is TARGET and that
 #              tracks megatron/: one commit per patch (git am, your identity as committer).
 #              Anywhere else: the files are rewritten in place (mode and owner kept).
@@ -61,8 +60,8 @@
 #   0  done: applied / reversed, or nothing to do (already applied / not applied); --check: applied
 #   1  error: TARGET does not exist, is a file, an empty directory, the megatron/ package itself
 #      or holds no megatron/core/package_info.py (the line says what belongs there: a Megatron-LM
-#      git checkout or the directory that holds megatron/core); series/manifest missing or
-#      corrupt; the dry run failed (or needed offsets/fuzz); TARGET not writable; in a git
+#      git checkout or the directory that holds megatron/core); series/manifest missing, empty
+#      or corrupt; the dry run failed (or needed offsets/fuzz); TARGET not writable; in a git
 #      checkout, uncommitted changes to files the series touches (commit or stash them) or an
 #      unfinished am/rebase/merge; a git command failed (rolled back)
 #   2  usage error
@@ -195,6 +194,7 @@ while IFS= read -r line || [[ -n "$line" ]]; do
         || die 1 "$PD/series names $name, but $PD/$name does not exist; restore patches/ from git (git checkout -- patches) or, developers, run scripts/refresh_patches.sh"
     PATCHES+=("$name")
 done < "$PD/series"
+[[ ${#PATCHES[@]} -gt 0 ]] || die 1 "$PD/series names no patch; restore patches/ from git (git checkout -- patches) or set PATCHES_DIR to a series directory"
 
 BASE="" ALSO=() MPATCH=() MPSHA=() FILES=() PRI=() PAT=()
 while IFS= read -r line || [[ -n "$line" ]]; do
@@ -219,8 +219,6 @@ for f in "${FILES[@]}"; do
     [[ ( "$f" == megatron/* || "$f" == tests/unit_tests/* ) && "$f" != *..* ]] \
         || die 1 "$PD/manifest.sha256 names '$f', outside megatron/ and tests/unit_tests/; restore it from git"
 done
-# A checkout-only patch touches nothing but upstream's tests/unit_tests/ (see the header).
-checkout_only() { ! grep -E '^diff --git a/' "$PD/$1" | grep -vqE '^diff --git a/tests/unit_tests/[^ ]* b/tests/unit_tests/'; }
 
 # ---------------------------------------------------------------- the target
 vmaj="$(version_field "$PINFO" MAJOR)" vmin="$(version_field "$PINFO" MINOR)" vpat="$(version_field "$PINFO" PATCH)"
@@ -260,34 +258,23 @@ if [[ "$HAVE" != "$BASE" && $NEXT == 0 ]]; then
     fi
 fi
 
-# The tests/unit_tests/ parts of the series (each patch's own tests, upstream's tests updated)
-# apply only to a Megatron-LM checkout: elsewhere (site-packages, a copy of megatron/) every
-# git apply / git am leaves them out (XCL), their files are not checked, and a patch with
-# nothing else (checkout-only) is skipped.
-SKIPPED=() NOTE="" XCL=()
-# The state/result line, then the note about skipped checkout-only patches, if any.
+# The tests/unit_tests/ parts of the series (each patch's own tests) apply only to a Megatron-LM
+# checkout: elsewhere (site-packages, a copy of megatron/) every git apply / git am leaves them
+# out (XCL) and their files are not checked.
+NOTE="" XCL=()
+# The state/result line, then NOTE (a three-way --check's note on uncommitted changes), if any.
 report() { echo "$*"; [[ -z "$NOTE" ]] || echo "$NOTE"; }
 if [[ ! -d "$T/tests/unit_tests" || ! -f "$T/pretrain_gpt.py" ]]; then
     XCL=(--exclude='tests/*')
-    keep=()
-    for p in "${PATCHES[@]}"; do if checkout_only "$p"; then SKIPPED+=("$p"); else keep+=("$p"); fi; done
-    PATCHES=("${keep[@]}")
     kf=() kpri=() kpat=()
     for i in "${!FILES[@]}"; do
         [[ "${FILES[$i]}" == tests/unit_tests/* ]] && continue
         kf+=("${FILES[$i]}"); kpri+=("${PRI[$i]}"); kpat+=("${PAT[$i]}")
     done
     FILES=("${kf[@]}") PRI=("${kpri[@]}") PAT=("${kpat[@]}")
-    if [[ ${#SKIPPED[@]} -gt 0 ]]; then
-        NOTE="note: skipped ${SKIPPED[*]}: it updates upstream's tests/unit_tests/, and '$TARGET' is not a Megatron-LM checkout (no pretrain_gpt.py and tests/unit_tests/)"
-    fi
 fi
 
 N=${#PATCHES[@]}
-if [[ $N -eq 0 ]]; then
-    [[ $MODE == check ]] && { report "applied: the series in $PD is empty, so there is nothing to apply"; exit 0; }
-    report "nothing to do: the series in $PD is empty"; exit 0
-fi
 
 # Git mode: TARGET is the top level of a work tree that tracks megatron/.
 GIT=0

@@ -9,12 +9,6 @@
 #   --check  write nothing; say whether patches/0.17.1/ already equals what a refresh would write.
 # Env:   SERIES_GIT=DIR   the series repo (default build/series-git; tag `pristine` + commits)
 #        PATCHES_DIR=DIR  where the series lives (default patches/0.17.1/, the 0.17.1 base)
-#        CHECKOUT_TAG=TAG the checkout's pristine tag (default core_v<base>)
-#        CHECKOUT_GIT=DIR the patched Megatron-LM checkout (default: megatron-lm/patched beside
-#                         SERIES_GIT, i.e. build/megatron-lm/patched); its top commits that touch
-#                         only tests/unit_tests/ become the checkout-only patches, numbered after
-#                         the series repo's (setup.sh skips them for the wheel tree, which has no
-#                         tests/; apply_patches.sh applies them to checkouts). Absent: none.
 # Exit:  0 patches/ written or already up to date (--check: up to date)
 #        1 error: no series repo, no `pristine` tag, uncommitted edits, a merge or an empty
 #          commit in pristine..HEAD, an unreadable package_info.py (message says what to do)
@@ -36,7 +30,7 @@
 # Editing workflow (the series is a git history; patches/ is its serialized form):
 #   1. scripts/setup.sh             builds build/series-git: commit `pristine` (the 0.17.1 wheel)
 #                                   and one commit per patch (git am patches/0.17.1/series).
-#   2. cd build/series-git, edit megatron/..., then one of
+#   2. cd build/series-git, edit megatron/... (a patch's tests: tests/unit_tests/...), then one of
 #        git commit -a --amend                        change the last patch
 #        git commit -a --fixup=<sha>; git rebase -i --autosquash pristine
 #                                                     change an earlier patch
@@ -102,47 +96,6 @@ g -c core.quotePath=true -c diff.noprefix=false -c diff.mnemonicPrefix=false \
     || die "git format-patch failed in $SG (see above)"
 mapfile -t names < <(cd "$tmp/out" && LC_ALL=C ls -1 -- *.patch 2>/dev/null || true)
 
-# ---------------------------------------------------------------- checkout-only patches
-CG="${CHECKOUT_GIT:-$(dirname "$SG")/megatron-lm/patched}"
-gc() { GIT_CONFIG_NOSYSTEM=1 GIT_CONFIG_GLOBAL=/dev/null LC_ALL=C git -C "$CG" "$@"; }
-only_tests() { ! gc diff-tree --no-commit-id --name-only -r "$1" | grep -qvE '^tests/unit_tests/'; }
-# A patch of $PD that touches only tests/unit_tests/ (a checkout-only patch; the series' other
-# patches may carry tests/unit_tests/ files beside their megatron/ ones).
-has_checkout_only() {
-    local f
-    for f in "$PD"/[0-9]*.patch; do
-        [[ -f "$f" ]] && grep -qE '^diff --git a/' "$f" \
-            && ! grep -E '^diff --git a/' "$f" | grep -qvE '^diff --git a/tests/unit_tests/' && return 0
-    done
-    return 1
-}
-test_commits=()
-if [[ -d "$CG/.git" ]]; then
-    base_tag="${CHECKOUT_TAG:-core_v$major.$minor.$patchv}"
-    gc rev-parse -q --verify "refs/tags/$base_tag^{commit}" >/dev/null \
-        || die "$CG has no tag $base_tag; rebuild it: rm -rf $CG && scripts/setup.sh"
-    [[ -z "$(gc status --porcelain --untracked-files=no)" ]] \
-        || die "$CG has uncommitted changes; commit them (git commit -a --amend) or discard them, then rerun"
-    mapfile -t range < <(gc rev-list "$base_tag..HEAD")
-    for c in "${range[@]}"; do only_tests "$c" && test_commits=("$c" "${test_commits[@]}") || break; done
-    for c in "${range[@]:${#test_commits[@]}}"; do
-        only_tests "$c" \
-            && die "commit $(gc log -1 --format='%h %s' "$c") in $CG touches only tests/unit_tests/ but is below a megatron/ commit; checkout-only patches must come last (git rebase -i $base_tag)"
-    done
-    if [[ ${#test_commits[@]} -gt 0 ]]; then
-        gc -c core.quotePath=true -c diff.noprefix=false -c diff.mnemonicPrefix=false \
-            -c diff.relative=false -c diff.orderFile=/dev/null -c diff.context=3 -c diff.interHunkContext=0 \
-            -c diff.suppressBlankEmpty=false -c format.signature= -c format.suffix=.patch \
-            format-patch --quiet --zero-commit --no-signature --full-index -N --no-renames \
-            --diff-algorithm=myers --no-thread --no-cover-letter --no-attach --filename-max-length=64 \
-            --start-number $((${#names[@]} + 1)) -o "$tmp/out" "${test_commits[0]}^..HEAD" >/dev/null \
-            || die "git format-patch failed in $CG (see above)"
-        mapfile -t names < <(cd "$tmp/out" && LC_ALL=C ls -1 -- *.patch 2>/dev/null || true)
-    fi
-elif [[ -f "$PD/series" ]] && has_checkout_only; then
-    die "$PD has checkout-only patches (tests/unit_tests/) but there is no checkout $CG to regenerate them from; run scripts/setup.sh"
-fi
-
 # ---------------------------------------------------------------- cover letter
 # 0000-cover-letter.patch, in `git format-patch --cover-letter`'s form: its subject and blurb
 # are the maintainer's words, kept from the file in $PD; the shortlog and the diffstat under
@@ -207,14 +160,6 @@ blobsha() { # <rev> <path>: sha256 of the file at rev, or '-' when it does not e
     while IFS= read -r -d '' p; do
         echo "file $(blobsha pristine "$p") $(blobsha HEAD "$p") $p"
     done < <(g diff -z --name-only --no-renames pristine HEAD | LC_ALL=C sort -z)
-    if [[ ${#test_commits[@]} -gt 0 ]]; then
-        while IFS= read -r -d '' p; do
-            pri=-; pat=-
-            gc cat-file -e "$base_tag:$p" 2>/dev/null && pri="$(gc cat-file blob "$base_tag:$p" | sha256sum | cut -d' ' -f1)"
-            gc cat-file -e "HEAD:$p" 2>/dev/null && pat="$(gc cat-file blob "HEAD:$p" | sha256sum | cut -d' ' -f1)"
-            echo "file $pri $pat $p"
-        done < <(gc diff -z --name-only --no-renames "${test_commits[0]}^" HEAD | LC_ALL=C sort -z)
-    fi
 } > "$tmp/manifest.sha256"
 
 # ---------------------------------------------------------------- compare / write

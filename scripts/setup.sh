@@ -35,7 +35,6 @@
 #        pyenv's oldest 3.12.x, or python3 if it is 3.12). Only 3.12: the
 #        pinned wheel's prebuilt extension (helpers_cpp) is cp312.
 #        MEGATRON_LM_SRC, MEGATRON_LM_NEXT_SRC, MEGATRON_LM_019_SRC (core_v0.19.0): see above.
-#        MEGATRON_LM_NO_CLONE=1  never try the network for the checkouts.
 # Exit:  0 ready; 1 a step failed (the message says which and what to do).
 #
 # Developer workflow for changing the series: see patches/README.md, "Editing the series".
@@ -148,7 +147,7 @@ fi
 # build_series SERIES PRISTINE SG OUT VERSION WHEEL_SHA STAMP [REFRESH_ENV...]
 #   SERIES     patches/<base> (series, *.patch, manifest.sha256)
 #   PRISTINE   the directory holding the pristine megatron/ of that base
-#   SG         the series repo to build: commit `pristine` + git am of every wheel patch
+#   SG         the series repo to build: commit `pristine` + git am of every patch (with its tests)
 #   OUT        where the patched megatron/ goes (its parent directory)
 #   STAMP      name under build/stamps; REFRESH_ENV: VAR=VALUE for refresh_patches.sh --check
 build_series() {
@@ -193,12 +192,6 @@ build_series() {
     )
     while read -r p; do
         [[ -f "$series/$p" ]] || { rm -rf "$sg.tmp"; die "$series/series names $series/$p, which does not exist"; }
-        if ! grep -E '^diff --git a/' "$series/$p" | grep -vqE '^diff --git a/tests/unit_tests/'; then
-            # The wheel has no tests/: this patch updates upstream's tests/unit_tests/ and is
-            # applied to the Megatron-LM checkout below (scripts/apply_patches.sh).
-            log "skipping $series/$p for the wheel tree: it touches only upstream's tests/unit_tests/"
-            continue
-        fi
         GIT_COMMITTER_NAME="series-git" GIT_COMMITTER_EMAIL="series-git@invalid" GIT_COMMITTER_DATE="2000-01-01T00:00:00Z" \
             git -C "$sg.tmp" am -q --keep-cr "$ROOT/$series/$p" \
             || { git -C "$sg.tmp" am --abort 2>/dev/null || true; rm -rf "$sg.tmp"; die "$series/$p does not apply to megatron-core $version (git am failed). $out/megatron left as it was."; }
@@ -218,7 +211,7 @@ build_series "$SERIES" build/upstream build/series-git . "$MCORE_VERSION" "$whee
 SERIES19=patches/0.19  # the 0.19 base: 0.19.2's wheel, patched tree build/patched-0.19/megatron
 mkdir -p build/patched-0.19
 build_series "$SERIES19" build/upstream-0.19 build/series-git-0.19 build/patched-0.19 "$MCORE19_VERSION" \
-    "$MCORE19_WHEEL_SHA256" series-0.19 SERIES_GIT=build/series-git-0.19 PATCHES_DIR="$SERIES19" CHECKOUT_GIT=/nonexistent
+    "$MCORE19_WHEEL_SHA256" series-0.19 SERIES_GIT=build/series-git-0.19 PATCHES_DIR="$SERIES19"
 
 # ---------------------------------------------------------------- 6. Megatron-LM checkouts
 # shellcheck source=../requirements/megatron-lm.lock
@@ -288,10 +281,6 @@ mlm_checkout() {
             say "copying Megatron-LM $tag from $src"
             tar -C "$src" --exclude=./.git -cf - . | tar -x -C "$tmp/x" ;;
         clone)
-            if [[ "${MEGATRON_LM_NO_CLONE:-0}" == 1 ]]; then
-                rm -rf "$tmp"
-                $fail "no Megatron-LM $tag: put $tarball into ../shared/upstream/ beside the repository, or set MEGATRON_LM_SRC=/path/to/Megatron-LM (a checkout at $tag or its tarball)" || return 1
-            fi
             say "cloning Megatron-LM $tag from $MLM_REPO_URL (no local source found)"
             if ! timeout 600 git clone -q --depth 1 --branch "$tag" "$MLM_REPO_URL" "$tmp/clone" 2>"$tmp/clone.err"; then
                 local why; why="$(tail -n1 "$tmp/clone.err")"; rm -rf "$tmp"
@@ -385,16 +374,6 @@ EXT_SUFFIX="$("$VPY" -c 'import sysconfig; print(sysconfig.get_config_var("EXT_S
 MAKEFILE17="$MLM/$MLM_TAG/megatron/core/datasets/Makefile"
 patched_sha="$( { cat "build/stamps/mlm-$MLM_TAG"; cat build/stamps/series; sha scripts/apply_patches.sh; } | sha256sum | awk '{print $1}')"
 PC="$MLM/patched"
-# Its top commits are the checkout-only patches (tests/unit_tests/): a developer edits them
-# here, and scripts/refresh_patches.sh writes them to patches/. Refuse to drop unwritten ones.
-if [[ -d "$PC/.git" && -n "$(cat build/stamps/mlm-patched-head 2>/dev/null || true)" \
-      && "$(git -C "$PC" rev-parse HEAD)" != "$(cat build/stamps/mlm-patched-head)" ]]; then
-    [[ -z "$(git -C "$PC" status --porcelain --untracked-files=no)" ]] \
-        || die "$PC has uncommitted edits. Commit them (git commit -a --amend) and run scripts/refresh_patches.sh, or discard them (git -C $PC checkout -- .), then rerun."
-    scripts/refresh_patches.sh --check >/dev/null \
-        || die "$PC has commits that patches/0.17.1/ does not have (HEAD: $(git -C "$PC" log -1 --format='%h %s')). Run scripts/refresh_patches.sh to write them to patches/0.17.1/, or drop them (rm -rf $PC), then rerun."
-    rm -f build/stamps/mlm-patched
-fi
 # place_helpers TREE WHEEL_TREE MAKEFILE: make megatron.training's dataset-helper step pass in
 # TREE (a directory holding megatron/). On GPU ranks, rank 0 runs compile_helpers()
 # (megatron/training/initialize.py:_compile_dependencies), i.e. `make -C
@@ -441,10 +420,12 @@ place_helpers() {
 }
 # patch_checkout TAG DEST STAMP SHA WHEEL_TREE MAKEFILE: DEST = a clone of $MLM/TAG with
 # scripts/apply_patches.sh applied (git am), the dataset helpers placed (place_helpers);
-# rebuilt when build/stamps/STAMP differs from SHA.
+# rebuilt when build/stamps/STAMP differs from SHA or DEST's HEAD is not the one it built (DEST
+# is a build output: the series, its tests included, is edited in build/series-git).
 patch_checkout() {
     local tag="$1" dest="$2" stamp="$3" want="$4" out
-    if [[ "$(cat "build/stamps/$stamp" 2>/dev/null || true)" == "$want" && -d "$dest/.git" ]]; then
+    if [[ "$(cat "build/stamps/$stamp" 2>/dev/null || true)" == "$want" && -d "$dest/.git" \
+          && "$(git -C "$dest" rev-parse -q --verify HEAD)" == "$(cat "build/stamps/$stamp-head" 2>/dev/null)" ]]; then
         log "patched Megatron-LM checkout $dest up to date"; return 0
     fi
     say "building $dest: $tag + scripts/apply_patches.sh (git am)"

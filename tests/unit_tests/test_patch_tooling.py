@@ -1,7 +1,7 @@
 """Tests of the patch tooling: scripts/refresh_patches.sh, apply_patches.sh, review_diff.sh.
 
 Every test runs the scripts as a user would (subprocess). Two series are exercised:
-  * "real": patches/ as committed (tests that need patches skip while it is empty);
+  * "real": patches/0.17.1/ as committed;
   * "synthetic": a two-patch series built here from a throwaway series repo with
     scripts/refresh_patches.sh, so the tooling is tested independently of the real patches.
 Targets are full copies of build/upstream/megatron (about 20 ms each). Every bad-input case
@@ -18,8 +18,6 @@ import subprocess
 from pathlib import Path
 
 import pytest
-
-from harness.trees import is_checkout_only
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = ROOT / "scripts"
@@ -84,12 +82,10 @@ def tree_hashes(root):
     return out
 
 
-def read_series(patches_dir, checkout=False):
-    """Patch names in order; by default without the checkout-only ones (tests/unit_tests/),
-    which apply to Megatron-LM checkouts only (not to a megatron/ tree from the wheel)."""
+def read_series(patches_dir):
+    """Patch names in order (comments and blank lines skipped)."""
     lines = (Path(patches_dir) / "series").read_text().splitlines()
-    names = [ln.strip() for ln in lines if ln.strip() and not ln.strip().startswith("#")]
-    return names if checkout else [n for n in names if not is_checkout_only(Path(patches_dir) / n)]
+    return [ln.strip() for ln in lines if ln.strip() and not ln.strip().startswith("#")]
 
 
 def read_manifest(patches_dir, checkout=False):
@@ -180,13 +176,8 @@ def synthetic(tmp_path_factory):
 
 @pytest.fixture(params=["real", "synthetic"])
 def series(request):
-    """(patches_dir, env) for each series; the real one skips while it is empty."""
-    if request.param == "real":
-        pd = REAL_PATCHES
-        if not read_series(pd):
-            pytest.skip("patches/0.17.1/series is empty")
-    else:
-        pd = request.getfixturevalue("synthetic")[1]
+    """(patches_dir, env) for each series."""
+    pd = REAL_PATCHES if request.param == "real" else request.getfixturevalue("synthetic")[1]
     return pd, {"PATCHES_DIR": str(pd)}
 
 
@@ -272,8 +263,6 @@ def test_check_on_generated_trees():
     """--check: repo root (megatron/, patched) says applied; build/upstream says not applied."""
     proc = run(APPLY, ROOT, "--check")
     assert proc.returncode == OK and proc.stdout.startswith("applied"), proc.stdout + proc.stderr
-    if not read_series(REAL_PATCHES):
-        pytest.skip("patches/0.17.1/series is empty: pristine and patched trees are the same")
     proc = run(APPLY, UPSTREAM, "--check")
     assert proc.returncode == NOT_APPLIED and proc.stdout.startswith("not applied"), proc.stdout
 
@@ -506,9 +495,7 @@ def test_git_checkout_with_uncommitted_changes(series, tmp_path):
 
 def test_git_am_failure_is_rolled_back(series, tmp_path):
     """A hook that rejects the second commit: git am stops; everything is restored."""
-    pd, env = series
-    if len(read_series(pd)) < 2:
-        pytest.skip("needs two patches")
+    _, env = series
     repo = make_git_checkout(tmp_path / "repo")
     head = git(repo, "rev-parse", "HEAD")
     hook = repo / ".git/hooks/applypatch-msg"
@@ -611,6 +598,8 @@ def test_series_names_a_missing_file(series_copy, tmp_path):
 def test_missing_manifest_or_series(series_copy, tmp_path):
     env = {"PATCHES_DIR": str(series_copy)}
     target = copy_upstream(tmp_path / "t")
+    (series_copy / "series").write_text("# a series that names no patch\n")
+    expect_refusal(target, ["--check"], env, ERROR, "series names no patch")
     (series_copy / "manifest.sha256").unlink()
     expect_refusal(target, [], env, ERROR, "manifest.sha256 is missing")
     (series_copy / "series").unlink()
@@ -734,7 +723,7 @@ def clone_checkout(tag, dest):
 def test_real_checkout_check_apply_reapply_reverse(tmp_path):
     """The real series on a core_v0.17.1 checkout, as a user runs it."""
     repo = clone_checkout("core_v0.17.1", tmp_path / "Megatron-LM")
-    names = read_series(REAL_PATCHES, checkout=True)
+    names = read_series(REAL_PATCHES)
     manifest = read_manifest(REAL_PATCHES, checkout=True)
     base = git(repo, "rev-parse", "HEAD").strip()
     assert git(repo, "describe", "--tags", "--exact-match").strip() == "core_v0.17.1"
@@ -744,7 +733,7 @@ def test_real_checkout_check_apply_reapply_reverse(tmp_path):
     proc = run(APPLY, repo)
     assert proc.returncode == OK, proc.stderr
     subjects = git(repo, "log", "--format=%s", f"{base}..HEAD").splitlines()[::-1]
-    assert len(subjects) == len(names)  # one commit per patch, checkout-only ones included
+    assert len(subjects) == len(names)  # one commit per patch
     for name, subj in zip(names, subjects):
         m = re.search(r"^Subject: \[PATCH[^]]*\] (.*)$", (REAL_PATCHES / name).read_text(), re.M)
         assert subj.startswith(m.group(1)), (subj, m.group(1))
@@ -778,7 +767,7 @@ def test_setup_patched_checkout_is_the_series_on_core_v0_17_1():
     if not (pc / ".git").is_dir():
         pytest.skip(f"{pc} is missing; run scripts/setup.sh")
     subjects = git(pc, "log", "--format=%s", "core_v0.17.1..HEAD").splitlines()
-    assert len(subjects) == len(read_series(REAL_PATCHES, checkout=True))
+    assert len(subjects) == len(read_series(REAL_PATCHES))
     for f, (_, patched_sha) in read_manifest(REAL_PATCHES, checkout=True).items():
         assert sha256(pc / f) == patched_sha, f
     assert run(APPLY, pc, "--check").returncode == OK
@@ -889,9 +878,8 @@ def test_019_series_git_am_on_a_core_v0_19_0_checkout(tmp_path):
 
 def test_the_series_is_picked_by_the_targets_version(tmp_path):
     """Without PATCHES_DIR, apply_patches.sh takes the patches/<base>/ folder whose manifest
-    names TARGET's version: the 0.17.1 tree gets the patches of patches/0.17.1/ (all of
-    them: the wheel tree takes every patch of series v6), the 0.19.2 tree those of
-    patches/0.19/; with patches/0.19/ gone, 0.19.2 is refused (exit 5)
+    names TARGET's version: the 0.17.1 tree gets the patches of patches/0.17.1/, the 0.19.2
+    tree those of patches/0.19/; with patches/0.19/ gone, 0.19.2 is refused (exit 5)
     with the bases that remain."""
     repo = tmp_path / "repo"
     shutil.copytree(ROOT / "scripts", repo / "scripts")

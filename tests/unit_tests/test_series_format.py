@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 
-from harness.trees import BASES, REPO_ROOT, SERIES_DIR, series_patches, tree_parent
+from harness.trees import BASES, REPO_ROOT, series_patches, tree_parent
 from tests.upstream_tests.upstream_runner import CHECKOUTS, CHECKOUTS_OF_BASE
 
 COVER = "0000-cover-letter.patch"
@@ -88,7 +88,7 @@ def test_touched_files_keep_upstream_format(base, side, tool):
 
 @pytest.mark.parametrize(
     "patch",
-    [p for b in BASES for p in series_patches(checkout=True, base=b)],
+    [p for b in BASES for p in series_patches(base=b)],
     ids=lambda p: f"{p.parent.name}-{p.name[:4]}",
 )
 def test_patch_header(patch):
@@ -115,7 +115,7 @@ def test_cover_letter_is_format_patch_s_and_names_every_patch(base):
     """patches/<base>/0000-cover-letter.patch has git format-patch --cover-letter's form:
     a [PATCH 0/N] subject for the N patches of the series, a blurb that says why, and the
     shortlog of exactly the series' subjects, in order."""
-    text = (SERIES_DIR.parent / base / COVER).read_text()
+    text = (REPO_ROOT / "patches" / base / COVER).read_text()
     patches = series_patches(base=base)
     assert re.search(rf"^Subject: \[PATCH 0/{len(patches)}\] \S", text, flags=re.M), text[:300]
     subjects = [
@@ -135,7 +135,7 @@ def test_cover_letter_is_format_patch_s_and_names_every_patch(base):
 
 @pytest.mark.parametrize("base,tag", [("0.17.1", "core_v0.17.1"), ("0.19", "core_v0.19.0")])
 def test_series_header_names_the_base(base, tag):
-    first = (SERIES_DIR.parent / base / "series").read_text().splitlines()[0]
+    first = (REPO_ROOT / "patches" / base / "series").read_text().splitlines()[0]
     assert first.startswith("#") and base in first and tag in first
 
 
@@ -308,7 +308,7 @@ def test_message_numbers_rule():
 def test_every_message_number_is_in_the_table(base):
     """Per patch of the base's series: the numbers its message states == the table's."""
     table = MESSAGE_NUMBERS[base]
-    patches = {p.name[:4]: p for p in series_patches(checkout=True, base=base)}
+    patches = {p.name[:4]: p for p in series_patches(base=base)}
     bad = []
     for key, patch in patches.items():
         stated, listed = message_numbers(patch.read_text()), set(table.get(key, {}))
@@ -403,7 +403,7 @@ def added_lines_of(base: str, patch_texts: list) -> int:
 def cover_numbers(base: str) -> set:
     """The numbers of the cover letter's subject and blurb (the shortlog and diffstat below
     are generated)."""
-    text = (SERIES_DIR.parent / base / COVER).read_text()
+    text = (REPO_ROOT / "patches" / base / COVER).read_text()
     blurb = re.split(r"^\S.* \(\d+\):$", text, maxsplit=1, flags=re.M)[0]
     return message_numbers(blurb + "\n---\n")
 

@@ -71,7 +71,7 @@ def added_tests(patch: Path) -> list:
 
 
 def _n(base: str) -> int:
-    return len(series_patches(checkout=True, base=base))
+    return len(series_patches(base=base))
 
 
 def prefix_checkout(base: str, k: int, tests_of: int, dest: Path) -> Path:
@@ -134,7 +134,7 @@ PREFIXES = [(b, k) for b in CHECKOUT_OF for k in range(1, _n(b) + 1)]
 def test_every_patch_adds_tests():
     """Each patch of each base carries its own tests (and no test is added twice)."""
     for base in CHECKOUT_OF:
-        added = [added_tests(p) for p in series_patches(checkout=True, base=base)]
+        added = [added_tests(p) for p in series_patches(base=base)]
         assert all(added), f"{base}: patches without tests: {[i + 1 for i, a in enumerate(added) if not a]}"
         flat = [t for a in added for t in a]
         assert len(flat) == len(set(flat)), f"{base}: a test added twice: {flat}"
@@ -143,7 +143,7 @@ def test_every_patch_adds_tests():
 @pytest.mark.parametrize("base,k", tiered(PREFIXES, lambda v: v[1] == _n(v[0])))
 def test_prefix_passes_the_tests_of_its_patches(base, k, tmp_path_factory):
     run = _run(base, k, "own", tmp_path_factory.mktemp("own"))
-    want = {t for p in series_patches(checkout=True, base=base)[:k] for t in added_tests(p)}
+    want = {t for p in series_patches(base=base)[:k] for t in added_tests(p)}
     got = {_function(n) for n in run.results}
     assert got == want, f"prefix {k} of {base}: tests {sorted(got)}, its patches add {sorted(want)}; see {run.log}"
     bad = {_name(n): run.fail_reasons.get(n, v) for n, v in run.results.items() if v != "passed"}
@@ -154,7 +154,7 @@ def test_prefix_passes_the_tests_of_its_patches(base, k, tmp_path_factory):
 @pytest.mark.parametrize("base,k", PREFIXES)
 def test_patch_tests_fail_without_the_patch(base, k, tmp_path_factory):
     run = _run(base, k, "before", tmp_path_factory.mktemp("own"))
-    patches = series_patches(checkout=True, base=base)
+    patches = series_patches(base=base)
     earlier = {t for p in patches[: k - 1] for t in added_tests(p)}
     new = set(added_tests(patches[k - 1]))
     assert {_function(n) for n in run.results} == earlier | new, run.log
