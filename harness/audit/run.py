@@ -2,7 +2,7 @@
 
 The driver behind ``scripts/audit_param_sync.py`` (its command line: ``main``). Usage (from the repo root, after scripts/setup.sh):
 
-    .venv/bin/python scripts/audit_param_sync.py              # every cell: 6 models x DP 8..1024 x 4 trees
+    .venv/bin/python scripts/audit_param_sync.py              # every cell: 7 models x DP 8..1024 x 7 trees (grid.py)
     .venv/bin/python scripts/audit_param_sync.py --quick      # 2 models x DP 8, 64 (the unit test's run)
     .venv/bin/python scripts/audit_param_sync.py --publish    # also docs/bench/real_shapes.{md,json,png}
     .venv/bin/python scripts/audit_param_sync.py --trees pristine-0.17.1,series-0.17.1 --models llama3_8b_tp1 --dp-sizes 64
