@@ -5,7 +5,6 @@ shapes at real DP (8 to 1024), storage-free, on a fake process group
 | module | job |
 |---|---|
 | ``grid`` | the audit's models, trees and DP sizes (data only) |
-| ``trees`` | its comparison trees, built from ``trees/*.diff`` |
 | ``worker`` | one tree's param sync per model x DP on meta tensors over a fake process group |
 | ``te_standin`` | Transformer Engine's parameters where TE is not installed (the flag path) |
 | ``report`` | JSON, tables and plot from the workers' records |

@@ -14,8 +14,8 @@ This module is data: the model configs (``MODELS``, real published shapes), the
 trees (``TREES``, ``SERIES_PAIRS``) and the DP sizes. A tree's label says what it is, as
 ``harness.trees`` does: ``pristine-<release>`` (as released; 0.19 = 0.19.2), ``series-<base>``
 (with patches/<base>/), ``-layout`` for the release's default layer-wise param layout path (the
-others run its legacy path); ``exact_list_slots`` is a comparison tree (``harness.audit.trees``). It imports neither torch nor megatron, so the driver can
-read it under any Python.
+others run its legacy path). It imports neither torch nor megatron, so the driver can read it
+under any Python.
 """
 
 from __future__ import annotations
@@ -241,8 +241,8 @@ class TreeSpec:
     Attributes:
         label: table and JSON name.
         title: what it is.
-        source: what ``harness.audit.trees.tree_for`` takes (a label of ``harness.trees``, a
-            comparison-tree label), or a path relative to the repo root holding megatron/.
+        source: a tree label of ``harness.trees`` (what ``harness.trees.env_for_tree`` takes),
+            or a path relative to the repo root holding megatron/.
         layout: True for 0.18.2's default layer-wise param layout path
             (``LayerWiseDistributedOptimizer.compute_full_param_layout`` passed to DDP as
             ``full_param_layout``, as ``megatron.training.training.wrap_model_chunks_with_ddp``
@@ -259,9 +259,6 @@ TREES: Dict[str, TreeSpec] = {
     t.label: t
     for t in (
         TreeSpec("pristine-0.17.1", "megatron-core 0.17.1, pristine", "pristine-0.17.1"),
-        TreeSpec("exact_list_slots", "0.18's legacy design (grad_data list slots, #3751 + #4609) on 0.17.1, "
-                 "with the optimizer path through the buckets (harness/audit/trees/exact_list_slots.diff)",
-                 "exact_list_slots"),  # fmt: skip
         TreeSpec("series-0.17.1", "0.17.1 + the series (patches/0.17.1/)", "series-0.17.1"),
         TreeSpec("pristine-0.18.2", "megatron-core 0.18.2 with --no-use-layer-wise-param-layout "
                  "(its legacy layer-wise path, #3751 + #4609)", "build/megatron-lm/core_v0.18.2"),  # fmt: skip
@@ -279,7 +276,7 @@ TREES: Dict[str, TreeSpec] = {
 #: The megatron-core release each tree's ``megatron.training`` comes from (its estimate of the
 #: step's memory, ``theoretical_memory_usage``, differs between releases).
 RELEASE_OF_TREE: Dict[str, str] = {
-    "pristine-0.17.1": "0.17.1", "exact_list_slots": "0.17.1", "series-0.17.1": "0.17.1",
+    "pristine-0.17.1": "0.17.1", "series-0.17.1": "0.17.1",
     "pristine-0.18.2": "0.18.2", "pristine-0.18.2-layout": "0.18.2",
     "pristine-0.19": "0.19.2", "pristine-0.19-layout": "0.19.2", "series-0.19": "0.19.2",
 }  # fmt: skip
@@ -289,20 +286,18 @@ SERIES_PAIRS: Dict[str, str] = {"series-0.17.1": "pristine-0.17.1", "series-0.19
 
 
 def tree_dir(spec: TreeSpec):
-    """What ``harness.trees.env_for_tree`` takes for ``spec`` (builds comparison trees).
+    """What ``harness.trees.env_for_tree`` takes for ``spec``: its tree label, or the directory
+    of a path tree.
 
     Raises:
         FileNotFoundError: a path tree that is missing (run scripts/setup.sh).
-        ValueError / RuntimeError: as ``harness.audit.trees.tree_for``.
     """
-    if "/" in spec.source:
-        path = _trees.REPO_ROOT / spec.source
-        if not (path / "megatron" / "core" / "__init__.py").is_file():
-            raise FileNotFoundError(f"tree {spec.label}: {path}/megatron is missing; run scripts/setup.sh")
-        return Path(path)
-    from harness.audit.trees import tree_for
-
-    return tree_for(spec.source)
+    if "/" not in spec.source:
+        return spec.source
+    path = _trees.REPO_ROOT / spec.source
+    if not (path / "megatron" / "core" / "__init__.py").is_file():
+        raise FileNotFoundError(f"tree {spec.label}: {path}/megatron is missing; run scripts/setup.sh")
+    return Path(path)
 
 
 def default_bucket_size(dp: int) -> int:

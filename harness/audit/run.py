@@ -2,7 +2,7 @@
 
 The driver behind ``scripts/audit_param_sync.py`` (its command line: ``main``). Usage (from the repo root, after scripts/setup.sh):
 
-    .venv/bin/python scripts/audit_param_sync.py              # every cell: 6 models x DP 8..1024 x 4 trees
+    .venv/bin/python scripts/audit_param_sync.py              # every cell: 7 models x DP 8..1024 x 7 trees (grid.py)
     .venv/bin/python scripts/audit_param_sync.py --quick      # 2 models x DP 8, 64 (the unit test's run)
     .venv/bin/python scripts/audit_param_sync.py --publish    # also docs/bench/real_shapes.{md,json,png}
     .venv/bin/python scripts/audit_param_sync.py --trees pristine-0.17.1,series-0.17.1 --models llama3_8b_tp1 --dp-sizes 64
@@ -31,7 +31,8 @@ the series' claim of each path in the README's words, with "holds" or "does not 
 (``report.series_claims`` and ``claims_lines``).
 
 ``--render-from JSON``: no audit run; the outputs again from a published JSON, each cell that
-lacks megatron's step estimate given it by its tree's worker (``--theory-only``).
+lacks megatron's step estimate given it by its tree's worker (``--theory-only``), the cells of
+trees no longer in grid.py left out.
 
 Models, trees and DP sizes are in harness/audit/grid.py. One worker process per
 tree (harness/audit/worker.py, that tree first on PYTHONPATH) runs every cell
@@ -426,7 +427,8 @@ def main_render(ap, args, argv) -> int:
     --publish) from a published run's JSON, with no audit run: every cell that lacks megatron's
     step estimate gets it from its tree's worker (``--theory-only``: that tree's
     ``report_theoretical_memory`` on the model's flags at that DP), and meta says so
-    (``theory_added``). Every other figure stays the published run's.
+    (``theory_added``). Cells and ``meta["trees"]`` of trees that ``grid.TREES`` no longer
+    has are dropped (said on stdout). Every other figure stays the published run's.
 
     Returns 0, or 2 (the JSON cannot be read, a worker failed)."""
     if args.quick or args.models or args.trees or args.dp_sizes:
@@ -437,6 +439,12 @@ def main_render(ap, args, argv) -> int:
     except (OSError, ValueError, KeyError) as exc:
         print(f"[audit] --render-from {args.render_from}: {exc}", file=sys.stderr)
         return 2
+    retired = sorted({c["tree"] for c in cells} - set(grid.TREES))
+    if retired:
+        data["cells"] = cells = [c for c in cells if c["tree"] in grid.TREES]
+        print(f"[audit] dropped the cells of trees no longer in harness/audit/grid.py: {', '.join(retired)}",
+              flush=True)  # fmt: skip
+    meta["trees"] = {t: m for t, m in meta["trees"].items() if t in grid.TREES}
     todo = [c for c in cells if "theoretical_memory" not in c]
     trees = list(dict.fromkeys(c["tree"] for c in todo))
     t0 = time.monotonic()

@@ -316,8 +316,8 @@ class ModelChunks:
 
 
 class LegacySetup(model.LayerwiseModel):
-    """The legacy layer-wise path (0.17.1, exact_list_slots, the series, 0.18.2 without
-    the layout): DDP with ``use_distributed_optimizer=False`` and the layer-wise Muon
+    """The legacy layer-wise path (0.17.1, the series, 0.18.2 and 0.19.2 without the
+    layout): DDP with ``use_distributed_optimizer=False`` and the layer-wise Muon
     optimizer (``legacy_layerwise_optimizer``), as megatron.training builds them for
     ``--optimizer dist_muon``. Reset and paths: ``harness.model.LayerwiseModel``'s."""
 

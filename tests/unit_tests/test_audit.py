@@ -830,20 +830,26 @@ def test_step_estimate_is_megatrons_theoretical_memory(user_audit):
 
 def test_render_from_a_published_json_runs_no_audit(tmp_path, capsys):
     """``--render-from``: the Markdown and plot again from a JSON whose cells all carry megatron's
-    step estimate: no worker runs, the cells are unchanged, the forced-sync section is there."""
+    step estimate: no worker runs, the cells are unchanged, the forced-sync section is there;
+    the cells of a tree the grid no longer has are dropped, with the tree."""
     from harness.audit.run import COLUMNS, dump_json, main
 
     data = _flags_data(_claim_cells())
     data["meta"].update(command="c", date="d", torch="t", wall_s=1.0, cpus=2, method="m", columns="old",
                         trees={t: dict(m, dir="x") for t, m in data["meta"]["trees"].items()})  # fmt: skip
     del data["meta"]["series_claims"]
+    retired = [dict(c, tree="retired-tree") for c in data["cells"][:1]]
     src = tmp_path / "in.json"
-    src.write_text(dump_json(data))
+    src.write_text(dump_json(dict(meta=dict(data["meta"], trees=dict(data["meta"]["trees"], **{
+        "retired-tree": dict(title="gone", layout=False, dir="x")})), cells=data["cells"] + retired)))  # fmt: skip
     assert main(["--render-from", str(src), "--out-dir", str(tmp_path / "out")]) == 0
-    assert "(0 given megatron's step estimate)" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "(0 given megatron's step estimate)" in out and "no longer in harness/audit/grid.py: retired-tree" in out
     got = json.loads((tmp_path / "out" / "real_shapes.json").read_text())
     assert got["cells"] == data["cells"] and got["meta"]["columns"] == COLUMNS
+    assert list(got["meta"]["trees"]) == list(data["meta"]["trees"])
     md = (tmp_path / "out" / "real_shapes.md").read_text()
+    assert "retired-tree" not in md
     assert "## Forced syncs against the step's peak" in md and "| m | 8 | 2.00 (1.00 + 1.00) |" in md
     assert not (tmp_path / "out" / "raw-theory").exists()
     with pytest.raises(SystemExit):
