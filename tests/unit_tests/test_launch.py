@@ -62,7 +62,7 @@ def test_a_script_keeps_its_arguments_on_the_tree_directory_it_is_given():
     (dict(tree="no-such-tree"), ValueError, "no-such-tree"),
 ])  # fmt: skip
 def test_bad_input_raises_with_a_message(kwargs, error, message):
-    call = dict(script=launch.PRETRAIN_SCRIPT, nproc=2, tree="upstream", **kwargs)
+    call = {"script": launch.PRETRAIN_SCRIPT, "nproc": 2, "tree": "upstream", **kwargs}
     with pytest.raises(error, match=message):
         launch.torchrun_command(call.pop("script"), [], call.pop("nproc"), **call)
 
