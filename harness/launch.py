@@ -9,18 +9,14 @@ imported torch and megatron once (upstream's tests, ``tests/upstream_tests``, ke
     from harness import launch
     argv, env = launch.torchrun_command("tests/unit_tests/layerwise_worker.py", ["--out", "r.json"],
                                         nproc=2, tree="series-0.17.1")
-    wall_s = launch.run_pretrain("series-0.17.1", launch.tiny_gpt_args(train_iters=50,
-                                 tensorboard_dir="build/runs/x/tb"), nproc=2,
-                                 run_dir="build/runs/x")
+    wall_s = launch.run_pretrain("series-0.17.1", megatron_args, nproc=2, run_dir="build/runs/x")
 
-By hand, the CLI (``python -m harness.launch --help``); ``--dry-run`` prints the
-command instead of running it::
-
-    python -m harness.launch --tree pristine-0.17.1 --nproc 4 --dry-run pretrain -- --train-iters 10
-    python -m harness.launch --device cuda --nproc 8 script scripts/x.py -- --flag
+where ``megatron_args`` are Megatron's flags, e.g. a functional case's ``MODEL_ARGS``
+(``tests/functional_tests/python_test_utils/run_case.py``). ``run_command`` writes the command
+line to ``run_dir/command.txt`` (``format_command``), runnable as is from any directory.
 
 On CPU (the default) ranks use gloo and ``harness.cpu_runtime`` (``MEGATRON_CPU_RUNTIME=1``);
-on GPUs (``cpu=False`` / ``--device cuda``) NCCL. ``RUNTIME_FLAGS`` (local transformer
+on GPUs (``cpu=False``) NCCL. ``RUNTIME_FLAGS`` (local transformer
 implementation, CPU initialization, no fused kernels) apply to both, so CPU and GPU
 training runs differ only in ``--distributed-backend``, with one exception: a GPU launch on
 megatron-core 0.19 or later gets no ``--use-cpu-initialization`` (``runtime_flags_for``), and
@@ -42,7 +38,7 @@ import time
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple, Union
 
-from harness.trees import REPO_ROOT, env_for_tree, is_tree_label
+from harness.trees import REPO_ROOT, env_for_tree
 
 #: Read by ``harness.cpu_runtime.install_if_requested`` in every rank.
 CPU_RUNTIME_ENV = "MEGATRON_CPU_RUNTIME"
@@ -158,56 +154,6 @@ class LaunchError(RuntimeError):
         super().__init__(message)
         self.stdout_path = stdout_path
         self.stderr_path = stderr_path
-
-
-def tiny_gpt_args(
-    train_iters: int = 50,
-    *,
-    tensorboard_dir: Optional[Union[str, Path]] = None,
-    eval_interval: int = 25,
-    eval_iters: int = 1,
-    seed: int = 1234,
-    data: Sequence[str] = ("--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "1024"),
-) -> List[str]:
-    """Megatron flags of the tiny GPT the harness trains (layer-wise optimizer, both overlaps).
-
-    2 layers, hidden 64, 4 heads, seq 64, micro-batch 2, global batch 8; ``dist_muon`` with
-    ``--overlap-param-gather --overlap-grad-reduce``, ``--bf16`` params with fp32 gradient
-    accumulation; cosine LR 3e-3 -> 3e-4 after 5 warm-up iterations; tensorboard gets
-    'lm loss', 'grad-norm', 'num-zeros', 'params-norm', 'learning-rate' every iteration.
-
-    Args:
-        train_iters: iterations (the LR schedule spans them).
-        tensorboard_dir: where event files go; None logs no tensorboard.
-        eval_interval, eval_iters: validation cadence (eval forces a param sync).
-        seed: ``--seed``.
-        data: dataset/tokenizer flags; default mock data with a 1024-token NullTokenizer.
-            For real text pass e.g. ``["--data-path", prefix, "--split", "949,50,1",
-            "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", dir]``.
-
-    Returns:
-        Flags (list of str) without backend/runtime flags (``pretrain_command`` adds those).
-    """
-    args = [
-        "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
-        "--seq-length", "64", "--max-position-embeddings", "64",
-        "--micro-batch-size", "2", "--global-batch-size", "8",
-        "--train-iters", str(train_iters),
-        "--lr", "3e-3", "--min-lr", "3e-4", "--lr-decay-style", "cosine", "--lr-warmup-iters", "5",
-        "--weight-decay", "0.01", "--clip-grad", "1.0",
-        "--optimizer", "dist_muon", "--overlap-param-gather", "--overlap-grad-reduce",
-        "--bf16", "--accumulate-allreduce-grads-in-fp32",
-        "--num-workers", "0", "--seed", str(seed),
-        "--eval-interval", str(eval_interval), "--eval-iters", str(eval_iters),
-        "--log-interval", "1",
-        *data,
-    ]
-    if tensorboard_dir is not None:
-        args += [
-            "--tensorboard-dir", str(tensorboard_dir), "--tensorboard-log-interval", "1",
-            "--log-params-norm", "--log-num-zeros-in-grad", "--log-timers-to-tensorboard",
-        ]
-    return args
 
 
 def torchrun_argv(nproc: int, python: str = sys.executable) -> List[str]:
@@ -333,7 +279,7 @@ def pretrain_command(
     Args:
         tree: a label of ``harness.trees`` ("pristine-0.17.1", "series-0.17.1", ...), or a
             directory holding a megatron/ tree.
-        megatron_args: Megatron flags (e.g. ``tiny_gpt_args()``), appended last: they win
+        megatron_args: Megatron flags (e.g. a functional case's), appended last: they win
             over ours where argparse lets the last occurrence win.
         nproc: ranks on this node (``--nproc-per-node``); keep <= 4 on small CPU machines.
         cpu: gloo + ``MEGATRON_CPU_RUNTIME=1``; False: NCCL on GPUs.
@@ -488,68 +434,3 @@ def run_pretrain(
                                  extra_env=extra_env)
     return run_command(argv, env, run_dir=run_dir, timeout_s=timeout_s, what=f"{tree} run",
                        tail_lines=tail_lines)
-
-
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    """``python -m harness.launch``: build (and run) one rank command line.
-
-    Forms::
-
-        python -m harness.launch [opts] pretrain [--tiny-gpt ITERS] [-- MEGATRON_ARGS...]
-        python -m harness.launch [opts] script PATH [-- SCRIPT_ARGS...]
-
-    ``pretrain`` trains upstream's pretrain_gpt.py (``PRETRAIN_SCRIPT``); ``--tiny-gpt ITERS`` puts
-    ``tiny_gpt_args(ITERS)`` before MEGATRON_ARGS (later flags win). ``--dry-run`` prints
-    the command (``format_command``: ``env VAR=... python .../fork_ranks.py ...`` on CPU,
-    ``... python -m torch.distributed.run ...`` with ``--device cuda``; runnable as is from
-    any directory) and exits 0; otherwise the command runs in the
-    foreground with the caller's stdout/stderr and its exit code is returned. Exit code 2
-    on bad arguments (unknown tree, missing script, nproc < 1).
-    """
-    import argparse
-
-    ap = argparse.ArgumentParser(prog="python -m harness.launch", description=main.__doc__.splitlines()[0])
-    ap.add_argument("--tree", default="series-0.17.1",
-                    help="a tree label of harness.trees (default series-0.17.1; pristine-0.17.1, pristine-0.19, "
-                         "series-0.19), a directory holding megatron/, or none (keep the caller's PYTHONPATH)")
-    ap.add_argument("--nproc", type=int, default=2, help="ranks on this node (default 2)")
-    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
-                    help="cpu: gloo ranks with the CPU runtime layer; cuda: NCCL, one GPU per rank")
-    ap.add_argument("--env", action="append", default=[], metavar="VAR=VALUE",
-                    help="extra environment for the ranks (repeatable)")
-    ap.add_argument("--dry-run", action="store_true", help="print the command instead of running it")
-    sub = ap.add_subparsers(dest="what", required=True)
-    pp = sub.add_parser("pretrain", help="train Megatron-LM's pretrain_gpt.py")
-    pp.add_argument("--tiny-gpt", type=int, metavar="ITERS", help="start from tiny_gpt_args(ITERS)")
-    pp.add_argument("args", nargs="*")
-    sp = sub.add_parser("script", help="run a Python file on every rank")
-    sp.add_argument("path")
-    sp.add_argument("args", nargs="*")
-    ns = ap.parse_args(argv)
-    extra = {}
-    for item in ns.env:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            ap.error(f"--env wants VAR=VALUE, got {item!r}")
-        extra[key] = value
-    tree = None if ns.tree == "none" else ns.tree if is_tree_label(ns.tree) else Path(ns.tree)
-    cpu = ns.device == "cpu"
-    try:
-        if ns.what == "pretrain":
-            if tree is None:
-                ap.error("pretrain needs a tree (a tree label or a directory)")
-            megatron_args = (tiny_gpt_args(ns.tiny_gpt) if ns.tiny_gpt else []) + ns.args
-            cmd, env = pretrain_command(tree, megatron_args, ns.nproc, cpu=cpu, extra_env=extra)
-        else:
-            cmd, env = torchrun_command(ns.path, ns.args, ns.nproc, tree=tree, cpu=cpu, extra_env=extra)
-    except (ValueError, FileNotFoundError) as exc:
-        ap.error(str(exc))
-    if ns.dry_run:
-        print(format_command(cmd, env))
-        return 0
-    sys.stdout.flush()
-    return subprocess.call(cmd, env=env, cwd=REPO_ROOT)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

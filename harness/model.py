@@ -1,9 +1,9 @@
 """The model every param-sync worker builds: megatron's GPTModel in the tree's DDP with the
 layer-wise Muon optimizer (``--optimizer dist_muon``, legacy path), and the syncs they run on it.
 
-Used by the bench (``harness/bench/sync_worker.py``, ``harness/bench/step_memory.py``), the
-real-shape audit (``harness/audit/worker.py``) and the GPU check's memory worker
-(``harness/gpu_check/memory_worker.py``), so that each builds DDP and the optimizer, and runs
+Used by the bench (``harness/bench/sync_worker.py``), the real-shape audit
+(``harness/audit/worker.py``) and the memory worker of the GPU check and the bench's step
+memory (``harness/gpu_check/memory_worker.py``), so that each builds DDP and the optimizer, and runs
 a sync, the same way:
 
 * ``gpt_model``: megatron's ``GPTModel`` with its local (no Transformer Engine) spec, bf16

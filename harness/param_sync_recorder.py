@@ -33,7 +33,7 @@ allocated inside ``train_step`` (forward, backward, optimizer step, param sync, 
 collective model's NCCL stand-ins), above the step's start; an ``AllocationCounter`` around
 the whole step. CPU tensors have no caching allocator to ask, so this is the measurement on
 CPU and the same one on GPU; it does not subtract frees of tensors allocated before the
-step (as ``harness/bench/step_memory.py``'s profiler measure). Calls outside any
+step (as ``harness.memory_probe.CpuProbe``'s profiler measure). Calls outside any
 ``train_step`` (forced syncs of eval and checkpoint saves between steps) are kept per
 preceding step under ``between_steps``.
 

@@ -1,7 +1,7 @@
 """Run Megatron-LM's own ``pretrain_gpt.py`` (from a checkout) with the CPU runtime layer.
 
 The harness's one training entry (``harness.launch.PRETRAIN_SCRIPT``: functional cases, the
-GPU check, ``python -m harness.launch pretrain``): everything that trains is upstream's code, the
+GPU check): everything that trains is upstream's code, the
 entry point users launch included (``pretrain_gpt.py``, its ``model_provider.py`` and
 ``gpt_builders.py``, ``megatron.training.pretrain``). This file only does what that entry
 cannot do on CPU, before it runs:

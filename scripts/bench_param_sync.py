@@ -15,7 +15,8 @@ Both trees (``TREES``: upstream, patched) are measured in the same run:
   round (harness/bench/stats.py). The "control" path (every grad buffer's reset(), code
   no tree changes) is the negative control.
 * step memory (--step-memory DPs, "" to skip): peak memory per phase of a real training
-  step (harness/bench/step_memory.py), overlap on and off.
+  step (harness/gpu_check/memory_worker.py, config ``bench``, the CPU probe), overlap on
+  and off.
 
 Large DP sizes and real model shapes are the real-shape audit's (scripts/audit_param_sync.py).
 
@@ -59,7 +60,9 @@ from harness.bench.theory import nccl_list_all_gather  # noqa: E402
 from harness.launch import CORE_PRELOAD, torchrun_command  # noqa: E402
 
 WORKER = REPO_ROOT / "harness" / "bench" / "sync_worker.py"
-STEP_WORKER = REPO_ROOT / "harness" / "bench" / "step_memory.py"
+STEP_WORKER = REPO_ROOT / "harness" / "gpu_check" / "memory_worker.py"
+#: The step-memory runs: a warm-up step (optimizer state exists), then the step reported.
+STEP_MEMORY_STEPS = 2
 #: The trees, in the order tables show them (harness.trees labels).
 TREES = ("upstream", "patched")
 PATHS = ("async", "forced", "optimizer")
@@ -275,13 +278,40 @@ def timing_table(timing: dict) -> list:
     return rows
 
 
+def model_desc(cfg: dict) -> str:
+    """The memory worker's config in words, as the step-memory table names its model."""
+    return (f"GPT, {cfg['num_layers']} layers, hidden {cfg['hidden_size']}, FFN {cfg['ffn_hidden_size']}, "
+            f"{cfg['num_attention_heads']} heads, vocab {cfg['vocab']}, seq {cfg['seq']}, "
+            f"micro-batch {cfg['micro_batch']}, untied output layer")
+
+
+def step_memory_record(doc: dict, tree: str) -> dict:
+    """The step-memory table's record of one memory-worker result (its rank 0, last step):
+    overlap, phases, phase_peak_bytes, step_peak_bytes, peak_phase, param_bytes, grad_data_bytes,
+    loss, tree, tree_dir, dp_size, model_desc, phase_desc, steps (1: the step reported)."""
+    rank0 = doc["ranks"][0]
+    step = rank0["steps"][-1]
+    peaks = step["phase_peak_bytes"]
+    ran = [p for p in doc["phases"] if peaks.get(p) is not None]
+    return dict(
+        overlap=doc["overlap"], phases=doc["phases"], phase_peak_bytes=peaks,
+        step_peak_bytes=step["step_peak_extra_bytes"],
+        # Ties go to the later (inner) phase: the gather nests in the step.
+        peak_phase=max(reversed(ran), key=lambda p: peaks[p]),
+        param_bytes=rank0["param_bytes"], grad_data_bytes=rank0["grad_data_bytes"], loss=step["loss"],
+        tree=tree, tree_dir=rank0["megatron_core_dir"], dp_size=doc["world"], model_desc=model_desc(doc["config"]),
+        phase_desc=doc["phase_desc"], steps=1,
+    )  # fmt: skip
+
+
 def run_step_memory(trees, cfg: dict, raw: Path, timeout_s: float = WORKER_TIMEOUT_S,
                     small: bool = False) -> list:
-    """harness/bench/step_memory.py under torchrun, for each DP in cfg["step_memory"] (comma
-    list) and each tree (memory does not drift with load, so one after the other).
+    """The memory worker (``STEP_WORKER``) under torchrun on CPU gloo ranks, for each DP in
+    cfg["step_memory"] (comma list), each tree and overlap on and off (memory does not drift
+    with load, so one after the other); one ``step_memory_record`` per run.
 
-    ``small``: the worker's ``--small`` model (a quick check; the bench's figures use the
-    default one). Each run gets ``timeout_s`` seconds; its ranks
+    ``small``: the worker's ``bench_small`` config (a quick check; the bench's figures use
+    ``bench``). Each run gets ``timeout_s`` seconds; its ranks
     print every thread's stack and exit 10 s before that (``--watchdog-s``), and the whole
     process group is killed at the deadline, so that no rank outlives a failed run.
 
@@ -289,14 +319,16 @@ def run_step_memory(trees, cfg: dict, raw: Path, timeout_s: float = WORKER_TIMEO
         WorkerError: a run exited non-zero or ran out of time (its command and output tail).
     """
     records = []
-    for dp, label in ((int(d), t) for d in cfg["step_memory"].split(",") for t in trees):
-        out = raw / f"{label}-step-memory-dp{dp}.json"
-        log = raw / f"{label}-step-memory-dp{dp}.log"
-        argv, env = torchrun_command(STEP_WORKER, ["--out", str(out), "--tree", label,
-                                                   "--watchdog-s", str(max(timeout_s - 10, 1))]
-                                     + (["--small"] if small else []),
+    runs = ((int(d), t, o) for d in cfg["step_memory"].split(",") for t in trees for o in ("on", "off"))
+    for dp, label, overlap in runs:
+        name = f"{label}-step-memory-dp{dp}-overlap-{overlap}"
+        out, log = raw / f"{name}.json", raw / f"{name}.log"
+        argv, env = torchrun_command(STEP_WORKER, ["--out", str(out), "--backend", "gloo",
+                                                   "--config", "bench_small" if small else "bench",
+                                                   "--steps", str(STEP_MEMORY_STEPS), "--overlap", overlap,
+                                                   "--watchdog-s", str(max(timeout_s - 10, 1))],
                                      nproc=dp, tree=label, cpu=True, preload=CORE_PRELOAD)  # fmt: skip
-        print(f"[bench] {label}: step memory, DP={dp}", flush=True)
+        print(f"[bench] {label}: step memory, DP={dp}, overlap {overlap}", flush=True)
         t0 = time.perf_counter()
         with log.open("w") as sink:
             proc = subprocess.Popen(argv, env=_env(env), cwd=REPO_ROOT, stdout=sink,
@@ -309,9 +341,9 @@ def run_step_memory(trees, cfg: dict, raw: Path, timeout_s: float = WORKER_TIMEO
                 proc.wait()
         if rc != 0:
             why = f"no result in {timeout_s:.0f} s" if rc is None else f"rc={rc}"
-            raise WorkerError(f"{label} step memory DP={dp} failed ({why}, {time.perf_counter() - t0:.0f} s): "
-                              f"{shlex.join(argv)}\n{_tail(log)}")  # fmt: skip
-        records += json.loads(out.read_text())
+            raise WorkerError(f"{label} step memory DP={dp} overlap {overlap} failed "
+                              f"({why}, {time.perf_counter() - t0:.0f} s): {shlex.join(argv)}\n{_tail(log)}")  # fmt: skip
+        records.append(step_memory_record(json.loads(out.read_text()), label))
     return records
 
 

@@ -1,6 +1,7 @@
 """Benchmark of the layer-wise param sync: upstream 0.17.1 and the series, measured in one
 run on gloo ranks (``scripts/bench_param_sync.py``). The real-shape audit of the same sync is
-``harness.audit``.
+``harness.audit``; the peak memory per phase of a training step comes from the GPU check's
+memory worker (``harness/gpu_check/memory_worker.py``) on CPU ranks.
 
 | module | job |
 |---|---|
@@ -8,6 +9,5 @@ run on gloo ranks (``scripts/bench_param_sync.py``). The real-shape audit of the
 | ``counters`` | per-sync counters: collectives at the dispatch level, allocator events |
 | ``stats`` | interleaved (ABBA) schedule, median ratio and its bootstrap CI |
 | ``sync_worker`` | one tree's DDP + layer-wise optimizer on gloo ranks; counts, timing server |
-| ``step_memory`` | peak memory per phase of one real training step |
 | ``report`` | param_sync.md and param_sync.png from the records |
 """

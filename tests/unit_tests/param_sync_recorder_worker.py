@@ -3,10 +3,7 @@
 Run under torchrun on gloo ranks with the tree under test first on PYTHONPATH
 (``harness.launch.torchrun_command``); no expert parallelism, so the expert params
 (``allreduce=False``) form DDP's expert-parallel bucket groups on an expert-DP group of the
-whole world::
-
-    python -m harness.launch --tree pristine-0.17.1 --nproc 2 script \
-        tests/unit_tests/param_sync_recorder_worker.py -- --out DIR
+whole world (``torchrun_command(WORKER, ["--out", DIR], 2, tree="pristine-0.17.1")``).
 
 ``harness.param_sync_recorder.ParamSyncRecorder`` wraps megatron's classes in this process
 as in a training rank; then, with ``recorder.training_step(N)`` standing in for

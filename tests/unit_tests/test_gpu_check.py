@@ -431,6 +431,83 @@ def test_window_summary_of_collective_records():
         "nccl_temporary_bytes": 4 * 10 * 2}  # only the equal-size list form: one flat output
 
 
+class FakeCuda:
+    """The five ``torch.cuda`` memory functions ``memory_probe.CudaProbe`` reads, over a
+    caching allocator reduced to its counters (bytes)."""
+
+    def __init__(self, allocated=4096):
+        self.allocated = self.top = allocated
+
+    def synchronize(self):
+        pass
+
+    def memory_allocated(self):
+        return self.allocated
+
+    def max_memory_allocated(self):
+        return self.top
+
+    def reset_peak_memory_stats(self):
+        self.top = self.allocated
+
+    def memory_reserved(self):
+        return 2**21 + self.allocated  # one 2 MiB segment more than allocated
+
+    def alloc(self, n):
+        self.allocated += n
+        self.top = max(self.top, self.allocated)
+        return n
+
+    def free(self, n):
+        self.allocated -= n
+
+
+def probed_step(probe, alloc, free):
+    """A step's allocations (KiB) in the memory worker's phases, the gather nested in the
+    optimizer step, measured by ``probe``."""
+    k = 1024
+    with probe.region():
+        with probe.phase("forward"):
+            a = alloc(300 * k)
+            free(alloc(200 * k))  # forward: 500 KiB above the start
+        with probe.phase("optimizer step"):
+            c = alloc(100 * k)  # 400 alive when the gather starts: its floor
+            with probe.phase("optimizer gather"):
+                free(alloc(250 * k))  # 650: the gather's peak, and the step's
+            free(c)
+            e = alloc(50 * k)
+        free(a)
+        free(e)
+    return probe
+
+
+def test_both_memory_probes_give_each_phase_its_peak_above_the_steps_start():
+    """The memory worker's one device-specific part: the CUDA probe (allocator statistics,
+    here a stand-in allocator) and the CPU probe (torch.profiler's events of real CPU
+    tensors) give the same peaks for the same allocations, nested phases included."""
+    import torch
+
+    from harness import memory_probe
+
+    want = {"forward": 500 * 1024, "optimizer step": 650 * 1024, "optimizer gather": 650 * 1024}
+    cuda = FakeCuda()
+    gpu = probed_step(memory_probe.CudaProbe(cuda), cuda.alloc, cuda.free)
+    assert (gpu.phase_peaks, gpu.peak, gpu.base) == (want, 650 * 1024, 4096)
+    assert gpu.reserved["forward"] == 2**21 + 4096 + 300 * 1024 and gpu.reserved_end == 2**21 + 4096
+    assert cuda.allocated == 4096
+
+    live, ids = {}, iter(range(10))
+
+    def alloc(n):
+        i = next(ids)
+        live[i] = torch.empty(n, dtype=torch.uint8)
+        return i
+
+    cpu = probed_step(memory_probe.CpuProbe(), alloc, lambda i: live.pop(i))
+    assert (cpu.phase_peaks, cpu.peak, cpu.base, cpu.reserved_end) == (want, 650 * 1024, None, None)
+    assert cpu.reserved == dict.fromkeys(want)
+
+
 @pytest.mark.parametrize("local, count, want", [(0, 1, 0), (1, 1, 0), (3, 2, 1), (5, 8, 5)])
 def test_shared_local_rank(local, count, want):
     assert shared_gpu.shared_local_rank(local, count) == want
@@ -509,7 +586,8 @@ def test_memory_worker_on_cpu_ranks_gives_equal_losses_on_both_trees(tmp_path):
         launch.run_command(argv, env, run_dir=tmp_path / f"log_{tree}", timeout_s=400, what=f"memory worker {tree}")
     doc = json.loads((run_dir / "patched.json").read_text())
     assert [r["rank"] for r in doc["ranks"]] == [0, 1] and doc["gpu"] is None
-    assert doc["ranks"][0]["sync"]["peak_extra_bytes"] is None, "no CUDA allocator figures on CPU"
+    sync = doc["ranks"][0]["sync"]
+    assert sync["reserved_bytes"] is None and sync["peak_extra_bytes"] >= 0, "CPU probe: no allocator to ask"
     assert all(r["grad_sync_coalescing_replaced"] for r in doc["ranks"]), \
         "DDP's grad sync goes through shared_gpu's coalescing manager"
     summary = report.summarize_memory({"backend": "gloo"}, run_dir)

@@ -1,15 +1,15 @@
-"""Tests of harness/launch.py: the one rank command-line builder and its CLI.
+"""Tests of harness/launch.py: the one rank command-line builder and the training launch.
 
-The CLI is run as a subprocess with ``--dry-run``; the printed line is parsed back into
-environment and argv and checked for what the launcher (harness/fork_ranks.py on CPU,
-torchrun on GPUs) will do with it.
+Command lines are built with ``torchrun_command`` / ``pretrain_command`` and checked for what
+the launcher (harness/fork_ranks.py on CPU, torchrun on GPUs) will do with them; the flags of a
+GPU launch go through each base's own parser and model placement. The Megatron flags are the
+default functional case's (``default_case_args``: the tiny GPT the harness trains).
 """
 
 from __future__ import annotations
 
 import json
 import os
-import shlex
 import subprocess
 import sys
 
@@ -19,23 +19,13 @@ from harness import launch
 from harness.trees import REPO_ROOT
 
 
-def dry_run(*cli_args: str, env=None):
-    """``python -m harness.launch --dry-run ...`` -> (returncode, {VAR: value}, argv, stderr)."""
-    proc = subprocess.run(
-        [sys.executable, "-m", "harness.launch", "--dry-run", *cli_args],
-        capture_output=True, text=True, cwd=REPO_ROOT, timeout=60, env=env,
-    )
-    if proc.returncode != 0:
-        return proc.returncode, {}, [], proc.stderr
-    words = shlex.split(proc.stdout)
-    assert words[0] == "env", proc.stdout
-    assigns = {}
-    i = 1
-    while "=" in words[i] and not words[i].startswith("/"):
-        key, _, value = words[i].partition("=")
-        assigns[key] = value
-        i += 1
-    return 0, assigns, words[i:], proc.stderr
+def default_case_args(tmp_path):
+    """The default functional case's Megatron flags (``run_case.DEFAULT_CASE``'s MODEL_ARGS), its
+    data and tensorboard paths under ``tmp_path`` (no run here reaches the data)."""
+    from tests.functional_tests.python_test_utils import run_case as rc
+
+    case = rc.load_case(rc.find_case(rc.DEFAULT_CASE))
+    return rc.expand_args(case.model_args, {"DATA_PATH": str(tmp_path / "data"), "TENSORBOARD_PATH": str(tmp_path / "tb")})
 
 
 def fork_parts(argv):
@@ -47,53 +37,34 @@ def fork_parts(argv):
     return int(argv[3]), preload, rest[0], rest[1:]
 
 
-def test_cli_pretrain_upstream_four_ranks():
-    rc, env, argv, err = dry_run("--tree", "upstream", "--nproc", "4", "pretrain", "--tiny-gpt", "3",
-                                 "--", "--seed", "7")
-    assert rc == 0, err
-    nproc, preload, script, script_args = fork_parts(argv)
-    assert (nproc, script) == (4, str(REPO_ROOT / "harness" / "upstream_pretrain_gpt.py"))
-    assert preload == list(launch.PRETRAIN_PRELOAD)
-    assert env["PYTHONPATH"].split(os.pathsep)[0] == str(REPO_ROOT / "build" / "upstream")
-    assert env["MEGATRON_EXPECT_TREE"] == str(REPO_ROOT / "build" / "upstream" / "megatron")
-    assert env["MEGATRON_CPU_RUNTIME"] == "1"
-    assert script_args[:2] == ["--distributed-backend", "gloo"]
-    # tiny_gpt_args(3) then the user's flags, last: argparse lets the last --seed win.
-    assert script_args[script_args.index("--train-iters") + 1] == "3"
-    assert script_args[-2:] == ["--seed", "7"]
-
-
-def test_cli_cuda_drops_inherited_cpu_runtime():
-    rc, env, argv, err = dry_run("--device", "cuda", "--nproc", "8", "pretrain",
-                                 env=dict(os.environ, MEGATRON_CPU_RUNTIME="1"))
-    assert rc == 0, err
+def test_a_gpu_launch_drops_an_inherited_cpu_runtime(monkeypatch):
+    monkeypatch.setenv("MEGATRON_CPU_RUNTIME", "1")
+    argv, env = launch.pretrain_command("upstream", [], 8, cpu=False)
     assert "MEGATRON_CPU_RUNTIME" not in env
     assert argv[1:3] == ["-m", "torch.distributed.run"]  # GPU ranks: torchrun, never forked
     assert argv[argv.index("--distributed-backend") + 1] == "nccl"
     assert argv[argv.index("--nproc-per-node") + 1] == "8"
 
 
-def test_cli_script_keeps_its_arguments():
+def test_a_script_keeps_its_arguments_on_the_tree_directory_it_is_given():
+    """``tree=DIR`` (a directory holding megatron/, e.g. the pristine tree's parent)."""
     worker = "tests/unit_tests/layerwise_worker.py"
-    rc, env, argv, err = dry_run("script", worker, "--", "--out", "r.json", "--scenarios", "gather")
-    assert rc == 0, err
-    assert fork_parts(argv) == (2, [], str(REPO_ROOT / worker), ["--out", "r.json", "--scenarios", "gather"])
-
-
-def test_cli_tree_directory_selects_that_tree():
-    """``--tree DIR`` (a directory holding megatron/, e.g. the pristine tree's parent)."""
     tree = REPO_ROOT / "build" / "upstream"
-    rc, env, _, err = dry_run("--tree", str(tree), "pretrain", "--tiny-gpt", "10")
-    assert rc == 0, err
+    argv, env = launch.torchrun_command(worker, ["--out", "r.json", "--scenarios", "gather"], 2, tree=tree)
+    assert fork_parts(argv) == (2, [], str(REPO_ROOT / worker), ["--out", "r.json", "--scenarios", "gather"])
     assert env["PYTHONPATH"].split(os.pathsep)[0] == str(tree)
     assert env["MEGATRON_EXPECT_TREE"] == str(tree / "megatron")
 
 
-@pytest.mark.parametrize("bad", [("--nproc", "0", "pretrain"), ("script", "no/such/file.py"),
-                                 ("--tree", "no-such-tree", "pretrain"), ("--env", "NOEQUALS", "pretrain")])
-def test_cli_bad_input_exits_2_with_a_message(bad):
-    rc, _, _, err = dry_run(*bad)
-    assert rc == 2 and "error:" in err, err
+@pytest.mark.parametrize("kwargs, error, message", [
+    (dict(nproc=0), ValueError, "nproc must be >= 1"),
+    (dict(script="no/such/file.py"), FileNotFoundError, "no script at"),
+    (dict(tree="no-such-tree"), ValueError, "no-such-tree"),
+])  # fmt: skip
+def test_bad_input_raises_with_a_message(kwargs, error, message):
+    call = {"script": launch.PRETRAIN_SCRIPT, "nproc": 2, "tree": "upstream", **kwargs}
+    with pytest.raises(error, match=message):
+        launch.torchrun_command(call.pop("script"), [], call.pop("nproc"), **call)
 
 
 def test_pretrain_command_trains_upstreams_entry_on_the_tree():
@@ -104,6 +75,7 @@ def test_pretrain_command_trains_upstreams_entry_on_the_tree():
     argv, env = launch.pretrain_command("patched", ["--seed", "1"], 2, extra_env={"X_LAUNCH_TEST": "1"})
     nproc, preload, script, args = fork_parts(argv)
     assert (nproc, script) == (2, str(REPO_ROOT / "harness" / "upstream_pretrain_gpt.py"))
+    assert preload == list(launch.PRETRAIN_PRELOAD)
     assert {"megatron.training", "megatron.core.optimizer.layer_wise_optimizer"} <= set(preload)
     assert args[:2] == ["--distributed-backend", "gloo"] and args[-2:] == ["--seed", "1"]
     flags = args[2:-2]
@@ -240,7 +212,7 @@ def test_a_gpu_launch_puts_the_model_on_cuda_on_either_base(tree, cpu_init, tmp_
     would keep the model on the CPU, and Float16OptimizerWithFloat16Params raise TypeError);
     on 0.17.1 it keeps it (CPU-drawn weights, as the CPU golden values) and get_model moves
     the model anyway."""
-    got = builder_placement(tree, launch.tiny_gpt_args(10), tmp_path)
+    got = builder_placement(tree, default_case_args(tmp_path), tmp_path)
     assert bool(got["use_cpu_initialization"]) is cpu_init and bool(got["config_use_cpu_initialization"]) is cpu_init, got
     assert got["cuda_calls"] == [0], got
 
@@ -249,19 +221,39 @@ def test_the_0_19_builder_keeps_the_model_on_cpu_with_cpu_initialization(tmp_pat
     """The reason for the rule, on 0.19's own builder: the flags of a GPU launch plus
     --use-cpu-initialization (as RUNTIME_FLAGS passed it before) never move the model."""
     monkeypatch.setattr(launch, "check_gpu_flags", lambda *a: None)
-    got = builder_placement("upstream-0.19", [*launch.tiny_gpt_args(10), "--use-cpu-initialization"], tmp_path)
+    got = builder_placement("upstream-0.19", [*default_case_args(tmp_path), "--use-cpu-initialization"], tmp_path)
     assert got["config_use_cpu_initialization"] is True and got["cuda_calls"] == [], got
 
 
 @pytest.mark.parametrize("tree, refused", [("upstream-0.19", True), ("upstream", False)])
 def test_cpu_initialization_on_gpus_is_refused_on_0_19_with_the_reason(tree, refused):
-    rc, _, argv, err = dry_run("--tree", tree, "--device", "cuda", "pretrain", "--", "--use-cpu-initialization")
+    flag = ["--use-cpu-initialization"]
     if refused:
-        assert rc == 2 and "leaves the model on the CPU" in err and "drop --use-cpu-initialization" in err, err
+        with pytest.raises(ValueError, match="leaves the model on the CPU.*drop --use-cpu-initialization"):
+            launch.pretrain_command(tree, flag, 2, cpu=False)
     else:
-        assert rc == 0 and argv.count("--use-cpu-initialization") == 2, (rc, err)
-    rc, _, argv, err = dry_run("--tree", tree, "pretrain", "--", "--use-cpu-initialization")  # CPU: as ever
-    assert rc == 0 and "--use-cpu-initialization" in argv, err
+        argv, _ = launch.pretrain_command(tree, flag, 2, cpu=False)
+        assert argv.count("--use-cpu-initialization") == 2, argv
+    argv, _ = launch.pretrain_command(tree, flag, 2)  # CPU: as ever
+    assert "--use-cpu-initialization" in argv
+
+
+def test_pretrain_refuses_wrong_tree():
+    """MEGATRON_EXPECT_TREE names the pristine tree while PYTHONPATH gives the patched one."""
+    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), MEGATRON_EXPECT_TREE=str(REPO_ROOT / "build" / "upstream" / "megatron"),
+               MEGATRON_CPU_RUNTIME="force", PYTHONWARNINGS="ignore")
+    proc = subprocess.run([sys.executable, str(launch.PRETRAIN_SCRIPT)], env=env, cwd=REPO_ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert "RuntimeError: imported megatron from" in proc.stderr and "expected" in proc.stderr
+
+
+def test_launch_reports_failing_rank(tmp_path):
+    """A rank that dies makes run_pretrain raise with the stderr tail (here: a bad flag)."""
+    with pytest.raises(launch.LaunchError, match="run failed") as info:
+        launch.run_pretrain("patched", default_case_args(tmp_path) + ["--num-layers", "not-a-number"], nproc=2,
+                            run_dir=tmp_path / "run", timeout_s=120)
+    assert "stderr tail" in str(info.value) and "--num-layers" in str(info.value)
 
 
 def test_every_torchrun_line_comes_from_launch_torchrun_argv(monkeypatch, tmp_path):
