@@ -712,7 +712,7 @@ def sc_alloc(cfg):
     the test can compare the trees bucket by bucket."""
     res = {}
     s = Setup(cfg, overlap=True)
-    res["theory_upstream_bytes"] = _theory_bytes(s.buckets)
+    res["theory_pristine_bytes"] = _theory_bytes(s.buckets)
     res["bucket_shares"] = [
         [shares_of(bk.layerwise_params_list) if bk.layerwise_params_list else None for bk in g.buckets]
         for g in s.ddp.bucket_groups
@@ -761,7 +761,7 @@ def sc_alloc(cfg):
     owners = o.opt.dp_cp_params_list
     res["optimizer_shares"] = None if owners is None else shares_of(owners)
     res["optimizer_params"] = 0 if owners is None else sum(len(ps) for ps in owners)
-    res["theory_upstream_optimizer_bytes"] = (
+    res["theory_pristine_optimizer_bytes"] = (
         0
         if owners is None
         else theory_upstream_bytes(
