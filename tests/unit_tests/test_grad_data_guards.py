@@ -743,7 +743,8 @@ PREFIX_HAZARDS = {
     },
     "optimizer_gather_moe": ("pristine", "optimizer_gather_moe"),
 }
-#: The hazards of PREFIX_HAZARDS that start a pending gather (the worker's IDLE_TWINS). Each
+#: The hazards of PREFIX_HAZARDS that start a pending gather (Scenario.gather_start set: the
+#: worker defines the "<name>_idle" twin of each, and refuses one of another scenario). Each
 #: runs at two start points (the worker's Scenario.gather_start): where the hazard starts
 #: it (after the step, after backward, before the step, after a no_sync() microbatch: grad_data
 #: holds grads, and the series receives into temporaries), and as "<name>_idle", right after
