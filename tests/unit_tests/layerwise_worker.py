@@ -290,6 +290,17 @@ def max_abs_diff(xs, ys):
     return t.item()
 
 
+def params_equal_across_ranks(params) -> bool:
+    """Whether every rank holds rank 0's value of every param, bitwise (a broadcast from
+    rank 0 per param, so every rank must call it with the same params)."""
+    same = True
+    for p in params:
+        ref = p.detach().clone()
+        dist.broadcast(ref, src=0)
+        same &= torch.equal(ref, p.detach())
+    return all_ranks(same)
+
+
 def grads_all_zero(s):
     return all_ranks(all(int(torch.count_nonzero(g)) == 0 for g in s.grad_datas()))
 
@@ -523,19 +534,13 @@ def sc_training(cfg, steps=4):
     before whenever step() returns: the gather never touches grad_data (patch 0006
     broadcasts the params in place; pristine receives into temporaries)."""
     a, na, b, nb, diff, (untouched, zeroed) = train_overlap_and_sync(cfg, steps)
-    # Every rank must hold the same params after the gather.
-    same = True
-    for p in a.params:
-        ref = p.detach().clone()
-        dist.broadcast(ref, src=0)
-        same &= torch.equal(ref, p.detach())
     return {
         "params_overlap_equal_sync": all_ranks(diff == 0.0),
         "params_max_abs_diff": diff,
         "grad_norms_equal": all_ranks(na == nb),
         "grad_norms_overlap": na,
         "grad_norms_sync": nb,
-        "params_equal_across_ranks": all_ranks(same),
+        "params_equal_across_ranks": params_equal_across_ranks(a.params),
         "grad_data_untouched_by_step": untouched,
         "main_grad_elements_zeroed_by_step": zeroed,
         # Bitwise fingerprints, compared by the test with the pristine tree's run.
@@ -1127,12 +1132,7 @@ def sc_optimizer_without_ddp(cfg):
             dist.all_reduce(p.grad)
             p.grad /= dist.get_world_size()
         opt.step()
-    same = True
-    for p in module.parameters():
-        ref = p.detach().clone()
-        dist.broadcast(ref, src=0)
-        same &= torch.equal(ref, p.detach())
-    return {"params_equal_across_ranks": all_ranks(same), "params_sha256": params_sha256(list(module.parameters()))}
+    return {"params_equal_across_ranks": params_equal_across_ranks(list(module.parameters())), "params_sha256": params_sha256(list(module.parameters()))}
 
 
 def _forced_sync_after_each_step(s):
@@ -1360,14 +1360,9 @@ def sc_optimizer_two_dtypes(cfg):
     a, na, _, _ = train(cfg, 3, True, fp32_last_layer=True)
     b, nb, untouched, _ = train(cfg, 3, False, fp32_last_layer=True)
     diff = max_abs_diff([p.detach() for p in a.params], [p.detach() for p in b.params])
-    same = True
-    for p in b.params:
-        ref = p.detach().clone()
-        dist.broadcast(ref, src=0)
-        same &= torch.equal(ref, p.detach())
     res.update(
         training_equals_overlapped=all_ranks(diff == 0.0 and na == nb),
-        params_equal_across_ranks=all_ranks(same),
+        params_equal_across_ranks=params_equal_across_ranks(b.params),
         grad_data_untouched_by_step=all_ranks(untouched),
     )
     return res
@@ -1396,11 +1391,6 @@ def sc_post_param_sync_order(cfg):
             seen["early"] += 1
         return orig(group)
 
-    def async_pair():
-        for g in s.bucket_groups:
-            g.start_param_sync()
-            g.finish_param_sync(skip_next_bucket_dispatch=True)
-
     def start_all():
         for g in s.bucket_groups:
             g.start_param_sync()
@@ -1409,7 +1399,7 @@ def sc_post_param_sync_order(cfg):
         return lambda: [fn() for fn in fns]
 
     paths = {
-        "async": async_pair,
+        "async": lambda: [sync_bucket_group(g, "async") for g in s.bucket_groups],
         "forced_idle": lambda: s.ddp.start_param_sync(force_sync=True),
         "forced_pending": then(start_all, lambda: s.ddp.start_param_sync(force_sync=True)),
         "free_overlap_buffers": then(start_all, s.ddp.free_overlap_buffers),
@@ -1468,12 +1458,7 @@ def sc_local_cuda_graphs(cfg):
         res[f"{name}_built"] = True
         diff = max_abs_diff([p.detach() for p in s.params], [p.detach() for p in ref.params])
         res[f"{name}_trains_equal_without_cuda_graphs"] = all_ranks(diff == 0.0 and norms == nref)
-        same = True
-        for p in s.params:
-            r = p.detach().clone()
-            dist.broadcast(r, src=0)
-            same &= torch.equal(r, p.detach())
-        res[f"{name}_params_equal_across_ranks"] = all_ranks(same)
+        res[f"{name}_params_equal_across_ranks"] = params_equal_across_ranks(s.params)
     return res
 
 
