@@ -557,23 +557,21 @@ def params_sha256(params):
     return h.hexdigest()
 
 
-def pending_gather(bk):
-    """A bucket's pending layer-wise gather (None: none): its receive slots,
-    layerwise_gather_list, in the series as in pristine."""
-    return bk.layerwise_gather_list
-
-
 def gather_lists_cleared(s):
-    return all_ranks(all(pending_gather(bk) is None for bk in s.buckets))
+    """No bucket holds a pending layer-wise gather's receive slots (layerwise_gather_list,
+    in the series as in pristine), on every rank."""
+    return all_ranks(all(bk.layerwise_gather_list is None for bk in s.buckets))
 
 
 def sc_forced_sync(cfg):
-    """Forced sync (eval / checkpoint): with no gather pending, and with one pending."""
+    """Forced sync (eval / checkpoint) with no gather pending, over idle grad_data that holds
+    the bytes of consumed grads. (With a gather pending in idle grad_data, the forced sync
+    is a hazard of test_grad_data_guards.py: gather_then_forced_before_step_idle.)"""
     s = Setup(cfg, overlap=True)
     res = {}
-    # (a) nothing pending: disable_forward_pre_hook(param_sync=True), as at eval; grad_data
-    # holds the grads the step consumed (nonzero bytes). A forced sync never receives into
-    # grad_data (a grad may be there): every byte stays.
+    # disable_forward_pre_hook(param_sync=True), as at eval; grad_data holds the grads the
+    # step consumed (nonzero bytes). A forced sync never receives into grad_data (a grad
+    # may be there): every byte stays.
     s.ddp.zero_grad_buffer()
     s.simulate_step(step=3)
     fill_grad_bytes(s)
@@ -593,69 +591,30 @@ def sc_forced_sync(cfg):
     # Next step: the next forward must gather again (not skip a needed gather).
     s.ddp.zero_grad_buffer()
     s.simulate_step(step=4)
-    out = s.ddp(s.batch(4, 0))
+    s.ddp(s.batch(4, 0))
     res["next_step_gathers_fresh_values"] = all_ranks(s.params_equal_targets(4))
-    out.float().pow(2).mean().backward()
-    s.ddp.finish_grad_sync()
-    # (b) a gather pending: dispatch async, then force.
-    s.ddp.zero_grad_buffer()
-    s.simulate_step(step=5)
-    for g in s.ddp.bucket_groups:
-        g.start_param_sync()
-    res["pending_gather_list_set_while_in_flight"] = all_ranks(
-        all(
-            (pending_gather(bk) is not None)
-            == (bucket_pattern(bk.layerwise_params_list)["kind"] != "none")
-            for bk in s.buckets
-        )
-    )
-    for g in s.ddp.bucket_groups:
-        g.start_param_sync(force_sync=True)
-    res["pending_params_synced"] = all_ranks(s.params_equal_targets(5))
-    res["pending_grad_data_zero"] = grads_all_zero(s)
-    res["pending_gather_lists_cleared"] = gather_lists_cleared(s)
-    with cpu_runtime.record_collectives() as gathers:
-        out = s.ddp(s.batch(5, 0))
-    res["pending_no_regather_in_forward"] = all_ranks(len(gathers) == 0)
-    res["pending_params_synced_after_forward"] = all_ranks(s.params_equal_targets(5))
     return res
 
 
 def sc_free_overlap_buffers(cfg):
-    """free_overlap_buffers() (checkpoint save) with a gather pending."""
+    """free_overlap_buffers() (checkpoint save) with a gather pending in idle grad_data: it
+    must complete it (params synced, grad_data zero, no receive slots left), so that the
+    next forward neither gathers again nor keeps stale params."""
     s = Setup(cfg, overlap=True)
     s.ddp.zero_grad_buffer()
     s.simulate_step(step=6)
     s.ddp.start_param_sync()  # async dispatch of every bucket group
     s.ddp.free_overlap_buffers()
-    return _completed_then_forward(s, 6, gather_lists_cleared=gather_lists_cleared(s))
-
-
-def _completed_then_forward(s, step, **checks):
-    """Checks after a call that had to complete the pending gather of `step`: params
-    synced, grad_data zero (plus `checks`); then a forward that must not gather again."""
     res = {
-        "params_synced": all_ranks(s.params_equal_targets(step)),
+        "params_synced": all_ranks(s.params_equal_targets(6)),
         "grad_data_zero": grads_all_zero(s),
-        **checks,
+        "gather_lists_cleared": gather_lists_cleared(s),
     }
     with cpu_runtime.record_collectives() as gathers:
-        s.ddp(s.batch(step, 0))
+        s.ddp(s.batch(6, 0))
     res["no_regather_in_forward"] = all_ranks(len(gathers) == 0)
-    res["params_synced_after_forward"] = all_ranks(s.params_equal_targets(step))
+    res["params_synced_after_forward"] = all_ranks(s.params_equal_targets(6))
     return res
-
-
-def sc_zero_grad_buffer(cfg):
-    """zero_grad_buffer() with a gather pending (dispatched right after the step, e.g. to
-    overlap it with data loading), whose data has landed in grad_data."""
-    s = Setup(cfg, overlap=True)
-    s.ddp.zero_grad_buffer()
-    s.simulate_step(step=7)
-    s.ddp.start_param_sync()
-    wait_for_pending_gathers(s)
-    s.ddp.zero_grad_buffer()
-    return _completed_then_forward(s, 7)
 
 
 def sc_offload(cfg):
@@ -1468,7 +1427,6 @@ SCENARIOS = {
     "training": sc_training,
     "forced_sync": sc_forced_sync,
     "free_overlap_buffers": sc_free_overlap_buffers,
-    "zero_grad_buffer": sc_zero_grad_buffer,
     "offload": sc_offload,
     "alloc": sc_alloc,
     "collectives": sc_collectives,

@@ -53,8 +53,7 @@ MUTANT_DIRS = {"0.17.1": MUTANTS / "0.17.1", "0.19": MUTANTS / "0.19"}
 # - equal: one bucket of identical layers, equal shares at DP 2 and 4; fp32.
 CONFIGS = ("bf16-fp32grad-mixed", "bf16-samegrad-one", "fp32-fp32grad-equal")
 MAIN_SCENARIOS = (
-    "gather,microbatches,training,forced_sync,free_overlap_buffers,zero_grad_buffer,offload,alloc,"
-    "async_without_ddp"
+    "gather,microbatches,training,forced_sync,free_overlap_buffers,offload,alloc,async_without_ddp"
 )
 # The collectives scenario checks the calls against the design; it builds its own models.
 SERIES_SCENARIOS = MAIN_SCENARIOS + ",collectives"
@@ -348,16 +347,16 @@ def test_nccl_ops_and_launches_at_most_pristine_per_bucket_and_per_step(runs, wo
 
 @pytest.mark.parametrize("world,config", CASES)
 def test_forced_sync(runs, world, config):
-    """Forced sync (eval/checkpoint) idle and with a gather pending: params synced; idle,
-    grad_data (consumed grads, nonzero bytes) untouched: a forced sync never receives into
-    grad_data (patch 0003); pending (the pre-hooks' gather into idle grad_data), completed
-    and grad_data zero again; no gather state left; the next pre-hook neither re-gathers
-    nor skips a needed gather.
-    Pristine: a forced sync with a gather pending drops the data (params stay stale)."""
+    """Forced sync (eval/checkpoint) with no gather pending, over idle grad_data holding
+    consumed grads (nonzero bytes): params synced, every grad_data byte untouched (a forced
+    sync never receives into grad_data, patch 0003), no gather state left; the next
+    pre-hook neither re-gathers nor skips a needed gather. Pristine: params synced too.
+    (A forced sync with a gather pending in idle grad_data, which pristine drops: the
+    hazard gather_then_forced_before_step_idle of test_grad_data_guards.py.)"""
     r = result(runs("series-0.17.1", world), config, "forced_sync")
     assert not failed(r), f"failed checks: {failed(r)}"
     u = result(runs("pristine-0.17.1", world), config, "forced_sync")
-    assert u["idle_params_synced"] and not u["pending_params_synced"]
+    assert u["idle_params_synced"]
 
 
 @pytest.mark.parametrize("world,config", CASES)
@@ -369,17 +368,6 @@ def test_free_overlap_buffers_with_pending_gather(runs, world, config):
     assert not failed(r), f"failed checks: {failed(r)}"
     u = result(runs("pristine-0.17.1", world), config, "free_overlap_buffers")
     assert not u["params_synced_after_forward"]
-
-
-@pytest.mark.parametrize("world,config", CASES)
-def test_zero_grad_buffer_with_pending_gather(runs, world, config):
-    """zero_grad_buffer() while a gather dispatched after the step is pending (its data
-    landed in grad_data): patched completes it first, params synced at once, grad_data
-    zero, no re-gather. Pristine: receives into temporaries; the pre-hooks complete it."""
-    r = result(runs("series-0.17.1", world), config, "zero_grad_buffer")
-    assert not failed(r), f"failed checks: {failed(r)}"
-    u = result(runs("pristine-0.17.1", world), config, "zero_grad_buffer")
-    assert not u["params_synced"] and u["params_synced_after_forward"], u
 
 
 @pytest.mark.parametrize("world,config", CASES)
@@ -596,21 +584,15 @@ def _failed_checks(results):
 # (overlapping slots race with each other there). The layout is checked on the
 # collectives scenario's own models, by address, without values.
 MUTANT_CONFIGS = CONFIGS[:1]
-MUTANT_SCENARIOS = (
-    "gather,microbatches,training,forced_sync,free_overlap_buffers,zero_grad_buffer,collectives"
-)
+MUTANT_SCENARIOS = "gather,microbatches,training,forced_sync,free_overlap_buffers,collectives"
 _PARAMS_STALE = {
     "gather.params_equal_owner_values",
     "gather.not_idle_params_synced",
     "forced_sync.idle_params_synced",
     "forced_sync.params_still_synced_after_forward",
     "forced_sync.next_step_gathers_fresh_values",
-    "forced_sync.pending_params_synced",
-    "forced_sync.pending_params_synced_after_forward",
     "free_overlap_buffers.params_synced",
     "free_overlap_buffers.params_synced_after_forward",
-    "zero_grad_buffer.params_synced",
-    "zero_grad_buffer.params_synced_after_forward",
 }
 _GRADS_WRONG = {"gather.main_grad_equals_overlap_off"} | {
     f"microbatches.mb{n}_{c}"
@@ -619,8 +601,8 @@ _GRADS_WRONG = {"gather.main_grad_equals_overlap_off"} | {
 }
 _TRAINING_DIVERGES = {"training.params_overlap_equal_sync", "training.grad_norms_equal"}
 _RANKS_DIFFER = {"training.params_equal_across_ranks"}
-# Syncs completed outside the pre-hooks leave the pending gather's slots in grad_data.
-_DIRTY_AFTER_COMPLETION = {"forced_sync.pending_grad_data_zero", "free_overlap_buffers.grad_data_zero"}
+# A sync completed outside the pre-hooks leaves the pending gather's slots in grad_data.
+_DIRTY_AFTER_COMPLETION = {"free_overlap_buffers.grad_data_zero"}
 # Wrong values where the overlapped path gathers; the optimizer's path of CONFIGS[0] is
 # right, so the two training paths part.
 _WRONG_VALUES = _PARAMS_STALE | _GRADS_WRONG | _TRAINING_DIVERGES | _RANKS_DIFFER
@@ -637,8 +619,8 @@ _MODELS = ("mixed", "one", "one_samegrad", "equal")
 # bucket has equal shares (all_gather_into_tensor).
 _BROADCASTS = _calls(("mixed", "one", "one_samegrad"), _PRE_HOOK_PATHS, ("form",))
 MUTANT_MUST_FAIL = {
-    # Backward accumulates onto the gathered bytes; syncs completed outside the pre-hooks
-    # leave them too. (The optimizer path does not use grad_data: nothing there.)
+    # Backward accumulates onto the gathered bytes; a sync completed outside the pre-hooks
+    # leaves them too. (The optimizer path does not use grad_data: nothing there.)
     "no_zeroing": {"gather.grad_data_zero_after_gather", "gather.async_zeroed_exactly_where_written"}
     | _DIRTY_AFTER_COMPLETION
     | _GRADS_WRONG
@@ -650,7 +632,9 @@ MUTANT_MUST_FAIL = {
         "gather.not_idle_grad_data_untouched",
         "forced_sync.idle_grad_data_untouched",
     },
-    # Only syncs that no pre-hook completes leave grad_data dirty; numerics unchanged.
+    # Only syncs that no pre-hook completes leave grad_data dirty; numerics unchanged here.
+    # (test_grad_data_guards.py's gather_then_forced_before_step_idle sees the numerics:
+    # a forced sync that leaves them, then a backward.)
     "zeroing_only_in_pre_hooks": _DIRTY_AFTER_COMPLETION,
     # Other ranks keep stale values of what rank 1 sends: the training paths part and the
     # ranks disagree. The calls are right.
@@ -676,13 +660,6 @@ MUTANT_MUST_FAIL = {
     "forced_sync_into_grad_data": {"forced_sync.idle_grad_data_untouched"}
     | _calls(_MODELS, ("forced",), ("in_recv",))
     | {"collectives.mixed_forced_packed"},
-    # zero_grad_buffer() wipes received data before the copy-out: params get zeros. (Only
-    # here: test_grad_data_guards.py's gathers pending at zero_grad_buffer() started after a
-    # step, into temporaries, which zeroing grad_data cannot reach.)
-    "zero_grad_buffer_under_pending_gather": {
-        "zero_grad_buffer.params_synced",
-        "zero_grad_buffer.params_synced_after_forward",
-    },
     # step()'s in-place broadcasts rooted at the next rank: every param takes the
     # non-owner's stale value (the ranks agree), so the sync path parts from the
     # overlapped one; the tensors are still the params' own.
@@ -691,16 +668,16 @@ MUTANT_MUST_FAIL = {
 
 
 #: The mutants that run on the 0.19 series too: those of the rules whose code replaced
-#: 0.19.2's own (the receive buffer and its zeroing, 0003; completion before
-#: zero_grad_buffer(), 0003; the optimizer's gather, 0006). The others mutate
-#: _layerwise_all_gather() and the copy-out, byte for byte the 0.17.1 series' code there
-#: (tests/mutants/0.19/ holds them all; one pass per base would not fit the suite's time).
+#: 0.19.2's own (the receive buffer and its zeroing, 0003; the optimizer's gather, 0006;
+#: completion before zero_grad_buffer(), 0003, runs there in test_grad_data_guards.py). The
+#: others mutate _layerwise_all_gather() and the copy-out, byte for byte the 0.17.1 series'
+#: code there (tests/mutants/0.19/ holds them all; one pass per base would not fit the
+#: suite's time).
 MUTANTS_ON_019 = (
     "no_zeroing",
     "zeroes_all_of_grad_data",
     "gather_over_grads",
     "forced_sync_into_grad_data",
-    "zero_grad_buffer_under_pending_gather",
     "optimizer_broadcast_from_wrong_owner",
 )
 #: Base -> mutant -> the checks it must fail. 0.19: the same checks, measured mutant by
@@ -753,7 +730,15 @@ def assert_mutant_fails_exactly(runs, tree, must_fail):
 
 @pytest.mark.parametrize("base", BASES)
 def test_every_mutant_has_its_checks(base):
-    assert set(MUTANT_MUST_FAIL) == {p.stem for p in MUTANT_DIRS[base].glob("*.patch")}
+    """Every mutant of the base's folder (guards/ and handles/ aside) fails named checks
+    here, or, for zero_grad_buffer_under_pending_gather (a gather pending in idle grad_data
+    at zero_grad_buffer(), one of its hazards), in test_grad_data_guards.py
+    (GUARD_MUTANT_MUST_FAIL_BY_BASE; this folder is on sys.path under pytest)."""
+    from test_grad_data_guards import GUARD_MUTANT_MUST_FAIL_BY_BASE
+
+    stems = {p.stem for p in MUTANT_DIRS[base].glob("*.patch")}
+    assert set(MUTANT_MUST_FAIL) | set(GUARD_MUTANT_MUST_FAIL_BY_BASE[base]) >= stems
+    assert set(MUTANT_MUST_FAIL) <= stems
     assert set(MUTANT_MUST_FAIL_BY_BASE[base]) <= set(MUTANT_MUST_FAIL)
     assert all(MUTANT_MUST_FAIL_BY_BASE[base].values())
 
@@ -818,13 +803,15 @@ def _skip_without_019():
 def test_019_series_passes_every_check_and_trains_like_pristine(runs):
     """0.19.2 + patches/0.19, 2 ranks: every check of the main scenarios holds (gathered
     params, grad_data zero after the gather, microbatch accumulation, forced sync,
-    free_overlap_buffers and zero_grad_buffer with a gather pending, offload, 0 bytes of
-    temporaries on the pre-hook and optimizer paths and the forced sync's one temporary per
-    bucket, the designed collectives on every path), and training is bitwise equal to
-    pristine 0.19.2's on both paths.
-    Pristine 0.19.2: stale params after a forced sync, free_overlap_buffers() or
-    zero_grad_buffer() with a gather pending, a crash on offloaded grad buffers, and
-    temporaries on every path."""
+    free_overlap_buffers with a gather pending, offload, 0 bytes of temporaries on the
+    pre-hook and optimizer paths and the forced sync's one temporary per bucket, the
+    designed collectives on every path), and training is bitwise equal to pristine
+    0.19.2's on both paths.
+    Pristine 0.19.2: a forced sync that zeroes the grads in grad_data, stale params after
+    free_overlap_buffers() with a gather pending, a crash on offloaded grad buffers, and
+    temporaries on every path. (Its stale params after a forced sync or zero_grad_buffer()
+    with a gather pending: test_019_every_copy_back_happens_before_post_param_sync, and
+    test_grad_data_guards.py's test_019_pristine_zero_grad_buffer_drops_a_gather_pending_in_grad_data.)"""
     r = series_main_run(runs, "0.19")
     assert not _failed_checks(r), _failed_checks(r)
     u = pristine_main_run(runs, "0.19")
@@ -837,7 +824,7 @@ def test_019_series_passes_every_check_and_trains_like_pristine(runs):
         assert a["forced_bytes"] == a["gathered_bytes"] > 0, (a, ua)
         assert ua["async_bytes"] > 0 and ua["optimizer_bytes"] > 0, ua
     bad = {f.split("/", 1)[1].split(".")[0].split(":")[0] for f in _failed_checks(u)}
-    assert {"forced_sync", "free_overlap_buffers", "zero_grad_buffer", "offload"} <= bad, bad
+    assert {"forced_sync", "free_overlap_buffers", "offload"} <= bad, bad
 
 
 def test_019_expert_dp_index_error_confirmed_and_fixed(runs):
