@@ -796,7 +796,7 @@ SERIES_SCENARIOS_019 = SCENARIOS_019 + ",collectives"
 
 
 def _skip_without_019():
-    if not (REPO_ROOT / "build" / "series-0.19" / "megatron" / "core").is_dir():
+    if not (REPO_ROOT / "build" / "patched-0.19" / "megatron" / "core").is_dir():
         pytest.skip("build/patched-0.19 is missing; run scripts/setup.sh")
 
 
