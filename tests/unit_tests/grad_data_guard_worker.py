@@ -12,7 +12,7 @@ built the way megatron.training builds it, `main_grad` a view into `grad_data`, 
 LayerWiseDistributedOptimizer with overlapped param gather) for STEPS optimizer steps of
 MICROBATCHES microbatches, and injects one call sequence at a fixed point of each step
 (see SCENARIOS). A scenario that starts a pending gather names its point
-(Scenario.gather_start, one of START_POINTS); its "<name>_idle" twin (IDLE_TWINS) starts
+(Scenario.gather_start, one of START_POINTS); its "<name>_idle" twin starts
 the same calls right after zero_grad_buffer() of steps 1 and 2, where grad_data (the
 bucket's flat grad buffer, which every param's main_grad views) holds no grad and the
 series receives the gather into it. After the last step one forward pass with every
@@ -252,8 +252,8 @@ class Scenario:
     # through config.grad_sync_func.
     grad_sync_by_caller = False
     # Where start_gather() runs (one of START_POINTS), for a scenario that starts a pending
-    # gather; None for one that starts none. Every gather-starting scenario of the prefix
-    # sweep has a twin "<name>_idle" whose gather_start is "idle" (see IDLE_TWINS).
+    # gather; None for one that starts none. Every gather-starting scenario has a twin
+    # "<name>_idle" whose gather_start is "idle" (defined after SCENARIOS).
     gather_start = None
 
     def backward(self, s, loss):
@@ -714,23 +714,17 @@ for _name in ("zero_grad", "offload"):
     SCENARIOS[f"{_name}_no_ogr"] = type(
         f"{SCENARIOS[_name].__name__}NoOverlapGradReduce", (SCENARIOS[_name],), {"overlap_grad_reduce": False}
     )
-#: Gather-starting scenarios whose twin "<name>_idle" starts the same gather right after
-#: zero_grad_buffer() (Scenario.gather_start "idle"), where grad_data is idle.
-IDLE_TWINS = (
-    "zero_grad", "offload", "forward_only", "gather_after_backward", "gather_then_forced_before_step",
-    "zero_grad_moe", "offload_moe", "forward_only_moe", "gather_after_backward_moe",
-    "gather_then_forced_before_step_moe", "gather_into_offloaded", "gather_into_offloaded_moe",
-    "fused_wgrad_gather_after_backward_no_ogr", "fused_wgrad_gather_after_no_sync_no_ogr",
-    "zero_grad_no_ogr", "offload_no_ogr",
-)
-for _name in IDLE_TWINS:
-    assert SCENARIOS[_name].gather_start is not None, _name
-    SCENARIOS[f"{_name}_idle"] = type(f"{SCENARIOS[_name].__name__}Idle", (SCENARIOS[_name],), {"gather_start": "idle"})
 # The same on one bucket group of a bf16 and an fp32 bucket (Scenario.two_dtypes).
 for _name in ("baseline", "zero_grad", "forced_before_step", "gather_after_backward"):
     SCENARIOS[f"{_name}_two_dtypes"] = type(
         f"{SCENARIOS[_name].__name__}TwoDtypes", (SCENARIOS[_name],), {"two_dtypes": True}
     )
+# Every gather-starting scenario's twin "<name>_idle": the same gather started right after
+# zero_grad_buffer() (Scenario.gather_start "idle"), where grad_data is idle. Which twins a
+# test runs is its choice (test_grad_data_guards.py: GATHER_STARTING).
+for _name, _cls in list(SCENARIOS.items()):
+    if _cls.gather_start is not None:
+        SCENARIOS[f"{_name}_idle"] = type(f"{_cls.__name__}Idle", (_cls,), {"gather_start": "idle"})
 
 
 def run(scenario: Scenario, cfg):
@@ -812,6 +806,9 @@ def run(scenario: Scenario, cfg):
 def main(argv=None):
     args = worker_arg_parser(__doc__, "output directory", SCENARIOS, "bf16-fp32grad-layers").parse_args(argv)
     out = Path(args.out)
+    unknown = [n for n in args.scenarios.split(",") if n not in SCENARIOS]
+    if unknown:  # e.g. the "_idle" twin of a scenario that starts no gather
+        raise SystemExit(f"unknown scenarios {unknown}; expected some of {sorted(SCENARIOS)}")
     dist.init_process_group(backend="gloo")
     tree = check_expected_tree()
     parallel_state.initialize_model_parallel()

@@ -290,6 +290,17 @@ def max_abs_diff(xs, ys):
     return t.item()
 
 
+def params_equal_across_ranks(params) -> bool:
+    """Whether every rank holds rank 0's value of every param, bitwise (a broadcast from
+    rank 0 per param, so every rank must call it with the same params)."""
+    same = True
+    for p in params:
+        ref = p.detach().clone()
+        dist.broadcast(ref, src=0)
+        same &= torch.equal(ref, p.detach())
+    return all_ranks(same)
+
+
 def grads_all_zero(s):
     return all_ranks(all(int(torch.count_nonzero(g)) == 0 for g in s.grad_datas()))
 
@@ -523,19 +534,13 @@ def sc_training(cfg, steps=4):
     before whenever step() returns: the gather never touches grad_data (patch 0006
     broadcasts the params in place; pristine receives into temporaries)."""
     a, na, b, nb, diff, (untouched, zeroed) = train_overlap_and_sync(cfg, steps)
-    # Every rank must hold the same params after the gather.
-    same = True
-    for p in a.params:
-        ref = p.detach().clone()
-        dist.broadcast(ref, src=0)
-        same &= torch.equal(ref, p.detach())
     return {
         "params_overlap_equal_sync": all_ranks(diff == 0.0),
         "params_max_abs_diff": diff,
         "grad_norms_equal": all_ranks(na == nb),
         "grad_norms_overlap": na,
         "grad_norms_sync": nb,
-        "params_equal_across_ranks": all_ranks(same),
+        "params_equal_across_ranks": params_equal_across_ranks(a.params),
         "grad_data_untouched_by_step": untouched,
         "main_grad_elements_zeroed_by_step": zeroed,
         # Bitwise fingerprints, compared by the test with the pristine tree's run.
@@ -552,23 +557,21 @@ def params_sha256(params):
     return h.hexdigest()
 
 
-def pending_gather(bk):
-    """A bucket's pending layer-wise gather (None: none): its receive slots,
-    layerwise_gather_list, in the series as in pristine."""
-    return bk.layerwise_gather_list
-
-
 def gather_lists_cleared(s):
-    return all_ranks(all(pending_gather(bk) is None for bk in s.buckets))
+    """No bucket holds a pending layer-wise gather's receive slots (layerwise_gather_list,
+    in the series as in pristine), on every rank."""
+    return all_ranks(all(bk.layerwise_gather_list is None for bk in s.buckets))
 
 
 def sc_forced_sync(cfg):
-    """Forced sync (eval / checkpoint): with no gather pending, and with one pending."""
+    """Forced sync (eval / checkpoint) with no gather pending, over idle grad_data that holds
+    the bytes of consumed grads. (With a gather pending in idle grad_data, the forced sync
+    is a hazard of test_grad_data_guards.py: gather_then_forced_before_step_idle.)"""
     s = Setup(cfg, overlap=True)
     res = {}
-    # (a) nothing pending: disable_forward_pre_hook(param_sync=True), as at eval; grad_data
-    # holds the grads the step consumed (nonzero bytes). A forced sync never receives into
-    # grad_data (a grad may be there): every byte stays.
+    # disable_forward_pre_hook(param_sync=True), as at eval; grad_data holds the grads the
+    # step consumed (nonzero bytes). A forced sync never receives into grad_data (a grad
+    # may be there): every byte stays.
     s.ddp.zero_grad_buffer()
     s.simulate_step(step=3)
     fill_grad_bytes(s)
@@ -588,69 +591,30 @@ def sc_forced_sync(cfg):
     # Next step: the next forward must gather again (not skip a needed gather).
     s.ddp.zero_grad_buffer()
     s.simulate_step(step=4)
-    out = s.ddp(s.batch(4, 0))
+    s.ddp(s.batch(4, 0))
     res["next_step_gathers_fresh_values"] = all_ranks(s.params_equal_targets(4))
-    out.float().pow(2).mean().backward()
-    s.ddp.finish_grad_sync()
-    # (b) a gather pending: dispatch async, then force.
-    s.ddp.zero_grad_buffer()
-    s.simulate_step(step=5)
-    for g in s.ddp.bucket_groups:
-        g.start_param_sync()
-    res["pending_gather_list_set_while_in_flight"] = all_ranks(
-        all(
-            (pending_gather(bk) is not None)
-            == (bucket_pattern(bk.layerwise_params_list)["kind"] != "none")
-            for bk in s.buckets
-        )
-    )
-    for g in s.ddp.bucket_groups:
-        g.start_param_sync(force_sync=True)
-    res["pending_params_synced"] = all_ranks(s.params_equal_targets(5))
-    res["pending_grad_data_zero"] = grads_all_zero(s)
-    res["pending_gather_lists_cleared"] = gather_lists_cleared(s)
-    with cpu_runtime.record_collectives() as gathers:
-        out = s.ddp(s.batch(5, 0))
-    res["pending_no_regather_in_forward"] = all_ranks(len(gathers) == 0)
-    res["pending_params_synced_after_forward"] = all_ranks(s.params_equal_targets(5))
     return res
 
 
 def sc_free_overlap_buffers(cfg):
-    """free_overlap_buffers() (checkpoint save) with a gather pending."""
+    """free_overlap_buffers() (checkpoint save) with a gather pending in idle grad_data: it
+    must complete it (params synced, grad_data zero, no receive slots left), so that the
+    next forward neither gathers again nor keeps stale params."""
     s = Setup(cfg, overlap=True)
     s.ddp.zero_grad_buffer()
     s.simulate_step(step=6)
     s.ddp.start_param_sync()  # async dispatch of every bucket group
     s.ddp.free_overlap_buffers()
-    return _completed_then_forward(s, 6, gather_lists_cleared=gather_lists_cleared(s))
-
-
-def _completed_then_forward(s, step, **checks):
-    """Checks after a call that had to complete the pending gather of `step`: params
-    synced, grad_data zero (plus `checks`); then a forward that must not gather again."""
     res = {
-        "params_synced": all_ranks(s.params_equal_targets(step)),
+        "params_synced": all_ranks(s.params_equal_targets(6)),
         "grad_data_zero": grads_all_zero(s),
-        **checks,
+        "gather_lists_cleared": gather_lists_cleared(s),
     }
     with cpu_runtime.record_collectives() as gathers:
-        s.ddp(s.batch(step, 0))
+        s.ddp(s.batch(6, 0))
     res["no_regather_in_forward"] = all_ranks(len(gathers) == 0)
-    res["params_synced_after_forward"] = all_ranks(s.params_equal_targets(step))
+    res["params_synced_after_forward"] = all_ranks(s.params_equal_targets(6))
     return res
-
-
-def sc_zero_grad_buffer(cfg):
-    """zero_grad_buffer() with a gather pending (dispatched right after the step, e.g. to
-    overlap it with data loading), whose data has landed in grad_data."""
-    s = Setup(cfg, overlap=True)
-    s.ddp.zero_grad_buffer()
-    s.simulate_step(step=7)
-    s.ddp.start_param_sync()
-    wait_for_pending_gathers(s)
-    s.ddp.zero_grad_buffer()
-    return _completed_then_forward(s, 7)
 
 
 def sc_offload(cfg):
@@ -712,7 +676,7 @@ def sc_alloc(cfg):
     the test can compare the trees bucket by bucket."""
     res = {}
     s = Setup(cfg, overlap=True)
-    res["theory_upstream_bytes"] = _theory_bytes(s.buckets)
+    res["theory_pristine_bytes"] = _theory_bytes(s.buckets)
     res["bucket_shares"] = [
         [shares_of(bk.layerwise_params_list) if bk.layerwise_params_list else None for bk in g.buckets]
         for g in s.ddp.bucket_groups
@@ -761,7 +725,7 @@ def sc_alloc(cfg):
     owners = o.opt.dp_cp_params_list
     res["optimizer_shares"] = None if owners is None else shares_of(owners)
     res["optimizer_params"] = 0 if owners is None else sum(len(ps) for ps in owners)
-    res["theory_upstream_optimizer_bytes"] = (
+    res["theory_pristine_optimizer_bytes"] = (
         0
         if owners is None
         else theory_upstream_bytes(
@@ -1127,12 +1091,7 @@ def sc_optimizer_without_ddp(cfg):
             dist.all_reduce(p.grad)
             p.grad /= dist.get_world_size()
         opt.step()
-    same = True
-    for p in module.parameters():
-        ref = p.detach().clone()
-        dist.broadcast(ref, src=0)
-        same &= torch.equal(ref, p.detach())
-    return {"params_equal_across_ranks": all_ranks(same), "params_sha256": params_sha256(list(module.parameters()))}
+    return {"params_equal_across_ranks": params_equal_across_ranks(list(module.parameters())), "params_sha256": params_sha256(list(module.parameters()))}
 
 
 def _forced_sync_after_each_step(s):
@@ -1360,14 +1319,9 @@ def sc_optimizer_two_dtypes(cfg):
     a, na, _, _ = train(cfg, 3, True, fp32_last_layer=True)
     b, nb, untouched, _ = train(cfg, 3, False, fp32_last_layer=True)
     diff = max_abs_diff([p.detach() for p in a.params], [p.detach() for p in b.params])
-    same = True
-    for p in b.params:
-        ref = p.detach().clone()
-        dist.broadcast(ref, src=0)
-        same &= torch.equal(ref, p.detach())
     res.update(
         training_equals_overlapped=all_ranks(diff == 0.0 and na == nb),
-        params_equal_across_ranks=all_ranks(same),
+        params_equal_across_ranks=params_equal_across_ranks(b.params),
         grad_data_untouched_by_step=all_ranks(untouched),
     )
     return res
@@ -1396,11 +1350,6 @@ def sc_post_param_sync_order(cfg):
             seen["early"] += 1
         return orig(group)
 
-    def async_pair():
-        for g in s.bucket_groups:
-            g.start_param_sync()
-            g.finish_param_sync(skip_next_bucket_dispatch=True)
-
     def start_all():
         for g in s.bucket_groups:
             g.start_param_sync()
@@ -1409,7 +1358,7 @@ def sc_post_param_sync_order(cfg):
         return lambda: [fn() for fn in fns]
 
     paths = {
-        "async": async_pair,
+        "async": lambda: [sync_bucket_group(g, "async") for g in s.bucket_groups],
         "forced_idle": lambda: s.ddp.start_param_sync(force_sync=True),
         "forced_pending": then(start_all, lambda: s.ddp.start_param_sync(force_sync=True)),
         "free_overlap_buffers": then(start_all, s.ddp.free_overlap_buffers),
@@ -1468,12 +1417,7 @@ def sc_local_cuda_graphs(cfg):
         res[f"{name}_built"] = True
         diff = max_abs_diff([p.detach() for p in s.params], [p.detach() for p in ref.params])
         res[f"{name}_trains_equal_without_cuda_graphs"] = all_ranks(diff == 0.0 and norms == nref)
-        same = True
-        for p in s.params:
-            r = p.detach().clone()
-            dist.broadcast(r, src=0)
-            same &= torch.equal(r, p.detach())
-        res[f"{name}_params_equal_across_ranks"] = all_ranks(same)
+        res[f"{name}_params_equal_across_ranks"] = params_equal_across_ranks(s.params)
     return res
 
 
@@ -1483,7 +1427,6 @@ SCENARIOS = {
     "training": sc_training,
     "forced_sync": sc_forced_sync,
     "free_overlap_buffers": sc_free_overlap_buffers,
-    "zero_grad_buffer": sc_zero_grad_buffer,
     "offload": sc_offload,
     "alloc": sc_alloc,
     "collectives": sc_collectives,

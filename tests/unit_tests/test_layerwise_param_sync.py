@@ -6,7 +6,7 @@ replaced main_grad with a clone, which hid the zeroing bug of PR #3751). The ran
 tests/unit_tests/layerwise_worker.py under torchrun, once per (tree, world size); the
 tests below assert on its JSON results.
 
-Every check runs on the patched tree. Where the behaviour differs, the pristine tree is
+Every check runs on the series tree. Where the behaviour differs, the pristine tree is
 run too and the test pins what it does (marked "pristine:" in the docstring): a crash,
 stale params, the temporaries and zero-size NCCL ops the series removes. The collective
 counts come from the CPU runtime layer's collective model (harness/cpu_runtime/
@@ -42,7 +42,7 @@ WORKER = Path(__file__).with_name("layerwise_worker.py")
 PROGRESS = "[layerwise_worker] done"  # the worker's per-scenario progress line
 MUTANTS = REPO_ROOT / "tests" / "mutants"
 #: Base (harness.trees.BASES) -> its mutants: tests/mutants/<base>/ (as patches/<base>/), the
-#: same bugs at the same relative paths, each written against its base's patched tree.
+#: same bugs at the same relative paths, each written against its base's series tree.
 MUTANT_DIRS = {"0.17.1": MUTANTS / "0.17.1", "0.19": MUTANTS / "0.19"}
 # Models (layerwise_worker.MODELS) by the share patterns of their buckets:
 # - mixed: at DP 2 one bucket with equal shares (all_gather_into_tensor) and unequal ones
@@ -53,11 +53,10 @@ MUTANT_DIRS = {"0.17.1": MUTANTS / "0.17.1", "0.19": MUTANTS / "0.19"}
 # - equal: one bucket of identical layers, equal shares at DP 2 and 4; fp32.
 CONFIGS = ("bf16-fp32grad-mixed", "bf16-samegrad-one", "fp32-fp32grad-equal")
 MAIN_SCENARIOS = (
-    "gather,microbatches,training,forced_sync,free_overlap_buffers,zero_grad_buffer,offload,alloc,"
-    "async_without_ddp"
+    "gather,microbatches,training,forced_sync,free_overlap_buffers,offload,alloc,async_without_ddp"
 )
 # The collectives scenario checks the calls against the design; it builds its own models.
-PATCHED_SCENARIOS = MAIN_SCENARIOS + ",collectives"
+SERIES_SCENARIOS = MAIN_SCENARIOS + ",collectives"
 ITEMSIZE = {"bf16": 2, "fp32": 4}
 
 pytestmark = [pytest.mark.gloo]
@@ -127,13 +126,13 @@ def run_worker(tree, nproc, out: Path, scenarios, configs=CONFIGS, expert_parall
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """Lazily computed worker results, keyed by (tree, nproc, scenarios, configs, ep).
-    Without `scenarios`: the main run of the tree (the patched one with collectives)."""
+    Without `scenarios`: the main run of the tree (the series one with collectives)."""
     cache = {}
     tmp = tmp_path_factory.mktemp("layerwise")
 
     def get(tree, nproc, scenarios=None, configs=CONFIGS, ep=1, tp=1):
         if scenarios is None:
-            scenarios = PATCHED_SCENARIOS if tree == "patched" else MAIN_SCENARIOS
+            scenarios = SERIES_SCENARIOS if tree == "series-0.17.1" else MAIN_SCENARIOS
         key = (str(tree), nproc, scenarios, tuple(configs), ep, tp)
         if key not in cache:
             out = tmp / f"r{len(cache)}.json"
@@ -163,20 +162,20 @@ def test_the_configs_cover_every_share_pattern(runs, world):
     """The models give what the other tests need: buckets with equal shares, unequal ones
     with single-param and multi-param owners side by side, and owners of nothing."""
     patterns = [
-        p for c in CONFIGS for p in result(runs("patched", world), c, "gather")["bucket_patterns"]
+        p for c in CONFIGS for p in result(runs("series-0.17.1", world), c, "gather")["bucket_patterns"]
     ]
     assert any(p["kind"] == "equal" for p in patterns)
     unequal = [p for p in patterns if p["kind"] == "unequal"]
     assert any(p["single_param_owner"] and p["multi_param_owner"] for p in unequal)
     assert any(p["empty_owner"] for p in unequal)
     assert any(p["multi_param_owners"] >= 2 for p in unequal)
-    mixed = result(runs("patched", world), CONFIGS[0], "gather")
+    mixed = result(runs("series-0.17.1", world), CONFIGS[0], "gather")
     assert all(n == 1 for n in mixed["buckets_per_group"]) and mixed["num_buckets"] >= 4
 
 
 @pytest.mark.parametrize("world,config", CASES)
 def test_gathered_params_equal_owner_values(runs, world, config):
-    r = result(runs("patched", world), config, "gather")
+    r = result(runs("series-0.17.1", world), config, "gather")
     assert r["params_equal_owner_values"]
 
 
@@ -187,7 +186,7 @@ def test_grad_data_zero_after_gather_and_main_grad_matches_overlap_off(runs, wor
     idle grad_data holding bytes (0x11 everywhere) zeroes exactly the slots it wrote, every
     rank's share packed in rank order from element 0 (sum of the shares x the param
     itemsize), and leaves every byte after them as it was."""
-    r = result(runs("patched", world), config, "gather")
+    r = result(runs("series-0.17.1", world), config, "gather")
     assert r["grad_data_zero_after_gather"]
     assert r["main_grad_equals_overlap_off"], f"max |diff| = {r['main_grad_max_abs_diff']}"
     assert r["async_zeroed_exactly_where_written"]
@@ -200,7 +199,7 @@ def test_pre_hook_gather_over_grads_not_reset_receives_into_temporaries(runs, wo
     synced, every grad_data byte (so main_grad) as it was, and exactly one temporary per
     gathered bucket of its shares' bytes, as pristine 0.17.1 allocates (by design: patch
     0003 receives into grad_data only while it is idle)."""
-    r = result(runs("patched", world), config, "gather")
+    r = result(runs("series-0.17.1", world), config, "gather")
     assert r["not_idle_grad_data_untouched"] and r["not_idle_params_synced"], r
     assert r["not_idle_temporaries_are_the_gathered_size"] and r["not_idle_temporary_bytes"] > 0, r
 
@@ -209,7 +208,7 @@ def test_pre_hook_gather_over_grads_not_reset_receives_into_temporaries(runs, wo
 @pytest.mark.parametrize("n", [1, 2, 4])
 def test_microbatch_accumulation(runs, world, config, n):
     """Grads over n microbatches equal overlap-off (bitwise) and the per-microbatch sum."""
-    r = result(runs("patched", world), config, "microbatches")
+    r = result(runs("series-0.17.1", world), config, "microbatches")
     assert r[f"mb{n}_equals_overlap_off"], r[f"mb{n}_max_abs_diff"]
     assert r[f"mb{n}_equals_sum_of_microbatches"], r[f"mb{n}_sum_max_abs_diff"]
 
@@ -219,8 +218,8 @@ def test_training_steps_equal_the_pristine_tree(runs, world, config):
     """4 real optimizer steps, overlapped gather and the optimizer's synchronous gather:
     params (sha256 of their bytes) and grad norms equal the pristine tree's, which
     receives into fresh temporaries and never touches grad_data; and equal each other."""
-    r = result(runs("patched", world), config, "training")
-    u = result(runs("upstream", world), config, "training")
+    r = result(runs("series-0.17.1", world), config, "training")
+    u = result(runs("pristine-0.17.1", world), config, "training")
     for path in ("overlap", "sync"):
         assert r[f"params_sha256_{path}"] == u[f"params_sha256_{path}"], f"{path} params differ from pristine"
         assert r[f"grad_norms_{path}"] == u[f"grad_norms_{path}"], (path, r[f"grad_norms_{path}"], u)
@@ -234,14 +233,14 @@ def test_main_grad_keeps_the_reduced_grads_when_the_optimizer_step_returns(runs,
     and never touches grad_data: when it returns, after each of 4 steps, every grad_data
     byte (so every main_grad) is bitwise the reduced grad it held before the step, none
     zeroed, never param bytes. Pristine (temporaries): the same."""
-    for tree in ("patched", "upstream"):
+    for tree in ("series-0.17.1", "pristine-0.17.1"):
         r = result(runs(tree, world), config, "training")
         assert r["grad_data_untouched_by_step"] and r["main_grad_elements_zeroed_by_step"] == 0, (tree, r)
 
 
 @pytest.mark.parametrize("world,config", CASES)
 def test_zero_temporaries_in_layerwise_param_sync(runs, world, config):
-    """Patched: 0 bytes and 0 allocator calls on the async (pre-hook, idle grad_data) and
+    """Series: 0 bytes and 0 allocator calls on the async (pre-hook, idle grad_data) and
     optimizer paths, NCCL's modelled temporaries included. The forced sync never receives
     into grad_data (a grad may be there): by design exactly one temporary per gathered
     bucket, of its shares' bytes (pristine 0.17.1 allocates the others' shares and its flat
@@ -249,7 +248,7 @@ def test_zero_temporaries_in_layerwise_param_sync(runs, world, config):
     allocates 0 bytes (control). Pristine: exactly megatron's theoretical temporaries plus
     the collective model's NCCL temporaries (the flat output of an equal-shape list
     all_gather)."""
-    p = result(runs("patched", world), config, "alloc")
+    p = result(runs("series-0.17.1", world), config, "alloc")
     for path in ("async", "optimizer"):
         assert p[f"{path}_bytes"] == 0 and p[f"{path}_alloc_calls"] == 0, p
     assert p["forced_bytes"] == p["gathered_bytes"] > 0, p
@@ -257,14 +256,14 @@ def test_zero_temporaries_in_layerwise_param_sync(runs, world, config):
     for path in ("async", "forced", "optimizer"):
         assert p[f"{path}_params_synced"]
     assert p["runtime_layer_all_gather_bytes"] == 0
-    u = result(runs("upstream", world), config, "alloc")
+    u = result(runs("pristine-0.17.1", world), config, "alloc")
     assert u["runtime_layer_all_gather_bytes"] == 0
-    assert u["theory_upstream_bytes"] > 0
+    assert u["theory_pristine_bytes"] > 0
     for path in ("async", "forced"):
         nccl = sum(b["nccl_temporary_bytes"] for b in u[f"{path}_per_bucket_group"])
-        assert u[f"{path}_bytes"] == u["theory_upstream_bytes"] + nccl, (path, u)
+        assert u[f"{path}_bytes"] == u["theory_pristine_bytes"] + nccl, (path, u)
     nccl = u["optimizer_step"]["nccl_temporary_bytes"]
-    assert u["optimizer_bytes"] == u["theory_upstream_optimizer_bytes"] + nccl > 0, u
+    assert u["optimizer_bytes"] == u["theory_pristine_optimizer_bytes"] + nccl > 0, u
     # (Pristine's forced temporaries are the other ranks' shares plus its flattened copy of
     # its own, a view of 0 bytes where it owns one param: the series' one temporary per
     # bucket can exceed them by this rank's share.)
@@ -321,8 +320,8 @@ def test_nccl_ops_and_launches_at_most_pristine_per_bucket_and_per_step(runs, wo
     no megatron temporary: test_zero_temporaries_in_layerwise_param_sync). Pristine: as
     0.17.1's list all_gather issues them (zero-size broadcasts for owners of nothing, a
     flat temporary for equal shares)."""
-    p = result(runs("patched", world), config, "alloc")
-    u = result(runs("upstream", world), config, "alloc")
+    p = result(runs("series-0.17.1", world), config, "alloc")
+    u = result(runs("pristine-0.17.1", world), config, "alloc")
     itemsize = ITEMSIZE[config.split("-")[0]]
     assert p["bucket_shares"] == u["bucket_shares"] and p["optimizer_shares"] == u["optimizer_shares"]
     shares = [b for group in p["bucket_shares"] for b in group]
@@ -348,38 +347,27 @@ def test_nccl_ops_and_launches_at_most_pristine_per_bucket_and_per_step(runs, wo
 
 @pytest.mark.parametrize("world,config", CASES)
 def test_forced_sync(runs, world, config):
-    """Forced sync (eval/checkpoint) idle and with a gather pending: params synced; idle,
-    grad_data (consumed grads, nonzero bytes) untouched: a forced sync never receives into
-    grad_data (patch 0003); pending (the pre-hooks' gather into idle grad_data), completed
-    and grad_data zero again; no gather state left; the next pre-hook neither re-gathers
-    nor skips a needed gather.
-    Pristine: a forced sync with a gather pending drops the data (params stay stale)."""
-    r = result(runs("patched", world), config, "forced_sync")
+    """Forced sync (eval/checkpoint) with no gather pending, over idle grad_data holding
+    consumed grads (nonzero bytes): params synced, every grad_data byte untouched (a forced
+    sync never receives into grad_data, patch 0003), no gather state left; the next
+    pre-hook neither re-gathers nor skips a needed gather. Pristine: params synced too.
+    (A forced sync with a gather pending in idle grad_data, which pristine drops: the
+    hazard gather_then_forced_before_step_idle of test_grad_data_guards.py.)"""
+    r = result(runs("series-0.17.1", world), config, "forced_sync")
     assert not failed(r), f"failed checks: {failed(r)}"
-    u = result(runs("upstream", world), config, "forced_sync")
-    assert u["idle_params_synced"] and not u["pending_params_synced"]
+    u = result(runs("pristine-0.17.1", world), config, "forced_sync")
+    assert u["idle_params_synced"]
 
 
 @pytest.mark.parametrize("world,config", CASES)
 def test_free_overlap_buffers_with_pending_gather(runs, world, config):
-    """Patched: the pending gather is completed (params synced, grad_data zero, no
+    """Series: the pending gather is completed (params synced, grad_data zero, no
     re-gather in the next forward). Pristine: free_overlap_buffers() drops it; params
     stay stale even after the next forward (param_gather_dispatched says they are synced)."""
-    r = result(runs("patched", world), config, "free_overlap_buffers")
+    r = result(runs("series-0.17.1", world), config, "free_overlap_buffers")
     assert not failed(r), f"failed checks: {failed(r)}"
-    u = result(runs("upstream", world), config, "free_overlap_buffers")
+    u = result(runs("pristine-0.17.1", world), config, "free_overlap_buffers")
     assert not u["params_synced_after_forward"]
-
-
-@pytest.mark.parametrize("world,config", CASES)
-def test_zero_grad_buffer_with_pending_gather(runs, world, config):
-    """zero_grad_buffer() while a gather dispatched after the step is pending (its data
-    landed in grad_data): patched completes it first, params synced at once, grad_data
-    zero, no re-gather. Pristine: receives into temporaries; the pre-hooks complete it."""
-    r = result(runs("patched", world), config, "zero_grad_buffer")
-    assert not failed(r), f"failed checks: {failed(r)}"
-    u = result(runs("upstream", world), config, "zero_grad_buffer")
-    assert not u["params_synced"] and u["params_synced_after_forward"], u
 
 
 @pytest.mark.parametrize("world,config", CASES)
@@ -387,7 +375,7 @@ def test_offload_sync_restore(runs, world, config):
     """offload_grad_buffers() -> forced sync -> restore: the gather receives into a
     temporary of exactly the gathered bytes per bucket, the freed storage is never
     written, grads are right after restore."""
-    r = result(runs("patched", world), config, "offload")
+    r = result(runs("series-0.17.1", world), config, "offload")
     assert not failed(r), f"failed checks: {failed(r)}"
     assert r["temporary_bytes"] > 0
 
@@ -403,7 +391,7 @@ def test_each_path_issues_the_designed_collectives(runs, world):
     pre-hook pair (idle), one temporary of exactly the gathered bytes on the forced sync.
     Optimizer path: one in-place broadcast per param (param.data), rooted at its owner,
     all in one launch. Every form is exercised at this world size."""
-    r = result(runs("patched", world), "models", "collectives")
+    r = result(runs("series-0.17.1", world), "models", "collectives")
     assert not failed(r), f"failed checks: {failed(r)}"
     seen = {k.split("_n_")[1] for k, v in r.items() if "_n_" in k and v}
     want = {"into_tensor", "broadcast_slot", "single_param_slot", "optimizer_in_place"}
@@ -427,7 +415,7 @@ def test_every_share_pattern_of_three_ranks(runs, base):
     and untouched by the forced sync. Both forms occur."""
     if base != "0.17.1":
         _skip_without_019()
-    r = result(runs(BASES[base][1], 3, "share_patterns", CONFIGS[:1]), "models", "share_patterns")
+    r = result(runs(f"series-{base}", 3, "share_patterns", CONFIGS[:1]), "models", "share_patterns")
     patterns = [s for s in itertools.product(range(3), repeat=3) if max(s) > 0]
     keys = {
         f"{d}/{'-'.join(map(str, shares))}:{path}": shares
@@ -450,7 +438,7 @@ def test_async_gather_without_ddp_chunks_fails_at_construction(runs, world):
     """--overlap-param-gather with model chunks that are not megatron's DDP (no bucket
     groups): the layer-wise optimizer fails at construction on every rank, as pristine
     does: AttributeError on bucket_groups."""
-    for tree in ("patched", "upstream"):
+    for tree in ("series-0.17.1", "pristine-0.17.1"):
         r = runs(tree, world)[f"{CONFIGS[0]}/async_without_ddp"]
         assert r.get("error", "").startswith("AttributeError") and "bucket_groups" in r["error"], (tree, r)
 
@@ -460,7 +448,7 @@ def test_one_rank_failure_ends_the_run_fast_with_its_traceback(tmp_path):
     the run fails soon after rank 1's wait for the others' outcome (here 5 s, not the
     process-group timeout), and the report names rank 1 and holds its traceback."""
     with pytest.raises(LaunchError) as info:
-        launch_worker("patched", 2, tmp_path / "r.json", "gather", CONFIGS[:1],
+        launch_worker("series-0.17.1", 2, tmp_path / "r.json", "gather", CONFIGS[:1],
                       extra_env={"LAYERWISE_WORKER_FAIL": "gather:1",
                                  "LAYERWISE_WORKER_OUTCOME_FLOOR_S": "5"})
     ended = time.time()
@@ -475,12 +463,12 @@ def test_dp_size_1(runs):
     """DP=1: optimizer builds and trains, overlap == sync, nothing gathered or allocated.
     Pristine: TypeError while building the optimizer (set_bucket_layerwise_params_list
     zips over None)."""
-    r = result(runs("patched", 1, "small_dp,gather,alloc"), CONFIGS[0], "small_dp")
+    r = result(runs("series-0.17.1", 1, "small_dp,gather,alloc"), CONFIGS[0], "small_dp")
     assert r["params_overlap_equal_sync"] and r["grad_norms_equal"]
-    a = result(runs("patched", 1, "small_dp,gather,alloc"), CONFIGS[0], "alloc")
+    a = result(runs("series-0.17.1", 1, "small_dp,gather,alloc"), CONFIGS[0], "alloc")
     assert a["async_bytes"] == a["forced_bytes"] == a["optimizer_bytes"] == 0
     assert all(b["calls"] == 0 for b in a["async_per_bucket_group"] + a["forced_per_bucket_group"])
-    u = runs("upstream", 1, "small_dp,small_dp_sync")
+    u = runs("pristine-0.17.1", 1, "small_dp,small_dp_sync")
     assert u[f"{CONFIGS[0]}/small_dp"].get("error", "").startswith("TypeError"), u
     # Bitwise equal to pristine's run without --overlap-param-gather (which works at DP 1).
     ref = result(u, CONFIGS[0], "small_dp_sync")["params_sha256_sync"]
@@ -490,9 +478,9 @@ def test_dp_size_1(runs):
 def test_expert_dp_size_1(runs):
     """EP=2 on 2 ranks gives expert-DP size 1: trains, overlap == sync.
     Pristine: TypeError from max(None) in the first forward pre-hook."""
-    r = result(runs("patched", 2, "expert_dp1", CONFIGS[:1], ep=2), CONFIGS[0], "expert_dp1")
+    r = result(runs("series-0.17.1", 2, "expert_dp1", CONFIGS[:1], ep=2), CONFIGS[0], "expert_dp1")
     assert r["params_overlap_equal_sync"] and r["grad_norms_equal"]
-    u = runs("upstream", 2, "expert_dp1,expert_dp1_sync", CONFIGS[:1], ep=2)
+    u = runs("pristine-0.17.1", 2, "expert_dp1,expert_dp1_sync", CONFIGS[:1], ep=2)
     assert u[f"{CONFIGS[0]}/expert_dp1"].get("error", "").startswith("TypeError"), u
     ref = result(u, CONFIGS[0], "expert_dp1_sync")["params_sha256_sync"]
     assert r["params_sha256_overlap"] == r["params_sha256_sync"] == ref
@@ -506,8 +494,8 @@ def test_optimizer_path_without_ddp_chunks(runs):
     gathers the 0.17.1 way (nothing to receive into): trains, ranks agree, bitwise equal
     to pristine. Such a chunk has no DDP ``buffers`` list (``nn.Module.buffers`` is a method),
     so the series must not look for grad buffers there."""
-    r = result(runs("patched", 2, EDGE_SCENARIOS, CONFIGS[:1]), CONFIGS[0], "optimizer_without_ddp")
-    u = result(runs("upstream", 2, EDGE_SCENARIOS, CONFIGS[:1]), CONFIGS[0], "optimizer_without_ddp")
+    r = result(runs("series-0.17.1", 2, EDGE_SCENARIOS, CONFIGS[:1]), CONFIGS[0], "optimizer_without_ddp")
+    u = result(runs("pristine-0.17.1", 2, EDGE_SCENARIOS, CONFIGS[:1]), CONFIGS[0], "optimizer_without_ddp")
     assert r["params_equal_across_ranks"] and r["params_sha256"] == u["params_sha256"], (r, u)
 
 
@@ -516,7 +504,7 @@ def test_optimizer_path_with_offloaded_grad_buffers(runs):
     gathered, the freed storage never written (zeroing it would write freed memory: SIGSEGV
     on CPU).
     Pristine (temporaries only): the same."""
-    for tree in ("patched", "upstream"):
+    for tree in ("series-0.17.1", "pristine-0.17.1"):
         r = result(runs(tree, 2, EDGE_SCENARIOS, CONFIGS[:1]), CONFIGS[0], "optimizer_offloaded")
         assert r["params_synced"] and r["storage_stayed_freed"], (tree, r)
 
@@ -526,8 +514,8 @@ def test_params_that_are_not_plain_tensors(runs):
     runtime's collective model enforces) and grad buffers whose param_dtype is uint8 (as
     for FP8 params; the receive dtype comes from the params): overlapped and
     optimizer-path training bitwise equal to pristine, and to each other."""
-    r = result(runs("patched", 2, EDGE_SCENARIOS, CONFIGS[:1]), CONFIGS[0], "unusual_params")
-    u = result(runs("upstream", 2, EDGE_SCENARIOS, CONFIGS[:1]), CONFIGS[0], "unusual_params")
+    r = result(runs("series-0.17.1", 2, EDGE_SCENARIOS, CONFIGS[:1]), CONFIGS[0], "unusual_params")
+    u = result(runs("pristine-0.17.1", 2, EDGE_SCENARIOS, CONFIGS[:1]), CONFIGS[0], "unusual_params")
     for case in ("non_contiguous", "uint8_buffer_dtype"):
         assert r[f"{case}_overlap_equal_sync"], (case, r)
         for path in ("overlap", "sync"):
@@ -555,8 +543,8 @@ def test_every_gather_of_a_bucket_group_is_waited_on(runs):
     Pristine (waits on the last work only): the first bucket's params are copied from
     receive buffers nothing was written into, and training parts. So does the mutant
     that reverts 0001 on the series (test_the_mutant_waiting_on_the_last_work_only_is_caught)."""
-    r = _bucket_group_of_two(runs("patched", 2, TWO_DTYPES_SERIES, CONFIGS[:1]))
-    u = _bucket_group_of_two(runs("upstream", 2, "bucket_group_of_two", CONFIGS[:1]))
+    r = _bucket_group_of_two(runs("series-0.17.1", 2, TWO_DTYPES_SERIES, CONFIGS[:1]))
+    u = _bucket_group_of_two(runs("pristine-0.17.1", 2, "bucket_group_of_two", CONFIGS[:1]))
     assert r["params_overlap_equal_forced"] and r["grad_norms_equal"], r
     assert r["params_sha256_overlap"] == r["params_sha256_forced"] == u["params_sha256_forced"], (r, u)
     assert not u["params_overlap_equal_forced"] and not u["grad_norms_equal"], u
@@ -569,7 +557,7 @@ def test_the_mutant_waiting_on_the_last_work_only_is_caught(runs, tmp_path, base
     the bucket group of two under deferred completion parts from its forced-sync run,
     which still equals the series'."""
     tree = base_mutant_tree(base, "handles/wait_on_last_handle_only.patch", tmp_path / "tree")
-    r = _bucket_group_of_two(runs(BASES[base][1], 2, TWO_DTYPES_SERIES, CONFIGS[:1]))
+    r = _bucket_group_of_two(runs(f"series-{base}", 2, TWO_DTYPES_SERIES, CONFIGS[:1]))
     m = _bucket_group_of_two(runs(tree, 2, "bucket_group_of_two", CONFIGS[:1]))
     assert not m["params_overlap_equal_forced"] and m["params_sha256_forced"] == r["params_sha256_forced"], m
 
@@ -596,21 +584,15 @@ def _failed_checks(results):
 # (overlapping slots race with each other there). The layout is checked on the
 # collectives scenario's own models, by address, without values.
 MUTANT_CONFIGS = CONFIGS[:1]
-MUTANT_SCENARIOS = (
-    "gather,microbatches,training,forced_sync,free_overlap_buffers,zero_grad_buffer,collectives"
-)
+MUTANT_SCENARIOS = "gather,microbatches,training,forced_sync,free_overlap_buffers,collectives"
 _PARAMS_STALE = {
     "gather.params_equal_owner_values",
     "gather.not_idle_params_synced",
     "forced_sync.idle_params_synced",
     "forced_sync.params_still_synced_after_forward",
     "forced_sync.next_step_gathers_fresh_values",
-    "forced_sync.pending_params_synced",
-    "forced_sync.pending_params_synced_after_forward",
     "free_overlap_buffers.params_synced",
     "free_overlap_buffers.params_synced_after_forward",
-    "zero_grad_buffer.params_synced",
-    "zero_grad_buffer.params_synced_after_forward",
 }
 _GRADS_WRONG = {"gather.main_grad_equals_overlap_off"} | {
     f"microbatches.mb{n}_{c}"
@@ -619,8 +601,8 @@ _GRADS_WRONG = {"gather.main_grad_equals_overlap_off"} | {
 }
 _TRAINING_DIVERGES = {"training.params_overlap_equal_sync", "training.grad_norms_equal"}
 _RANKS_DIFFER = {"training.params_equal_across_ranks"}
-# Syncs completed outside the pre-hooks leave the pending gather's slots in grad_data.
-_DIRTY_AFTER_COMPLETION = {"forced_sync.pending_grad_data_zero", "free_overlap_buffers.grad_data_zero"}
+# A sync completed outside the pre-hooks leaves the pending gather's slots in grad_data.
+_DIRTY_AFTER_COMPLETION = {"free_overlap_buffers.grad_data_zero"}
 # Wrong values where the overlapped path gathers; the optimizer's path of CONFIGS[0] is
 # right, so the two training paths part.
 _WRONG_VALUES = _PARAMS_STALE | _GRADS_WRONG | _TRAINING_DIVERGES | _RANKS_DIFFER
@@ -637,8 +619,8 @@ _MODELS = ("mixed", "one", "one_samegrad", "equal")
 # bucket has equal shares (all_gather_into_tensor).
 _BROADCASTS = _calls(("mixed", "one", "one_samegrad"), _PRE_HOOK_PATHS, ("form",))
 MUTANT_MUST_FAIL = {
-    # Backward accumulates onto the gathered bytes; syncs completed outside the pre-hooks
-    # leave them too. (The optimizer path does not use grad_data: nothing there.)
+    # Backward accumulates onto the gathered bytes; a sync completed outside the pre-hooks
+    # leaves them too. (The optimizer path does not use grad_data: nothing there.)
     "no_zeroing": {"gather.grad_data_zero_after_gather", "gather.async_zeroed_exactly_where_written"}
     | _DIRTY_AFTER_COMPLETION
     | _GRADS_WRONG
@@ -650,7 +632,9 @@ MUTANT_MUST_FAIL = {
         "gather.not_idle_grad_data_untouched",
         "forced_sync.idle_grad_data_untouched",
     },
-    # Only syncs that no pre-hook completes leave grad_data dirty; numerics unchanged.
+    # Only syncs that no pre-hook completes leave grad_data dirty; numerics unchanged here.
+    # (test_grad_data_guards.py's gather_then_forced_before_step_idle sees the numerics:
+    # a forced sync that leaves them, then a backward.)
     "zeroing_only_in_pre_hooks": _DIRTY_AFTER_COMPLETION,
     # Other ranks keep stale values of what rank 1 sends: the training paths part and the
     # ranks disagree. The calls are right.
@@ -676,13 +660,6 @@ MUTANT_MUST_FAIL = {
     "forced_sync_into_grad_data": {"forced_sync.idle_grad_data_untouched"}
     | _calls(_MODELS, ("forced",), ("in_recv",))
     | {"collectives.mixed_forced_packed"},
-    # zero_grad_buffer() wipes received data before the copy-out: params get zeros. (Only
-    # here: test_grad_data_guards.py's gathers pending at zero_grad_buffer() started after a
-    # step, into temporaries, which zeroing grad_data cannot reach.)
-    "zero_grad_buffer_under_pending_gather": {
-        "zero_grad_buffer.params_synced",
-        "zero_grad_buffer.params_synced_after_forward",
-    },
     # step()'s in-place broadcasts rooted at the next rank: every param takes the
     # non-owner's stale value (the ranks agree), so the sync path parts from the
     # overlapped one; the tensors are still the params' own.
@@ -691,16 +668,16 @@ MUTANT_MUST_FAIL = {
 
 
 #: The mutants that run on the 0.19 series too: those of the rules whose code replaced
-#: 0.19.2's own (the receive buffer and its zeroing, 0003; completion before
-#: zero_grad_buffer(), 0003; the optimizer's gather, 0006). The others mutate
-#: _layerwise_all_gather() and the copy-out, byte for byte the 0.17.1 series' code there
-#: (tests/mutants/0.19/ holds them all; one pass per base would not fit the suite's time).
+#: 0.19.2's own (the receive buffer and its zeroing, 0003; the optimizer's gather, 0006;
+#: completion before zero_grad_buffer(), 0003, runs there in test_grad_data_guards.py). The
+#: others mutate _layerwise_all_gather() and the copy-out, byte for byte the 0.17.1 series'
+#: code there (tests/mutants/0.19/ holds them all; one pass per base would not fit the
+#: suite's time).
 MUTANTS_ON_019 = (
     "no_zeroing",
     "zeroes_all_of_grad_data",
     "gather_over_grads",
     "forced_sync_into_grad_data",
-    "zero_grad_buffer_under_pending_gather",
     "optimizer_broadcast_from_wrong_owner",
 )
 #: Base -> mutant -> the checks it must fail. 0.19: the same checks, measured mutant by
@@ -718,26 +695,26 @@ MUTANT_CASES = tiered([(b, m) for b in BASES for m in sorted(MUTANT_MUST_FAIL_BY
 
 def base_mutant_tree(base, rel, dest):
     """make_mutant_tree() of the base's mutant `rel` (a path in its MUTANT_DIRS folder) on
-    the base's patched tree; skips where build/patched-0.19 is missing."""
+    the base's series tree; skips where build/patched-0.19 is missing."""
     if base != "0.17.1":
         _skip_without_019()
-    return make_mutant_tree(MUTANT_DIRS[base] / rel, dest, BASES[base][1])
+    return make_mutant_tree(MUTANT_DIRS[base] / rel, dest, f"series-{base}")
 
 
 def series_main_run(runs, base):
-    """The patched tree's main run of `base` on 2 ranks (every main scenario, collectives)."""
+    """The series tree's main run of `base` on 2 ranks (every main scenario, collectives)."""
     if base == "0.17.1":
-        return runs("patched", 2)
+        return runs("series-0.17.1", 2)
     _skip_without_019()
-    return runs("patched-0.19", 2, PATCHED_SCENARIOS_019, CONFIGS_019)
+    return runs("series-0.19", 2, SERIES_SCENARIOS_019, CONFIGS_019)
 
 
 def pristine_main_run(runs, base):
     """The pristine tree's main run of `base` on 2 ranks."""
     if base == "0.17.1":
-        return runs("upstream", 2)
+        return runs("pristine-0.17.1", 2)
     _skip_without_019()
-    return runs("upstream-0.19", 2, SCENARIOS_019, CONFIGS_019)
+    return runs("pristine-0.19", 2, SCENARIOS_019, CONFIGS_019)
 
 
 def assert_mutant_fails_exactly(runs, tree, must_fail):
@@ -753,7 +730,15 @@ def assert_mutant_fails_exactly(runs, tree, must_fail):
 
 @pytest.mark.parametrize("base", BASES)
 def test_every_mutant_has_its_checks(base):
-    assert set(MUTANT_MUST_FAIL) == {p.stem for p in MUTANT_DIRS[base].glob("*.patch")}
+    """Every mutant of the base's folder (guards/ and handles/ aside) fails named checks
+    here, or, for zero_grad_buffer_under_pending_gather (a gather pending in idle grad_data
+    at zero_grad_buffer(), one of its hazards), in test_grad_data_guards.py
+    (GUARD_MUTANT_MUST_FAIL_BY_BASE; this folder is on sys.path under pytest)."""
+    from test_grad_data_guards import GUARD_MUTANT_MUST_FAIL_BY_BASE
+
+    stems = {p.stem for p in MUTANT_DIRS[base].glob("*.patch")}
+    assert set(MUTANT_MUST_FAIL) | set(GUARD_MUTANT_MUST_FAIL_BY_BASE[base]) >= stems
+    assert set(MUTANT_MUST_FAIL) <= stems
     assert set(MUTANT_MUST_FAIL_BY_BASE[base]) <= set(MUTANT_MUST_FAIL)
     assert all(MUTANT_MUST_FAIL_BY_BASE[base].values())
 
@@ -771,7 +756,7 @@ def test_every_mutant_has_a_019_counterpart():
 
 @pytest.mark.parametrize("base", BASES)
 def test_the_mutant_checks_pass_on_the_series(runs, base):
-    """Control: the checks the mutants are measured by all pass on the base's patched tree
+    """Control: the checks the mutants are measured by all pass on the base's series tree
     (its main run holds them)."""
     res = series_main_run(runs, base)
     keys = [f"{c}/{s}" for c in MUTANT_CONFIGS for s in MUTANT_SCENARIOS.split(",") if s != "collectives"]
@@ -807,7 +792,7 @@ CONFIGS_019 = CONFIGS[:2]
 # series (the 0.17.1 series' assertion is not carried).
 SCENARIOS_019 = MAIN_SCENARIOS.replace(",async_without_ddp", "")
 # The series' main run (series_main_run), as on 0.17.1: with the collectives scenario.
-PATCHED_SCENARIOS_019 = SCENARIOS_019 + ",collectives"
+SERIES_SCENARIOS_019 = SCENARIOS_019 + ",collectives"
 
 
 def _skip_without_019():
@@ -818,13 +803,15 @@ def _skip_without_019():
 def test_019_series_passes_every_check_and_trains_like_pristine(runs):
     """0.19.2 + patches/0.19, 2 ranks: every check of the main scenarios holds (gathered
     params, grad_data zero after the gather, microbatch accumulation, forced sync,
-    free_overlap_buffers and zero_grad_buffer with a gather pending, offload, 0 bytes of
-    temporaries on the pre-hook and optimizer paths and the forced sync's one temporary per
-    bucket, the designed collectives on every path), and training is bitwise equal to
-    pristine 0.19.2's on both paths.
-    Pristine 0.19.2: stale params after a forced sync, free_overlap_buffers() or
-    zero_grad_buffer() with a gather pending, a crash on offloaded grad buffers, and
-    temporaries on every path."""
+    free_overlap_buffers with a gather pending, offload, 0 bytes of temporaries on the
+    pre-hook and optimizer paths and the forced sync's one temporary per bucket, the
+    designed collectives on every path), and training is bitwise equal to pristine
+    0.19.2's on both paths.
+    Pristine 0.19.2: a forced sync that zeroes the grads in grad_data, stale params after
+    free_overlap_buffers() with a gather pending, a crash on offloaded grad buffers, and
+    temporaries on every path. (Its stale params after a forced sync or zero_grad_buffer()
+    with a gather pending: test_019_every_copy_back_happens_before_post_param_sync, and
+    test_grad_data_guards.py's test_019_pristine_zero_grad_buffer_drops_a_gather_pending_in_grad_data.)"""
     r = series_main_run(runs, "0.19")
     assert not _failed_checks(r), _failed_checks(r)
     u = pristine_main_run(runs, "0.19")
@@ -837,7 +824,7 @@ def test_019_series_passes_every_check_and_trains_like_pristine(runs):
         assert a["forced_bytes"] == a["gathered_bytes"] > 0, (a, ua)
         assert ua["async_bytes"] > 0 and ua["optimizer_bytes"] > 0, ua
     bad = {f.split("/", 1)[1].split(".")[0].split(":")[0] for f in _failed_checks(u)}
-    assert {"forced_sync", "free_overlap_buffers", "zero_grad_buffer", "offload"} <= bad, bad
+    assert {"forced_sync", "free_overlap_buffers", "offload"} <= bad, bad
 
 
 def test_019_expert_dp_index_error_confirmed_and_fixed(runs):
@@ -846,9 +833,9 @@ def test_019_expert_dp_index_error_confirmed_and_fixed(runs):
     forward's gather. The series leaves unsharded buckets unset: it trains, overlap ==
     sync, bitwise equal to pristine's synchronous path (which works there)."""
     _skip_without_019()
-    u = runs("upstream-0.19", 2, "dp1_expert_dp2,expert_dp1_sync", CONFIGS[:1], tp=2)
+    u = runs("pristine-0.19", 2, "dp1_expert_dp2,expert_dp1_sync", CONFIGS[:1], tp=2)
     assert u[f"{CONFIGS[0]}/dp1_expert_dp2"].get("error", "").startswith("IndexError"), u
-    r = result(runs("patched-0.19", 2, "dp1_expert_dp2", CONFIGS[:1], tp=2), CONFIGS[0], "dp1_expert_dp2")
+    r = result(runs("series-0.19", 2, "dp1_expert_dp2", CONFIGS[:1], tp=2), CONFIGS[0], "dp1_expert_dp2")
     assert r["params_overlap_equal_sync"] and r["grad_norms_equal"], r
     ref = result(u, CONFIGS[0], "expert_dp1_sync")["params_sha256_sync"]
     assert r["params_sha256_overlap"] == r["params_sha256_sync"] == ref
@@ -860,8 +847,8 @@ def test_019_expert_dp_size_1(runs):
     equal to pristine 0.19.2's synchronous path; pristine's overlapped run, for
     reference, trains the same (0.19.2 returns early from a gather over one rank)."""
     _skip_without_019()
-    u = runs("upstream-0.19", 2, "expert_dp1,expert_dp1_sync", CONFIGS[:1], ep=2)
-    r = result(runs("patched-0.19", 2, "expert_dp1", CONFIGS[:1], ep=2), CONFIGS[0], "expert_dp1")
+    u = runs("pristine-0.19", 2, "expert_dp1,expert_dp1_sync", CONFIGS[:1], ep=2)
+    r = result(runs("series-0.19", 2, "expert_dp1", CONFIGS[:1], ep=2), CONFIGS[0], "expert_dp1")
     assert r["params_overlap_equal_sync"] and r["grad_norms_equal"], r
     ref = result(u, CONFIGS[0], "expert_dp1_sync")["params_sha256_sync"]
     assert r["params_sha256_overlap"] == r["params_sha256_sync"] == ref
@@ -874,8 +861,8 @@ def test_019_every_gather_of_a_bucket_group_is_waited_on(runs):
     test_every_gather_of_a_bucket_group_is_waited_on) equals its forced-sync run on the
     series; pristine 0.19.2 (waits on the last work only) parts."""
     _skip_without_019()
-    r = _bucket_group_of_two(runs("patched-0.19", 2, TWO_DTYPES_SERIES, CONFIGS[:1]))
-    u = _bucket_group_of_two(runs("upstream-0.19", 2, "bucket_group_of_two", CONFIGS[:1]))
+    r = _bucket_group_of_two(runs("series-0.19", 2, TWO_DTYPES_SERIES, CONFIGS[:1]))
+    u = _bucket_group_of_two(runs("pristine-0.19", 2, "bucket_group_of_two", CONFIGS[:1]))
     assert r["params_overlap_equal_forced"] and r["grad_norms_equal"], r
     assert r["params_sha256_overlap"] == r["params_sha256_forced"] == u["params_sha256_forced"], (r, u)
     assert not u["params_overlap_equal_forced"], u
@@ -900,7 +887,7 @@ def allowed_prefix_failures(base, k):
     return NOT_NUMERICS | (BEFORE_0004_019 if base == "0.19" and k < 4 else set())
 
 
-#: The whole series (the patched trees' main runs) in the default run; the shorter prefixes in
+#: The whole series (the series trees' main runs) in the default run; the shorter prefixes in
 #: the extended tier (10 worker runs, about 2 min on 2 cores).
 PREFIX_CASES = tiered([(b, k) for b in BASES for k in range(1, len(series_patches(base=b)) + 1)],
                       lambda bk: bk[1] == len(series_patches(base=bk[0])))  # fmt: skip
@@ -908,7 +895,7 @@ PREFIX_CASES = tiered([(b, k) for b in BASES for k in range(1, len(series_patche
 
 @pytest.mark.parametrize("base,k", PREFIX_CASES)
 def test_every_prefix_of_the_series_keeps_numerics(runs, tmp_path, base, k):
-    """Pristine + the first k patches of the base's series (k = all: the patched tree's
+    """Pristine + the first k patches of the base's series (k = all: the series tree's
     main run): params gathered right, grad_data zero before backward, grads equal
     overlap-off, real training steps overlap == sync and bitwise equal to the pristine
     tree's, on 2 ranks."""
@@ -958,7 +945,7 @@ def test_optimizer_gather_takes_the_same_collective_whatever_a_rank_holds(runs, 
     temporaries."""
     if base != "0.17.1":
         _skip_without_019()
-    r = agreement_run(runs, BASES[base][1])
+    r = agreement_run(runs, f"series-{base}")
     for config in AGREEMENT_CONFIGS:
         res = result(r, config, "private_state_gather")
         for state in PRIVATE_STATES:
@@ -971,7 +958,7 @@ def test_optimizer_gather_takes_the_same_collective_whatever_a_rank_holds(runs, 
     }
     assert forms == {"bf16-fp32grad-mixed": ["broadcast"], "bf16-samegrad-one": ["broadcast"]}
     for config in AGREEMENT_CONFIGS:
-        u = result(agreement_run(runs, BASES[base][0]), config, "private_state_gather")
+        u = result(agreement_run(runs, f"pristine-{base}"), config, "private_state_gather")
         for state in PRIVATE_STATES:
             assert u[f"{state}_same_collective_on_every_rank"] and u[f"{state}_params_equal_owner_values"]
             assert all(f[0].startswith("all_gather/") for f in u[f"{state}_forms_by_rank"]), u
@@ -987,8 +974,8 @@ def test_zero_grad_buffer_of_plain_ddp_runs_no_param_sync_work(runs, base):
     on layer-wise buckets."""
     if base != "0.17.1":
         _skip_without_019()
-    r = agreement_run(runs, BASES[base][1])
-    u = agreement_run(runs, BASES[base][0])
+    r = agreement_run(runs, f"series-{base}")
+    u = agreement_run(runs, f"pristine-{base}")
     for config in AGREEMENT_CONFIGS:
         mine, pristine = result(r, config, "plain_ddp_zero_grad"), result(u, config, "plain_ddp_zero_grad")
         assert mine["no_param_sync_work"], mine
@@ -1016,7 +1003,7 @@ def test_cuda_graph_configs_build_and_train_like_without_them(runs, base):
     sync out of grad_data, so it accepts "local" graphs, which skip DDP's hooks."""
     if base != "0.17.1":
         _skip_without_019()
-    for tree in BASES[base]:
+    for tree in (f"pristine-{base}", f"series-{base}"):
         for config in AGREEMENT_CONFIGS:
             r = result(agreement_run(runs, tree), config, "local_cuda_graphs")
             for variant, impl in CUDA_GRAPH_VARIANTS.items():
@@ -1037,12 +1024,12 @@ def test_019_every_copy_back_happens_before_post_param_sync(runs):
     _skip_without_019()
     paths = ("async", "forced_idle", "forced_pending", "free_overlap_buffers", "zero_grad_buffer")
     for config in AGREEMENT_CONFIGS:
-        r = result(agreement_run(runs, "patched-0.19"), config, "post_param_sync_order")
+        r = result(agreement_run(runs, "series-0.19"), config, "post_param_sync_order")
         for path in paths:
             assert r[f"{path}_calls"] > 0, (config, path, r)
             assert r[f"{path}_copied_back_before_post_param_sync"], (config, path, r)
             assert r[f"{path}_params_synced"], (config, path, r)
-        u = result(agreement_run(runs, "upstream-0.19"), config, "post_param_sync_order")
+        u = result(agreement_run(runs, "pristine-0.19"), config, "post_param_sync_order")
         assert not u["forced_pending_copied_back_before_post_param_sync"], u
         assert not u["forced_pending_params_synced"], u
 
@@ -1057,7 +1044,7 @@ def test_optimizer_gather_of_two_param_dtypes(runs, base):
     raises on rank 0 only (a dtype mismatch) while rank 1 waits in the collective."""
     if base != "0.17.1":
         _skip_without_019()
-    r = result(runs(BASES[base][1], 2, TWO_DTYPES_SERIES, CONFIGS[:1]), CONFIGS[0], "optimizer_two_dtypes")
+    r = result(runs(f"series-{base}", 2, TWO_DTYPES_SERIES, CONFIGS[:1]), CONFIGS[0], "optimizer_two_dtypes")
     assert r["param_dtypes"] == ["torch.bfloat16", "torch.float32"], r
     assert r["gather_dtypes"] == ["torch.bfloat16", "torch.float32"], r
     assert r["params_equal_owner_values"] and r["training_equals_overlapped"], r
