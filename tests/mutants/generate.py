@@ -125,8 +125,8 @@ MUTANTS.update({
         LWO, [("model_chunk.finish_layerwise_param_gathers()\n", "pass\n")]),
 })
 
-# The same rules applied to the dense bucket groups only, or to one call site less (issue 48's
-# review planted each of these and the earlier tests missed them), in guards/.
+# The same rules applied to the dense bucket groups only, or to one call site less (a review
+# planted each of these in series v6 and the earlier tests missed them), in guards/.
 MUTANTS.update({
     "guards/completion_on_dense_groups_only": (
         "zero_grad_buffer(), offload_grad_buffers() and the step complete pending gathers of the\n"

@@ -496,7 +496,7 @@ class GatherThenForcedBeforeStep(Scenario):
     """After finish_grad_sync(): start_param_sync() (grad_data holds the reduced grads the
     step will read, so a gather must not receive there), then start_param_sync(
     force_sync=True), what disable_forward_pre_hook() does, with those gathers pending;
-    then the step. Started in the idle window (issue 48, finding 1): the gathers receive
+    then the step. Started in the idle window: the gathers receive
     into grad_data, their data lands (waited on), and the forced sync must copy them back
     and leave grad_data zeroed for the backward that follows."""
 
@@ -699,7 +699,7 @@ SCENARIOS = {
 # over the expert-DP group: 2 at EP 1 on 2 ranks).
 for _name in ("baseline", "zero_grad", "forward_only", "bypass_prehook", "forced_before_step"):
     SCENARIOS[f"{_name}_moe"] = type(f"{SCENARIOS[_name].__name__}MoE", (SCENARIOS[_name],), {"expert": True})
-# Issue 48: every rule on the expert bucket groups as on the dense ones.
+# Every rule on the expert bucket groups as on the dense ones.
 for _name in ("offload", "gather_after_backward", "gather_then_forced_before_step"):
     SCENARIOS[f"{_name}_moe"] = type(f"{SCENARIOS[_name].__name__}MoE", (SCENARIOS[_name],), {"expert": True})
 SCENARIOS["gather_into_offloaded"] = GatherIntoOffloaded

@@ -45,8 +45,8 @@ loses nothing the next backward reads; the same gather started in the idle windo
 in grad_data, so any call that drops it without copying it back and zeroing grad_data
 leaves param bytes where the next backward adds its grads. So every gather-starting hazard
 runs at both start points (the worker's Scenario.gather_start; its "<name>_idle" twins
-start right after zero_grad_buffer() in steps 1 and 2). Issue 48, finding 1: with gathers
-started only after a step, 0.17.1 + patches 0001-0003 passed the sweep, yet an idle-window
+start right after zero_grad_buffer() in steps 1 and 2). Why both: with gathers started
+only after a step, 0.17.1 + patches 0001-0003 passed the sweep, yet an idle-window
 start_param_sync() then a forced sync (what disable_forward_pre_hook() does) gives grad
 norms 4.07 / 4.09 at steps 1 and 2 instead of 0.152 / 0.143: until the copy-back patch, a
 forced sync drops a pending gather. The default run checks that sequence on the prefix
@@ -417,7 +417,7 @@ EXPECT = {
     "forced_before_step_moe": expect_through_temporaries(
         "forced_before_step_moe", "baseline_moe"
     ),
-    # Issue 38, item 1: start_param_sync() after finish_grad_sync() (temporaries), then a
+    # start_param_sync() after finish_grad_sync() (temporaries), then a
     # forced sync with those gathers pending, then the step.
     "gather_then_forced_before_step": expect_equal_to_the_run_without_the_calls(
         "gather_then_forced_before_step", "baseline", ("start_param_sync", "forced_param_sync")
@@ -433,7 +433,7 @@ EXPECT = {
         "forced_during_reduce_no_grads", "grad_sync_func", ("forced_param_sync",)
     ),
     "skip_last_optimizer_gather": expect_like_pristine_in_grad_data("skip_last_optimizer_gather"),
-    # Issue 42, item 9: a param sync between backward and finish_grad_sync() without
+    # A param sync between backward and finish_grad_sync() without
     # --overlap-grad-reduce (only the backward hooks say grad_data holds grads); an async
     # one after a hook-less backward and its grad reduce (only start_grad_sync() says so);
     # a forced one after a hook-less backward, before any grad reduce (nothing says so:
@@ -451,7 +451,7 @@ EXPECT = {
     "allgather_after_no_sync": expect_equal_to_the_run_without_the_calls(
         "allgather_after_no_sync", "baseline", ("allgather_params",)
     ),
-    # Issue 42, item 2: a backward after step() without zero_grad_buffer() adds onto the
+    # A backward after step() without zero_grad_buffer() adds onto the
     # consumed grads, as pristine 0.17.1 does, on both paths: the forward's gathers meet
     # grads there (temporaries), and the optimizer's gather never touches grad_data.
     "accumulate_across_steps": expect_accumulation_like_the_optimizer_path,
@@ -467,14 +467,14 @@ EXPECT = {
     "gather_after_backward_two_dtypes": expect_equal_to_the_run_without_the_calls(
         "gather_after_backward_two_dtypes", "baseline_two_dtypes", ("start_param_sync",)
     ),
-    # Issue 48, finding 1: gather_then_forced_before_step started in the idle window, steps
+    # gather_then_forced_before_step started in the idle window, steps
     # 1 and 2: the gathers receive into grad_data (no temporary before the forced sync's),
     # and the forced sync copies them back and leaves grad_data zeroed: equal to the run
     # without the two calls bitwise.
     "gather_then_forced_before_step_idle": lambda runs, tree: trains_like(
         runs, tree, "gather_then_forced_before_step_idle", ref_tree=tree, ref_scenario="baseline"
     ),
-    # Issue 48: with --overlap-param-gather alone (no --overlap-grad-reduce), a second
+    # With --overlap-param-gather alone (no --overlap-grad-reduce), a second
     # zero_grad_buffer() with an idle-window gather pending completes it first (the
     # completion is keyed on overlap_param_gather): equal to pristine, which is right.
     "zero_grad_no_ogr_idle": lambda runs, tree: trains_like(
@@ -621,7 +621,7 @@ def test_forced_sync_with_a_gather_pending_in_grad_data_raises(runs):
     EXPECT["forced_bypass"](runs, "patched")
 
 
-# ------------------------------------------- issue 38: forced syncs the guard must let through
+# ------------------------------------------------------ forced syncs the guard must let through
 def _series(base):
     """The patched tree of `base`; skips where build/patched-0.19 is missing."""
     if base != "0.17.1":
@@ -706,7 +706,7 @@ def test_forced_sync_during_the_grad_reduce_of_a_group_without_grads(runs, base)
         assert summary["grad_norms"] == [0.0] * 3, summary
 
 
-# ------------------------------------------------------------------ every prefix (issue 42)
+# ------------------------------------------------------------------------------ every prefix
 #: The hazards every prefix of a series runs, each with its clean run (the run without the
 #: misuse): a forced sync between backward and the step; a gather pending at
 #: zero_grad_buffer(), at offload and across a forward-only pass; a forced sync after a
@@ -714,7 +714,7 @@ def test_forced_sync_during_the_grad_reduce_of_a_group_without_grads(runs, base)
 #: without its pre-hook; a backward after step() without zero_grad_buffer(), whose right
 #: result is what pristine gives without --overlap-param-gather (the grads add up, as DDP's
 #: contract says; pristine 0.19.2's forward zeroes those of the buckets it gathers into
-#: grad_data: test_019_pristine_zeroes_grads_accumulated_across_steps). Issue 48: a
+#: grad_data: test_019_pristine_zeroes_grads_accumulated_across_steps). Also: a
 #: non-forced start while the grad buffers are offloaded; zero_grad and offload without
 #: --overlap-grad-reduce (pending gathers completed on overlap_param_gather, not on
 #: overlap_grad_reduce); a gather after a fused-wgrad backward (grads added to main_grad,
@@ -751,7 +751,7 @@ PREFIX_HAZARDS = {
 #: holds grads, and the series receives into temporaries), and as "<name>_idle", right after
 #: zero_grad_buffer() in steps 1 and 2 (grad_data idle: the series receives into grad_data,
 #: and whatever drops a pending gather leaves param bytes where the next backward adds its
-#: grads). Issue 48, finding 1: only the second start point shows what 0.17.1 + 0001-0003 do.
+#: grads). Only the second start point shows what 0.17.1 + 0001-0003 (v6's order) did.
 GATHER_STARTING = (
     "zero_grad", "offload", "forward_only", "gather_after_backward", "gather_then_forced_before_step",
     "zero_grad_moe", "offload_moe", "forward_only_moe", "gather_after_backward_moe",
@@ -948,7 +948,7 @@ RACING_ON_019 = {
 PRISTINE_BUG_KEPT = {"0.19": {"gather_then_forced_before_step", "gather_then_forced_before_step_moe"}}
 
 
-#: Issue 48, finding 1, in the default run: the idle-window forced sync on the prefix just
+#: In the default run: the idle-window forced sync on the prefix just
 #: before the copy-back patch and on the whole series, on each base.
 FINDING_1 = {"gather_then_forced_before_step_idle": PREFIX_HAZARDS["gather_then_forced_before_step"]}
 
@@ -1098,7 +1098,7 @@ def mutant_patch(name, base="0.17.1"):
     return patch if patch.exists() else MUTANT_DIRS[base] / f"{name}.patch"
 
 
-#: Bugs that issue 48's review planted in series v6 one at a time, which passed the
+#: Bugs a review planted in series v6 one at a time, which passed the
 #: expectations above: each rule applied to the dense bucket groups only or to one call site
 #: less. Each must fail exactly these hazards of the prefix sweep (sweep_hazards(), both start
 #: points), by the sweep's own rule (as_safe_as_pristine, RANKS_AGREE).
@@ -1233,8 +1233,8 @@ def test_019_series_trains_like_pristine_019_where_it_is_right(runs):
 
 
 def test_every_expectation_holds_on_the_0171_series(runs):
-    """Every scenario's expectation (EXPECT) holds on 0.17.1 + its series, those of issue
-    42 (items 2 and 9) included; the control of the 0.17.1 guard mutants."""
+    """Every scenario's expectation (EXPECT) holds on 0.17.1 + its series, accumulation
+    across steps and param syncs before the grad sync included; the control of the 0.17.1 guard mutants."""
     assert not failed_expectations(runs, "patched")
 
 
