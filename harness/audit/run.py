@@ -74,7 +74,6 @@ from harness.audit import grid, report
 from harness.trees import REPO_ROOT, env_for_tree
 
 WORKER = REPO_ROOT / "harness" / "audit" / "worker.py"
-DOCS = REPO_ROOT / "docs" / "bench"
 WORKER_TIMEOUT_S = 1800
 
 #: The fixed texts of the JSON's meta (docs/bench/real_shapes_text.md): the method, with the
@@ -417,9 +416,9 @@ def write_outputs(data: dict, out_dir: Path, publish: bool = False) -> None:
     report.write_markdown(data, out_dir / "real_shapes.md")
     report.write_plot(data, out_dir / "real_shapes.png")
     if publish:
-        DOCS.mkdir(parents=True, exist_ok=True)
+        report.DOCS.mkdir(parents=True, exist_ok=True)
         for name in ("real_shapes.json", "real_shapes.md", "real_shapes.png"):
-            shutil.copy(out_dir / name, DOCS / name)
+            shutil.copy(out_dir / name, report.DOCS / name)
 
 
 def main_render(ap, args, argv) -> int:
