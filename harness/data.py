@@ -728,9 +728,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="output folder")
     parser.add_argument("--vocab-size", type=int, default=Recipe.vocab_size)
-    parser.add_argument("--min-frequency", type=int, default=Recipe.min_frequency)
     parser.add_argument("--max-documents", type=int, default=None, help="small subset (tests)")
-    parser.add_argument("--wheel", type=Path, default=None, help="source wheel (sha256 from the lock)")
     parser.add_argument("--force", action="store_true", help="rebuild even if up to date")
     parser.add_argument(
         "--corpus-only",
@@ -739,16 +737,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="write only the corpus (JSON lines) to FILE; needs only the standard library",
     )
     args = parser.parse_args(argv)
-    recipe = Recipe(args.vocab_size, args.min_frequency, args.max_documents)
+    recipe = Recipe(vocab_size=args.vocab_size, max_documents=args.max_documents)
     try:
         if args.corpus_only is not None:
-            source = source_wheel(args.wheel)
+            source = source_wheel()
             docs = collect_corpus(source, recipe)
             write_corpus(docs, args.corpus_only)
             print(f"[data] {args.corpus_only}: {len(docs)} documents from {source.path.name}")
             print(f"[data] sha256 {sha256_file(args.corpus_only)}")
             return 0
-        art = prepare(args.out, recipe, force=args.force, wheel=args.wheel)
+        art = prepare(args.out, recipe, force=args.force)
     except DataError as e:
         print(f"[data] ERROR: {e}", file=sys.stderr)
         return 1

@@ -48,8 +48,6 @@ WORK_ROOT = REPO_ROOT / "build" / "checkouts"
 #: Series folder name (patches/<name>) -> the wheel tree setup.sh extracts for that base: its
 #: prebuilt dataset helpers and GNUmakefile serve a clone whose helpers.cpp is the same.
 WHEEL_TREES = {"0.17.1": REPO_ROOT / "build" / "upstream", "0.19": REPO_ROOT / "build" / "upstream-0.19"}
-#: Series folder name -> the key of the functional runner's BASES (the cases' BASE).
-CASE_BASES = {"0.17.1": "0.17.1", "0.19": "0.19"}
 #: What the two clones are made from, for the stamp that lets a rerun reuse them.
 _STAMP = ".own_tree_stamp"
 
@@ -93,8 +91,8 @@ class OwnTree:
 
     @property
     def base(self) -> str:
-        """The functional cases' BASE of the series (``CASE_BASES``)."""
-        return CASE_BASES.get(self.series.name, self.series.name)
+        """The functional cases' BASE of the series: its folder name (patches/<base>)."""
+        return self.series.name
 
     @property
     def label(self) -> str:
@@ -113,10 +111,11 @@ class OwnTree:
         return {"upstream": self.label, "patched": f"{self.label} + patches/{self.series.name}"}
 
 
-def _git(*args, cwd: Optional[Path] = None, check: bool = True) -> subprocess.CompletedProcess:
+def _git(*args, cwd: Optional[Path] = None, check: bool = True, text: bool = True) -> subprocess.CompletedProcess:
+    """``git ARGS`` in ``cwd``, output captured (bytes with ``text=False``); OwnTreeError on failure if ``check``."""
     # GIT_OPTIONAL_LOCKS=0: git status must not refresh PATH's index (PATH is never written)
     env = {**os.environ, "GIT_CONFIG_NOSYSTEM": "1", "LC_ALL": "C", "GIT_OPTIONAL_LOCKS": "0"}
-    proc = subprocess.run(["git", *map(str, args)], cwd=cwd, env=env, capture_output=True, text=True)
+    proc = subprocess.run(["git", *map(str, args)], cwd=cwd, env=env, capture_output=True, text=text)
     if check and proc.returncode != 0:
         raise OwnTreeError(f"git {' '.join(map(str, args))} failed: {proc.stderr.strip()}")
     return proc
@@ -244,8 +243,7 @@ def is_release(source: Path, commit: str, series: Path) -> bool:
     for f in manifest:
         if not f or f[0] != "file":
             continue
-        blob = subprocess.run(["git", "show", f"{commit}:{f[3]}"], cwd=source, capture_output=True,
-                              env={**os.environ, "GIT_CONFIG_NOSYSTEM": "1", "GIT_OPTIONAL_LOCKS": "0"})
+        blob = _git("show", f"{commit}:{f[3]}", cwd=source, check=False, text=False)
         got = hashlib.sha256(blob.stdout).hexdigest() if blob.returncode == 0 else "-"
         if got != f[1]:
             return False

@@ -37,7 +37,7 @@ import functools
 import json
 import os
 import sys
-from typing import Dict, List, Optional
+from typing import Dict, List
 
 ENV_VAR = "MEGATRON_PARAM_SYNC_TRACE"
 #: Prefix of the line ``report`` prints (``parse_log`` looks for it).

@@ -36,8 +36,9 @@ FORM_NAMES = {
     "broadcast": "bcast",
 }
 PATHS = ("async", "forced", "optimizer")
-#: The audit's hand-written prose: docs/bench/real_shapes_findings.md (the reading of the
-#: tables, ``FINDINGS``) and docs/bench/real_shapes_text.md (method, column legend, notes).
+#: Where ``--publish`` copies the outputs, and the audit's hand-written prose:
+#: real_shapes_findings.md (the reading of the tables, ``FINDINGS``) and real_shapes_text.md
+#: (method, column legend, notes).
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "bench"
 TEXT_FILE = DOCS / "real_shapes_text.md"
 

@@ -74,7 +74,6 @@ from harness.audit import grid, report
 from harness.trees import REPO_ROOT, env_for_tree
 
 WORKER = REPO_ROOT / "harness" / "audit" / "worker.py"
-DOCS = REPO_ROOT / "docs" / "bench"
 WORKER_TIMEOUT_S = 1800
 
 #: The fixed texts of the JSON's meta (docs/bench/real_shapes_text.md): the method, with the
@@ -116,7 +115,7 @@ def build_cells(models, dp_sizes, tree: str) -> str:
     return ",".join(f"{m}:{dp}" for m in models if audited(tree, m) for dp in dp_sizes)
 
 
-def worker_command(label: str, cells: str, out: Path, detail: bool = False, theory_only: bool = False):
+def worker_command(label: str, cells: str, out: Path, theory_only: bool = False):
     """(argv, env) of the worker for tree ``label`` (harness.trees.env_for_tree of its tree).
     ``cells``: the worker's --cells, or a Path: its --flags job file (``flags_job``);
     ``theory_only``: megatron's step estimate per cell only (the worker's --theory-only)."""
@@ -125,7 +124,7 @@ def worker_command(label: str, cells: str, out: Path, detail: bool = False, theo
     env.update(MEGATRON_CPU_RUNTIME="force", OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", PYTHONUNBUFFERED="1")
     what = ["--flags", str(cells)] if isinstance(cells, Path) else ["--cells", cells]
     argv = [sys.executable, str(WORKER), "--tree", label, *what, "--out", str(out)]
-    return argv + (["--bucket-detail"] if detail else []) + (["--theory-only"] if theory_only else []), env
+    return argv + (["--theory-only"] if theory_only else []), env
 
 
 def run_workers(labels, cells, raw: Path, jobs: int, theory_only: bool = False) -> dict:
@@ -417,9 +416,9 @@ def write_outputs(data: dict, out_dir: Path, publish: bool = False) -> None:
     report.write_markdown(data, out_dir / "real_shapes.md")
     report.write_plot(data, out_dir / "real_shapes.png")
     if publish:
-        DOCS.mkdir(parents=True, exist_ok=True)
+        report.DOCS.mkdir(parents=True, exist_ok=True)
         for name in ("real_shapes.json", "real_shapes.md", "real_shapes.png"):
-            shutil.copy(out_dir / name, DOCS / name)
+            shutil.copy(out_dir / name, report.DOCS / name)
 
 
 def main_render(ap, args, argv) -> int:

@@ -93,13 +93,12 @@ from torch.utils._device import _device_constructors  # noqa: E402
 from harness.alloc_counter import AllocationCounter, storage_key  # noqa: E402
 from harness.audit import grid  # noqa: E402
 from harness import model  # noqa: E402
+from harness.model import PARAM_DTYPE, PATHS  # noqa: E402
 from harness.cpu_runtime import collectives  # noqa: E402
 from harness.cpu_runtime import device as cpu_device  # noqa: E402
 from harness.trees import check_expected_tree  # noqa: E402
 
 META = torch.device("meta")
-PARAM_DTYPE = torch.bfloat16
-PATHS = ("async", "forced", "optimizer")
 FAKE_BACKEND = "cpu:fake,cuda:fake,meta:fake"
 _FACTORIES = _device_constructors()
 _COLLECTIVES_FILE = os.path.realpath(collectives.__file__)
@@ -288,12 +287,6 @@ def build_module(mc, spec: grid.ModelSpec, vp_stage=None):
     return config, module, vocab
 
 
-def legacy_layerwise_optimizer(mc, ddps, overlap: bool):
-    """The tree's layer-wise Muon optimizer for ``--optimizer dist_muon`` without the
-    param layout (``harness.model.layerwise_optimizer``)."""
-    return model.layerwise_optimizer(ddps, overlap, lr=0.01)
-
-
 class ModelChunks:
     """The DDP-wrapped model chunks of one pipeline stage with VPP, as one DDP for the
     audit's paths: the buffers and bucket groups of every chunk (chunk order), and
@@ -318,7 +311,7 @@ class ModelChunks:
 class LegacySetup(model.LayerwiseModel):
     """The legacy layer-wise path (0.17.1, the series, 0.18.2 and 0.19.2 without the
     layout): DDP with ``use_distributed_optimizer=False`` and the layer-wise Muon
-    optimizer (``legacy_layerwise_optimizer``), as megatron.training builds them for
+    optimizer (``harness.model.layerwise_optimizer``), as megatron.training builds them for
     ``--optimizer dist_muon``. Reset and paths: ``harness.model.LayerwiseModel``'s."""
 
     def __init__(self, mc, spec, overlap: bool):
@@ -330,7 +323,7 @@ class LegacySetup(model.LayerwiseModel):
             chunks.append(mc.DDP(self.config, ddp_config, module, disable_bucketing=bool(vp_stage)))
         self.chunks = chunks
         self.ddp = chunks[0] if len(chunks) == 1 else ModelChunks(chunks)
-        self.opt = legacy_layerwise_optimizer(mc, chunks, overlap)
+        self.opt = model.layerwise_optimizer(chunks, overlap, lr=0.01)
         self.layerwise = self.opt
         self._finish_init()
 

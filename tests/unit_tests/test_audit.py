@@ -377,7 +377,7 @@ def test_series_claims_hold_with_vpp(tmp_path):
     """The interleaved-pipeline cell (VPP_MODEL at DP 64: 5 model chunks, one DDP each,
     one layer-wise optimizer) on 0.17.1 and the series: the series' claims hold there
     too, and the optimizer path gathers every chunk at once (1 launch, as 0.17.1's one
-    list all_gather; series v3 launched one NCCL group per chunk)."""
+    list all_gather)."""
     from harness.audit.run import exact_receive_bytes, worker_command
 
     cells = {}

@@ -9,9 +9,6 @@ wrote.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Dict, List
 
@@ -21,9 +18,8 @@ import torch
 import harness.cpu_runtime as cpu_runtime
 from harness.cpu_runtime import collectives
 from harness.cpu_runtime import installer
-from harness.launch import torchrun_command
+from harness.launch import LaunchError, run_command, torchrun_command
 
-ROOT = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("cpu_runtime_gloo_worker.py")
 EQUAL_NUMEL = 6  # the worker's equal slot size
 
@@ -225,13 +221,11 @@ def test_install_if_requested_env(clean_runtime, monkeypatch):
 # ----------------------------------------------------------------------------- gloo ranks
 def _run_gloo_workers(world: int, out_dir: Path, timeout_s: int = 240) -> List[Dict]:
     """Start ``world`` gloo ranks of the worker script; return each rank's facts."""
-    argv, env = torchrun_command(WORKER, [str(out_dir)], world, tree="patched")
-    env["PYTHONWARNINGS"] = "ignore"
+    argv, env = torchrun_command(WORKER, [str(out_dir)], world, tree="patched", extra_env={"PYTHONWARNINGS": "ignore"})
     try:
-        proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=timeout_s, cwd=ROOT)
-    except subprocess.TimeoutExpired as exc:
-        raise AssertionError(f"gloo worker x{world} timed out after {timeout_s} s:\n{exc.stderr}") from None
-    assert proc.returncode == 0, f"gloo worker x{world} exit {proc.returncode}:\n" + proc.stderr[-4000:]
+        run_command(argv, env, run_dir=out_dir / "logs", timeout_s=timeout_s, what=f"gloo worker x{world}")
+    except LaunchError as exc:
+        raise AssertionError(str(exc)) from None
     return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(world)]
 
 

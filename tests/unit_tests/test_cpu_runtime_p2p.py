@@ -9,7 +9,6 @@ deallocate_output_tensor on two ranks (``cpu_runtime_p2p_worker.py``).
 from __future__ import annotations
 
 import json
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -17,9 +16,8 @@ import torch
 
 import harness.cpu_runtime as cpu_runtime
 from harness.cpu_runtime import p2p
-from harness.launch import torchrun_command
+from harness.launch import LaunchError, run_command, torchrun_command
 
-ROOT = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("cpu_runtime_p2p_worker.py")
 ROUNDS = 5
 
@@ -73,10 +71,12 @@ def test_installed_and_uninstalled_exactly():
 
 @pytest.mark.gloo
 def test_pipeline_send_then_pseudo_free_delivers_the_sent_bytes(tmp_path):
-    argv, env = torchrun_command(WORKER, [str(tmp_path), str(ROUNDS)], 2, tree="patched")
-    env["PYTHONWARNINGS"] = "ignore"
-    proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=240, cwd=ROOT)
-    assert proc.returncode == 0, f"p2p worker exit {proc.returncode}:\n" + proc.stderr[-4000:]
+    argv, env = torchrun_command(WORKER, [str(tmp_path), str(ROUNDS)], 2, tree="patched",
+                                 extra_env={"PYTHONWARNINGS": "ignore"})
+    try:
+        run_command(argv, env, run_dir=tmp_path / "logs", timeout_s=240, what="p2p worker x2")
+    except LaunchError as exc:
+        raise AssertionError(str(exc)) from None
     sender, receiver = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
     # With the layer: every round arrives bit for bit, and nothing stays held after wait().
     assert receiver["layer"]["equal"] == [True] * ROUNDS, receiver["layer"]
