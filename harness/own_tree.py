@@ -5,8 +5,8 @@ PATH``) train the tree a user runs, not one this repository pins: a fork of a ba
 main (docs/own_tree.md). ``prepare(PATH)`` makes two clones of PATH's HEAD under
 ``build/checkouts/<name>-<commit>/``:
 
-    upstream/   PATH's HEAD as it is
-    patched/    the same + the series, by ``scripts/apply_patches.sh`` (three-way where PATH is
+    pristine/   PATH's HEAD as it is
+    series/     the same + the series, by ``scripts/apply_patches.sh`` (three-way where PATH is
                 not exactly a base: one commit per patch)
 
 Both are ``git clone --shared`` (PATH's objects are borrowed, not copied) with PATH's own
@@ -25,8 +25,8 @@ A PATH that already carries the series (``apply_patches.sh PATH`` ran, or the us
 hand after a conflict: ``git am -3``, resolve, ``git am --continue``) is compared with the
 commit before the series instead: ``series_commits`` finds the series' commits in HEAD's
 history by their subjects, as apply_patches.sh's "applied" check does (the newest commit with
-each patch's subject, unless a revert of it is newer), and ``upstream/`` is a clone at the
-parent of the oldest of them, ``patched/`` a clone at HEAD, with no patch applied: what PATH
+each patch's subject, unless a revert of it is newer), and ``pristine/`` is a clone at the
+parent of the oldest of them, ``series/`` a clone at HEAD, with no patch applied: what PATH
 runs, hand-resolved hunks included, against what it ran before the series.
 """
 
@@ -68,11 +68,11 @@ class OwnTree:
         release: PATH is exactly a base (its touched files are the base's): golden values count;
             otherwise they are shown for information.
         why: apply_patches.sh's line on the series choice ("" for a release).
-        upstream, patched: the clones.
-        apply_log: what apply_patches.sh printed when it made ``patched`` (for a PATH that
+        pristine_clone, series_clone: the clones (``pristine/``, ``series/``).
+        apply_log: what apply_patches.sh printed when it made ``series/`` (for a PATH that
             carries the series: the line that names its commits).
         pre_series: where PATH carries the series, the commit before it (the parent of the
-            oldest series commit), which ``upstream`` holds; None where ``patched`` is PATH's
+            oldest series commit), which ``pristine/`` holds; None where ``series/`` is PATH's
             HEAD + the series applied by apply_patches.sh.
         series_commits: where PATH carries the series, its commits, oldest first.
     """
@@ -83,8 +83,8 @@ class OwnTree:
     series: Path
     release: bool
     why: str
-    upstream: Path
-    patched: Path
+    pristine_clone: Path
+    series_clone: Path
     apply_log: str
     pre_series: Optional[str] = None
     series_commits: Tuple[str, ...] = ()
@@ -100,15 +100,16 @@ class OwnTree:
         return f"{self.source.name} at {self.head[:10]}"
 
     def checkouts(self) -> Dict[str, Path]:
-        return {"upstream": self.upstream, "patched": self.patched}
+        """The functional runner's variant ("pristine", "series") -> its clone."""
+        return {"pristine": self.pristine_clone, "series": self.series_clone}
 
     def tree_labels(self) -> Dict[str, str]:
         """What each clone is, for titles: PATH's HEAD and HEAD + the series, or, where PATH
         carries the series, the commit before it and HEAD."""
         if self.pre_series:
-            return {"upstream": f"{self.source.name} at {self.pre_series[:10]} (before the series)",
-                    "patched": f"{self.label} (with patches/{self.series.name}, {len(self.series_commits)} commits)"}
-        return {"upstream": self.label, "patched": f"{self.label} + patches/{self.series.name}"}
+            return {"pristine": f"{self.source.name} at {self.pre_series[:10]} (before the series)",
+                    "series": f"{self.label} (with patches/{self.series.name}, {len(self.series_commits)} commits)"}
+        return {"pristine": self.label, "series": f"{self.label} + patches/{self.series.name}"}
 
 
 def _git(*args, cwd: Optional[Path] = None, check: bool = True, text: bool = True) -> subprocess.CompletedProcess:
@@ -320,7 +321,7 @@ def prepare(checkout: Path, work_root: Path = WORK_ROOT, log=print) -> OwnTree:
     if pre:  # the golden values count where the tree before the series is a release
         release = is_release(source, pre, series)
     work = work_root / f"{source.name}-{head[:12]}"
-    upstream, patched = work / "upstream", work / "patched"
+    pristine, with_series = work / "pristine", work / "series"
     stamp = _stamp(head)
     apply_log = ""
     if pre:
@@ -328,28 +329,28 @@ def prepare(checkout: Path, work_root: Path = WORK_ROOT, log=print) -> OwnTree:
         others = [c for c in _git("rev-list", f"{pre}..{head}", cwd=source).stdout.split() if c not in commits]
         apply_log = (f"carries patches/{series.name}: {len(commits)} commits {commits[0][:10]}..{commits[-1][:10]}; "
                      f"comparing HEAD {head[:10]} with the commit before the series, {pre[:10]}"
-                     + (f" ({len(others)} other commits lie between them and are on the patched side only)"
+                     + (f" ({len(others)} other commits lie between them and are on the series side only)"
                         if others else "") + "\n")
         log(f"  {source} {apply_log.strip()}")
     if (work / _STAMP).is_file() and (work / _STAMP).read_text().split("\n", 1)[0] == stamp \
-            and (upstream / ".git").is_dir() and (patched / ".git").is_dir():
+            and (pristine / ".git").is_dir() and (with_series / ".git").is_dir():
         apply_log = (work / _STAMP).read_text().split("\n", 1)[1]
         log(f"  scratch clones of {source} at {head[:10]} up to date: {work}")
     else:
-        log(f"  scratch clones of {source} at {head[:10]}: {work}/{{upstream,patched}}")
+        log(f"  scratch clones of {source} at {head[:10]}: {work}/{{pristine,series}}")
         work.mkdir(parents=True, exist_ok=True)
         (work / _STAMP).unlink(missing_ok=True)
-        _clone(source, pre or head, upstream)
-        _clone(source, head, patched)
+        _clone(source, pre or head, pristine)
+        _clone(source, head, with_series)
         if not pre:
-            proc = _apply(patched)
+            proc = _apply(with_series)
             if proc.returncode != 0:
-                raise OwnTreeError(f"--checkout {source}: apply_patches.sh failed on the scratch clone {patched}: "
+                raise OwnTreeError(f"--checkout {source}: apply_patches.sh failed on the scratch clone {with_series}: "
                                    f"{proc.stderr.strip()}")
             apply_log = proc.stdout
-        for clone in (upstream, patched):
+        for clone in (pristine, with_series):
             place_helpers(clone, series)
         (work / _STAMP).write_text(stamp + "\n" + apply_log)
     return OwnTree(source=source, head=head, version=version, series=series, release=release, why=why,
-                   upstream=upstream, patched=patched, apply_log=apply_log, pre_series=pre,
+                   pristine_clone=pristine, series_clone=with_series, apply_log=apply_log, pre_series=pre,
                    series_commits=tuple(commits))

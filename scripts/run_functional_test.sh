@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # scripts/run_functional_test.sh: the main job. Sets up on first use (scripts/setup.sh),
 # prepares the offline training data if missing, then, for each test case, trains the
-# pristine upstream tree and the patched tree (CPU ranks forked by harness/fork_ranks.py,
-# GPU ranks by torchrun) and compares them:
+# pristine tree (megatron-core as released) and the series tree (it + patches/<base>/)
+# (CPU ranks forked by harness/fork_ranks.py, GPU ranks by torchrun) and compares them:
 # exactly with each other, per step with the committed golden values.
 #
 # Usage: scripts/run_functional_test.sh [--base 0.19|0.17.1|all] [--device cpu|cuda] [--update-golden] [--list] [--checkout PATH] [CASE ...|all]
@@ -11,7 +11,7 @@
 #     gpt_dp2_bf16_fp32grad_overlap_layerwise (0.17.1 vs 0.17.1 + patches/0.17.1)
 #   --base: only that base's cases (its default case, or 'all' of them)
 #   --device cuda: NCCL on GPUs (golden_values_dgx_h200.json) instead of CPU gloo ranks
-#   --update-golden: rewrite the golden values from this run; refused unless patched == upstream
+#   --update-golden: rewrite the golden values from this run; refused unless series == pristine
 #   --checkout PATH: your own Megatron-LM git checkout (a fork, upstream main): PATH's HEAD as it
 #     is vs the same + the series its version picks (scripts/apply_patches.sh, three-way where
 #     PATH is not exactly a base), in scratch clones under build/checkouts/ (PATH is never
@@ -21,7 +21,7 @@
 #     A PATH that already carries the series (scripts/apply_patches.sh PATH ran, or you merged it
 #     by hand after a conflict) is compared with its commit before the series instead (the
 #     parent of the oldest commit with a patch's subject): HEAD as it is, nothing applied.
-# Writes: build/functional/<case>/{upstream,patched}/{metrics,memory}.json, comparison.json, loss_curves.png
+# Writes: build/functional/<case>/{pristine,series}/{metrics,memory}.json, comparison.json, loss_curves.png
 #         (memory.json: the param sync's megatron and NCCL bytes and the step peak per step, printed
 #         next to the verdict)
 # Exit:   0 when every case is "identical"; 1 diverged / outside golden tolerance / failed;

@@ -59,7 +59,7 @@ def commit_command(recorded: Path, out_root: Path, case_folder: Path) -> str:
 
 def record_golden(comparison: dict, case_out: Path, golden_out: Path, rules) -> dict:
     """After a "no_golden" verdict: write the golden values of the two runs in ``case_out``
-    (``upstream/``, ``patched/``) to ``golden_out``; the comparison gains ``golden_recorded``
+    (``pristine/``, ``series/``) to ``golden_out``; the comparison gains ``golden_recorded``
     (the path) or, where ``golden_update.update_golden`` refuses, a failure and verdict
     "failed". Other verdicts are returned unchanged."""
     from tests.functional_tests.python_test_utils import golden_update
@@ -70,8 +70,8 @@ def record_golden(comparison: dict, case_out: Path, golden_out: Path, rules) -> 
     comparison = dict(comparison)
     try:
         golden_out.parent.mkdir(parents=True, exist_ok=True)
-        golden_update.update_golden(golden_out, tbr.load_run_metrics(case_out / "upstream"),
-                                    tbr.load_run_metrics(case_out / "patched"), rules)
+        golden_update.update_golden(golden_out, tbr.load_run_metrics(case_out / "pristine"),
+                                    tbr.load_run_metrics(case_out / "series"), rules)
     except (golden_update.GoldenUpdateRefused, OSError, ValueError) as exc:
         comparison["verdict"] = "failed"
         comparison["verdict_line"] = f"failed: golden values not recorded: {exc}"

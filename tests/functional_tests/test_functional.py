@@ -143,7 +143,7 @@ def test_default_case_learns(case_results):
     """Smoke test (passes on pristine 0.17.1 too; not a check of the series): the tiny GPT
     must actually train on the real text: lm loss falls by > 10 %."""
     case_results(rc.DEFAULT_CASE)
-    metrics = json.loads((rc.OUT_ROOT / rc.DEFAULT_CASE / "patched" / "metrics.json").read_text())
+    metrics = json.loads((rc.OUT_ROOT / rc.DEFAULT_CASE / "series" / "metrics.json").read_text())
     loss = metrics["lm loss"]["values"]
     first, last = loss["1"], loss[str(metrics["lm loss"]["end_step"])]
     assert last < 0.9 * first, (first, last)
@@ -159,12 +159,12 @@ def test_series_param_sync_allocates_nothing(case_results, case):
     syncs between steps allocate no NCCL temporary and, by design (grad_data may hold grads
     there), megatron temporaries (0.17.1 allocates some in the steps too)."""
     memory = case_results(case)["memory"]
-    patched, upstream = memory["patched"], memory["upstream"]
-    got = memory_report.step_maxima(patched)
+    series, pristine = memory["series"], memory["pristine"]
+    got = memory_report.step_maxima(series)
     keys = ("megatron_bytes", "nccl_temporary_bytes", "between_nccl_temporary_bytes")
     assert {k: got[k] for k in keys} == dict.fromkeys(keys, 0), memory_report.format_memory(memory)
-    assert patched["kinds"] and all(k["calls"] > 0 and k["wire_bytes"] > 0 for k in patched["kinds"].values()), patched["kinds"]
-    assert memory_report.step_maxima(upstream)["megatron_bytes"] > 0, memory_report.format_memory(memory)
+    assert series["kinds"] and all(k["calls"] > 0 and k["wire_bytes"] > 0 for k in series["kinds"].values()), series["kinds"]
+    assert memory_report.step_maxima(pristine)["megatron_bytes"] > 0, memory_report.format_memory(memory)
 
 
 def rank_files_reduced(case: str, variant: str) -> dict:
@@ -245,7 +245,7 @@ def test_memory_block_prints_both_runs_in_mib(case_results, case):
                       f"launches, {k['wire_bytes'] / MIB:.2f} MiB received")
             assert [v, counts] in [[s.strip() for s in line.split(":", 1)] for line in lines], (kind, v, text)
     assert "c10d call: one torch.distributed function call" in lines
-    assert memory_report.format_memory({"upstream": None, "patched": None}) == "memory: no param-sync records"
+    assert memory_report.format_memory({"pristine": None, "series": None}) == "memory: no param-sync records"
 
 
 @pytest.mark.parametrize("case", tiered(MEMORY_CASES, DEFAULT_RUN_CASES.__contains__))
@@ -272,7 +272,7 @@ def test_plot_memory_panels_draw_both_runs(case_results, case, tmp_path):
         assert f"{v} (max {_largest(want[v], 'steps', 'step_peak_bytes'):.3f})" in labels, labels
     path = plot.plot_loss_curves(tmp_path / "p.png", curves, memory=memory)
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert plot.memory_lines({"upstream": None}) == []
+    assert plot.memory_lines({"pristine": None}) == []
 
 
 @pytest.mark.parametrize("case", tiered(MEMORY_CASES, DEFAULT_RUN_CASES.__contains__))
@@ -281,7 +281,7 @@ def test_expected_param_syncs_are_checked_against_the_memory_record(case_results
     memory.json: the kinds and groups it gathered on pass; another group, a kind it never
     gathered (optimizer: the overlap path has none) and a kind without bytes on the wire
     each fail, saying which."""
-    summary = case_results(case)["memory"]["patched"]
+    summary = case_results(case)["memory"]["series"]
     groups = MEMORY_CASES[case]
     assert memory_report.check_expected_syncs(summary, {k: {"group_size": g} for k, g in groups.items()}) == []
     kind, group = next(iter(groups.items()))
@@ -357,8 +357,8 @@ def test_019_layout_case_trains_the_layout_path(case_results):
         dense = layout[variant]["kinds"]["dense"]
         assert dense["calls"] > 0 and dense["ops"] == dense["calls"] and dense["zero_size_ops"] == 0, (variant, dense)
         assert memory_report.step_maxima(layout[variant])["megatron_bytes"] == 0, variant
-    assert legacy["upstream"]["kinds"]["dense"]["ops"] > legacy["upstream"]["kinds"]["dense"]["calls"]
-    assert legacy["upstream"]["kinds"]["dense"]["zero_size_ops"] > 0
+    assert legacy["pristine"]["kinds"]["dense"]["ops"] > legacy["pristine"]["kinds"]["dense"]["calls"]
+    assert legacy["pristine"]["kinds"]["dense"]["zero_size_ops"] > 0
 
 
 @pytest.mark.extended
@@ -367,7 +367,7 @@ def test_019_pretrain_gpt_trains_the_legacy_path_whatever_the_layout_flag(case_r
     (``builder.build_distributed_models``, ``megatron/training/models/dist_utils.py``), which
     computes no layer-wise param layout: without ``--no-use-layer-wise-param-layout`` (the
     layout path requested, 0.19's default) it trains exactly as with it, the legacy path the
-    series changes. Compared with the default 0.19 case's upstream run: every metric of every
+    series changes. Compared with the default 0.19 case's pristine run: every metric of every
     step bit for bit, and the same list all_gather per step."""
     from harness import data
 
@@ -375,13 +375,13 @@ def test_019_pretrain_gpt_trains_the_legacy_path_whatever_the_layout_flag(case_r
     case = rc.load_case(rc.find_case(DEFAULT_CASE_019))
     case = replace(case, model_args={**case.model_args, "--no-use-layer-wise-param-layout": False})
     base = rc.BASES[case.base]
-    res = rc.run_variant(case, base.trees["upstream"], tmp_path / "no_flag", str(data.prepare(log=lambda m: None).data_prefix),
+    res = rc.run_variant(case, base.trees["pristine"], tmp_path / "no_flag", str(data.prepare(log=lambda m: None).data_prefix),
                          "cpu", 900, {"MEGATRON_LM_CHECKOUT": str(base.checkout)})
     assert not res.failures, res.failures
-    flagged = tensorboard_reader.load_run_metrics(rc.OUT_ROOT / DEFAULT_CASE_019 / "upstream")
+    flagged = tensorboard_reader.load_run_metrics(rc.OUT_ROOT / DEFAULT_CASE_019 / "pristine")
     for metric in ("lm loss", "grad-norm", "params-norm"):
         assert res.metrics[metric].values == flagged[metric].values, metric
-    assert res.memory["kinds"] == with_flag["memory"]["upstream"]["kinds"]
+    assert res.memory["kinds"] == with_flag["memory"]["pristine"]["kinds"]
 
 
 @pytest.mark.extended
@@ -430,24 +430,24 @@ def test_every_mutant_is_classified():
 
 @pytest.mark.parametrize("case,mutant", tiered(MUTANT_RUNS, DEFAULT_RUN_MUTANTS.__contains__))
 def test_mutant_is_caught(case_results, tmp_path, case, mutant):
-    """The case with a mutant as the "patched" side must not be "identical".
+    """The case with a mutant as the series side must not be "identical".
 
-    The upstream side is reused from the session's run of the case (same machine, same
+    The pristine side is reused from the session's run of the case (same machine, same
     session), so each mutant costs one training run, of MUTANT_STEPS steps.
     """
     case_results(case)
     tree = make_mutant_tree(MUTANTS_DIR / f"{mutant}.patch", tmp_path / "tree")
     comparison = rc.run_case(
         case,
-        patched_tree=tree,
+        series_tree=tree,
         out_root=tmp_path / "functional",
-        reuse_upstream=rc.OUT_ROOT / case / "upstream",
+        reuse_pristine=rc.OUT_ROOT / case / "pristine",
         record_memory=False,  # only the verdict matters here
         model_args={"--exit-interval": MUTANT_STEPS},
     )
     if mutant in CRASHES_IN_TRAINING:
         # Must be a crash during training, not one at exit that any flaky run could give.
-        done = comparison["iterations_completed"]["patched"]
+        done = comparison["iterations_completed"]["series"]
         assert comparison["verdict"] in ("diverged", "failed"), comparison["verdict_line"]
         if comparison["verdict"] == "failed":
             assert done is not None and done < MUTANT_STEPS, (done, comparison["verdict_line"])

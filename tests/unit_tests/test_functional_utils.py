@@ -295,7 +295,7 @@ def test_identical_runs_and_missing_required_metric():
     up = three()
     pa = {k: v for k, v in three().items() if k != "num-zeros"}
     result = checks.compare_variants(up, pa)
-    assert result.first is None and result.failures == ["num-zeros: not logged by patched"]
+    assert result.first is None and result.failures == ["num-zeros: not logged by series"]
 
 
 def test_variant_grid_mismatch_and_shared_nan_are_failures():
@@ -332,13 +332,13 @@ def test_golden_check_applies_tolerance_per_step_on_rounded_values():
     lm = list(golden["lm loss"].values.values())
     # Inside: 0.9e-3 relative at every step (no averaging can hide a failing step...)
     inside = [v * (1 + 0.9e-3) for v in lm]
-    result = checks.compare_to_golden(three(lm=inside), golden, RULES, "patched")
+    result = checks.compare_to_golden(three(lm=inside), golden, RULES, "series")
     assert result.failures == [] and result.failing_steps["lm loss"] == 0
     # ...and one step outside by 1.1e-3 fails alone, naming that step.
     inside[6] = lm[6] * (1 + 1.1e-3)
-    result = checks.compare_to_golden(three(lm=inside), golden, RULES, "patched")
+    result = checks.compare_to_golden(three(lm=inside), golden, RULES, "series")
     assert result.failing_steps["lm loss"] == 1
-    assert result.failures[0].startswith("patched: lm loss: step 7: ")
+    assert result.failures[0].startswith("series: lm loss: step 7: ")
 
 
 def test_golden_exact_rule_compares_at_five_decimals(tmp_path):
@@ -351,8 +351,8 @@ def test_golden_exact_rule_compares_at_five_decimals(tmp_path):
     out = verdicts.build_comparison("c", bad, bad, tmp_path / "g.json", rules)
     assert out["verdict"] == "outside_golden"
     assert out["metrics"]["num-zeros"]["golden_failing_steps"] == {
-        "upstream": STEPS,
-        "patched": STEPS,
+        "pristine": STEPS,
+        "series": STEPS,
     }
 
 
@@ -384,7 +384,7 @@ def test_golden_check_failures(kind, expect, tmp_path):
         golden = three(lm=lm)
     else:
         run = three(n=STEPS - 2)
-    result = checks.compare_to_golden(golden_schema.round_all(run), golden, RULES, "upstream")
+    result = checks.compare_to_golden(golden_schema.round_all(run), golden, RULES, "pristine")
     messages = result.failures + result.structural
     assert any(expect in m for m in messages), messages
 
@@ -427,11 +427,11 @@ def test_build_comparison_verdicts(tmp_path):
     )
     assert div["metrics"]["lm loss"]["max_abs_diff_variants"] == pytest.approx(0.5)
     assert div["metrics"]["lm loss"]["identical"] is False
-    assert any(m.startswith("patched: lm loss: step 6") for m in div["failures"])
+    assert any(m.startswith("series: lm loss: step 6") for m in div["failures"])
 
     missing = verdicts.build_comparison("case", up, three(), tmp_path / "none.json", RULES)
     assert missing["verdict"] == "no_golden"
-    assert missing["verdict_line"] == f"no golden values: {tmp_path / 'none.json'} does not exist (patched == upstream exactly)"
+    assert missing["verdict_line"] == f"no golden values: {tmp_path / 'none.json'} does not exist (series == pristine exactly)"
     assert not any("tolerance" in f or "diverged" in f for f in missing["failures"])
     # What outranks a missing golden file: a divergence, a crash.
     assert verdicts.build_comparison("case", up, three(lm=lm), tmp_path / "none.json", RULES)["verdict"] == "diverged"
@@ -450,8 +450,8 @@ def test_build_comparison_verdicts(tmp_path):
     del off["num-zeros"]
     both = verdicts.build_comparison("case", off, dict(off), golden_path, RULES)
     assert both["verdict"] == "failed"
-    assert any("num-zeros: not logged by upstream and patched" == f for f in both["failures"])
-    assert any(f.startswith("upstream: lm loss: step 1:") for f in both["failures"])
+    assert any("num-zeros: not logged by pristine and series" == f for f in both["failures"])
+    assert any(f.startswith("pristine: lm loss: step 1:") for f in both["failures"])
 
 
 def test_all_metrics_failures_collected_before_verdict(tmp_path):
@@ -464,9 +464,9 @@ def test_all_metrics_failures_collected_before_verdict(tmp_path):
     out = verdicts.build_comparison("case", off, off, golden_path, RULES)
     assert out["verdict"] == "outside_golden" and out["verdict_line"] == "outside golden tolerance"
     failing = out["metrics"]
-    assert failing["lm loss"]["golden_failing_steps"] == {"upstream": STEPS, "patched": STEPS}
-    assert failing["grad-norm"]["golden_failing_steps"] == {"upstream": STEPS, "patched": STEPS}
-    assert failing["num-zeros"]["golden_failing_steps"] == {"upstream": 0, "patched": 0}
+    assert failing["lm loss"]["golden_failing_steps"] == {"pristine": STEPS, "series": STEPS}
+    assert failing["grad-norm"]["golden_failing_steps"] == {"pristine": STEPS, "series": STEPS}
+    assert failing["num-zeros"]["golden_failing_steps"] == {"pristine": 0, "series": 0}
     assert len(out["failures"]) == 4 * STEPS
     table = formatting.format_table(out)
     assert "grad-norm" in table and table.endswith("verdict: outside golden tolerance")
@@ -533,18 +533,18 @@ def memory_summary(sync_mib: float, peaks_mib: list[float], between_mib: float |
 
 
 def run_info(verdict: str, line: str, base: str = "0.19") -> plot.RunInfo:
-    version, trees = {"0.19": ("0.19.2", ("upstream-0.19", "patched-0.19")), "0.17.1": ("0.17.1", ("upstream", "patched"))}[base]
+    version = {"0.19": "0.19.2", "0.17.1": "0.17.1"}[base]
     return plot.RunInfo(case="gpt_case", base=base, version=version, series=f"patches/{base}", ranks=2,
                         device="cpu", verdict=verdict, verdict_line=line,
-                        trees=dict(zip(("upstream", "patched"), trees)))  # fmt: skip
+                        trees={"pristine": f"pristine-{base}", "series": f"series-{base}"})  # fmt: skip
 
 
-def render(tmp_path, info, patched_lm=None, divergent_step=None):
+def render(tmp_path, info, series_lm=None, divergent_step=None):
     """Both the PNG (through plot_loss_curves) and the figure object of one comparison."""
     up = three()
-    curves = {"upstream": up, "patched": three(lm=patched_lm), "golden": golden_schema.round_all(up)}
+    curves = {"pristine": up, "series": three(lm=series_lm), "golden": golden_schema.round_all(up)}
     peaks = [4.0, 4.1, 4.246] + [4.0] * (STEPS - 3)
-    memory = {"upstream": memory_summary(0.119, peaks, between_mib=0.119), "patched": memory_summary(0.0, peaks, between_mib=0.0)}
+    memory = {"pristine": memory_summary(0.119, peaks, between_mib=0.119), "series": memory_summary(0.0, peaks, between_mib=0.0)}
     rules = tolerances.rules_for(["lm loss", "grad-norm", "num-zeros"])
     path = plot.plot_loss_curves(tmp_path / "sub" / "loss_curves.png", curves, divergent_step, memory=memory,
                                  rules=rules, info=info)  # fmt: skip
@@ -572,8 +572,8 @@ def test_plot_of_an_identical_run_explains_itself(tmp_path):
     assert data[:8] == b"\x89PNG\r\n\x1a\n"
     assert (int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")) == (1500, 1000)
     title = fig._suptitle.get_text()
-    for words in ("gpt_case", "megatron-core 0.19.2", "2 ranks", "CPU, gloo", "upstream = upstream-0.19",
-                  "patched = patched-0.19 (0.19.2 + patches/0.19)", "verdict: identical", "bit for bit",
+    for words in ("gpt_case", "megatron-core 0.19.2", "2 ranks", "CPU, gloo", "pristine = pristine-0.19",
+                  "series = series-0.19 (0.19.2 + patches/0.19)", "verdict: identical", "bit for bit",
                   "within the golden tolerance"):  # fmt: skip
         assert words in title, (words, title)
     axes = _axes(fig)
@@ -584,17 +584,17 @@ def test_plot_of_an_identical_run_explains_itself(tmp_path):
     assert min(ys) == pytest.approx(min(g * (1 - 1e-3) for g in golden_schema.round_all(up)["lm loss"].values.values()))
     assert g1 * (1 + 1e-3) == pytest.approx(max(ys))
     assert "rtol=0.001" in band.get_label()
-    assert [line.get_label() for line in lm.get_lines()] == ["golden", "upstream-0.19", "patched-0.19"]
+    assert [line.get_label() for line in lm.get_lines()] == ["golden", "pristine-0.19", "series-0.19"]
     sync = next(ax for title, ax in axes.items() if title.startswith("layer-wise param sync"))
-    zeros = _line(sync, "patched-0.19: megatron tensors, per step (max 0.000)")
+    zeros = _line(sync, "series-0.19: megatron tensors, per step (max 0.000)")
     assert list(zeros.get_ydata()) == [0.0] * STEPS and zeros.get_marker() not in ("None", "", None)
     assert zeros.get_linestyle() == "None" and sync.get_ylim()[0] < 0 < sync.get_ylim()[1]
-    upstream = _line(sync, "upstream-0.19: megatron tensors, per step (max 0.119)")
-    assert list(upstream.get_ydata()) == [pytest.approx(0.119, abs=1e-6)] * STEPS
-    forced = _line(sync, "upstream-0.19: megatron tensors, forced sync after the step (max 0.119)")
+    pristine = _line(sync, "pristine-0.19: megatron tensors, per step (max 0.119)")
+    assert list(pristine.get_ydata()) == [pytest.approx(0.119, abs=1e-6)] * STEPS
+    forced = _line(sync, "pristine-0.19: megatron tensors, forced sync after the step (max 0.119)")
     assert list(forced.get_xdata()) == [5.5]
     peak = next(ax for title, ax in axes.items() if title.startswith("step peak"))
-    assert _line(peak, "upstream-0.19 (max 4.246)").get_ydata()[2] == pytest.approx(4.246, abs=1e-6)
+    assert _line(peak, "pristine-0.19 (max 4.246)").get_ydata()[2] == pytest.approx(4.246, abs=1e-6)
     assert any(list(line.get_ydata()) == [pytest.approx(4.246, abs=1e-6)] * 2 for line in peak.get_lines())
     assert all(_red_lines(ax) == [] for ax in fig.axes)
     assert all(ax.get_legend() is not None and ax.get_legend().get_texts()[0].get_fontsize() >= 8
@@ -605,23 +605,24 @@ def test_plot_of_a_divergent_run_marks_the_step_and_says_what_it_means(tmp_path)
     up_lm = [curve("lm loss", t) for t in range(1, STEPS + 1)]
     lm = list(up_lm)
     lm[5] += 1.0
-    info = run_info("diverged", "diverged at step 6 (lm loss, 6.25 upstream, 7.25 patched)", base="0.17.1")
-    _, fig, _ = render(tmp_path, info, patched_lm=lm, divergent_step=6)
+    info = run_info("diverged", "diverged at step 6 (lm loss, 6.25, 7.25)", base="0.17.1")
+    _, fig, _ = render(tmp_path, info, series_lm=lm, divergent_step=6)
     title = fig._suptitle.get_text()
-    assert "megatron-core 0.17.1" in title and "upstream = upstream (" in title and "patched = patched (0.17.1 + patches/0.17.1)" in title
-    assert "verdict: diverged at step 6 (lm loss" in title and "patched differs from upstream" in title
+    assert "megatron-core 0.17.1" in title and "pristine = pristine-0.17.1 (" in title
+    assert "series = series-0.17.1 (0.17.1 + patches/0.17.1)" in title
+    assert "verdict: diverged at step 6 (lm loss" in title and "series differs from pristine" in title
     assert "bit for bit" not in title
     axes = _axes(fig)
-    assert list(_line(axes["lm loss"], "patched").get_ydata()) == lm
+    assert list(_line(axes["lm loss"], "series-0.17.1").get_ydata()) == lm
     assert all(_red_lines(ax) == [6] for ax in fig.axes)
     # The two bases draw their trees in different colours.
     _, fig019, _ = render(tmp_path, run_info("identical", "identical"))
-    assert _line(axes["lm loss"], "upstream").get_color() != _line(_axes(fig019)["lm loss"], "upstream-0.19").get_color()
+    assert _line(axes["lm loss"], "pristine-0.17.1").get_color() != _line(_axes(fig019)["lm loss"], "pristine-0.19").get_color()
 
 
 def test_plot_refuses_curves_without_either_metric(tmp_path):
     with pytest.raises(ValueError, match="no curve"):
-        plot.plot_loss_curves(tmp_path / "x.png", {"upstream": {"num-zeros": three()["num-zeros"]}, "golden": None})
+        plot.plot_loss_curves(tmp_path / "x.png", {"pristine": {"num-zeros": three()["num-zeros"]}, "golden": None})
 
 
 # --------------------------------------------------------------------------- runner decisions

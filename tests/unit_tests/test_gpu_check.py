@@ -619,7 +619,7 @@ def write_variant_metrics(case_out: Path, variant: str, lm_loss: dict):
 def no_golden_comparison(results: Path, run: str) -> dict:
     path = results / run / plan_mod.CASE / "comparison.json"
     doc = json.loads(path.read_text())
-    doc.update(verdict="no_golden", verdict_line="no golden values: ... does not exist (patched == upstream exactly)",
+    doc.update(verdict="no_golden", verdict_line="no golden values: ... does not exist (series == pristine exactly)",
                failures=["no golden values: ... does not exist"])
     return doc
 
@@ -632,8 +632,8 @@ def test_a_run_without_golden_values_records_them_in_out_only_when_bit_identical
     run = "functional_gloo_shared_gpu"
     case_out = results / run / plan_mod.CASE
     loss = {1: 8.328125, 2: 7.5, 3: 7.0}
-    write_variant_metrics(case_out, "upstream", loss)
-    write_variant_metrics(case_out, "patched", loss if equal else {**loss, 2: 7.500001})
+    write_variant_metrics(case_out, "pristine", loss)
+    write_variant_metrics(case_out, "series", loss if equal else {**loss, 2: 7.500001})
     golden_out = results / run / "golden" / "golden_values_h200_gloo.json"
     case = run_case.load_case(run_case.find_case(plan_mod.CASE))
     comparison = functional.record_golden(no_golden_comparison(results, run), case_out, golden_out,

@@ -356,10 +356,10 @@ def test_prepare_trains_scratch_clones_and_never_writes_the_checkout(tmp_path):
     head = git(fork, "rev-parse", "HEAD").strip()
     assert (tree.head, tree.version, tree.series, tree.base, tree.release) == (head, "0.19.1", SERIES019, "0.19", False)
     assert "three-way" in tree.why
-    assert git(tree.upstream, "rev-parse", "HEAD").strip() == head
-    subjects = git(tree.patched, "log", "--format=%s", f"{head}..HEAD").splitlines()[::-1]
+    assert git(tree.pristine_clone, "rev-parse", "HEAD").strip() == head
+    subjects = git(tree.series_clone, "log", "--format=%s", f"{head}..HEAD").splitlines()[::-1]
     assert subjects == [subject(SERIES019 / n) for n in series()]
-    for clone in (tree.upstream, tree.patched):
+    for clone in (tree.pristine_clone, tree.series_clone):
         assert git(clone, "status", "--porcelain") == ""
         assert (clone / "pretrain_gpt.py").read_bytes() == (fork / "pretrain_gpt.py").read_bytes()
         if (ROOT / "build/upstream-0.19/megatron/core/datasets").is_dir():
@@ -374,7 +374,7 @@ def test_prepare_of_a_release_checkout_counts_the_golden_values(tmp_path):
     repo = mini_019(tmp_path, "release")
     tree = own_tree.prepare(repo, work_root=tmp_path / "work", log=lambda m: None)
     assert tree.release and tree.why == "" and tree.series == SERIES019
-    assert len(git(tree.patched, "log", "--format=%s", "core_v0.19.0..HEAD").splitlines()) == len(series())
+    assert len(git(tree.series_clone, "log", "--format=%s", "core_v0.19.0..HEAD").splitlines()) == len(series())
 
 
 def _fake_tree(root: Path, minor: int, git_init: bool) -> Path:
@@ -480,12 +480,12 @@ def test_prepare_of_a_checkout_that_carries_the_series_compares_it_with_the_comm
     assert all_files(repo) == before, "PATH was written"
     assert (tree.head, tree.pre_series, tree.series, tree.release) == (head, pre, SERIES019, False)
     assert len(tree.series_commits) == len(names) and tree.series_commits[-1] == head
-    assert git(tree.upstream, "rev-parse", "HEAD").strip() == pre
-    assert git(tree.patched, "rev-parse", "HEAD").strip() == head  # nothing applied on top
-    assert git(tree.patched, "diff", "--stat", head) == ""
+    assert git(tree.pristine_clone, "rev-parse", "HEAD").strip() == pre
+    assert git(tree.series_clone, "rev-parse", "HEAD").strip() == head  # nothing applied on top
+    assert git(tree.series_clone, "diff", "--stat", head) == ""
     assert "comparing HEAD" in tree.apply_log and pre[:10] in tree.apply_log
     assert any("carries patches/0.19" in m for m in logs), logs
-    assert tree.tree_labels()["upstream"].endswith("(before the series)")
+    assert tree.tree_labels()["pristine"].endswith("(before the series)")
     again = own_tree.prepare(repo, work_root=tmp_path / "work", log=logs.append)
     assert again == tree and "up to date" in logs[-1]
 
@@ -519,10 +519,10 @@ def test_golden_values_are_information_only_where_the_tree_is_not_a_release():
 
     base = {"case": "c", "first_divergent_step": None, "metrics": {}, "golden_file": "g.json"}
     outside = {**base, "verdict": "outside_golden", "verdict_line": "outside golden tolerance",
-               "failures": ["patched: lm loss: step 6 off"], "golden_failures": ["patched: lm loss: step 6 off"]}
+               "failures": ["series: lm loss: step 6 off"], "golden_failures": ["series: lm loss: step 6 off"]}
     got = golden_for_information(outside)
     assert (got["verdict"], got["verdict_line"], got["failures"]) == ("identical", "identical", [])
-    assert got["golden_findings"] == ["patched: lm loss: step 6 off"] and "for information" in got["golden_note"]
+    assert got["golden_findings"] == ["series: lm loss: step 6 off"] and "for information" in got["golden_note"]
     same = golden_for_information({**base, "verdict": "identical", "verdict_line": "identical",
                                    "failures": [], "golden_failures": []})
     assert same["verdict"] == "identical" and "within the golden tolerance" in same["golden_note"]
@@ -543,8 +543,8 @@ def test_gpu_check_plan_on_a_checkout_trains_its_clones(tmp_path):
     ran = [r for r in plan.runs if not r.skip_reason]
     assert ran and all(r.base == "0.19" and r.kind == "functional" for r in ran)
     for r in ran:
-        assert [x.env["MEGATRON_LM_CHECKOUT"] for x in r.launches] == [str(tree.upstream), str(tree.patched)]
-        assert [x.env["PYTHONPATH"].split(os.pathsep)[0] for x in r.launches] == [str(tree.upstream), str(tree.patched)]
+        assert [x.env["MEGATRON_LM_CHECKOUT"] for x in r.launches] == [str(tree.pristine_clone), str(tree.series_clone)]
+        assert [x.env["PYTHONPATH"].split(os.pathsep)[0] for x in r.launches] == [str(tree.pristine_clone), str(tree.series_clone)]
         assert plan_mod.functional_command(r, plan)[-2:] == ["--checkout", str(tree.source)]
     skipped = [r for r in plan.runs if r.skip_reason]
     assert skipped and all(r.base == "0.17.1" and not r.launches and "--checkout" in r.skip_reason for r in skipped)

@@ -170,10 +170,10 @@ def run_own(checkout: Path, nproc: int = 2, timeout_s: float = 1800) -> tuple:
     from harness import own_tree
 
     tree = own_tree.prepare(checkout)
-    files = dict(zip(("pristine", "series"), own_run_files(tree.upstream, tree.patched, tree.series.name)))
+    files = dict(zip(("pristine", "series"), own_run_files(tree.pristine_clone, tree.series_clone, tree.series.name)))
     out = RESULTS_DIR / f"checkout-{tree.source.name}-{tree.head[:12]}"
     runs = [run(label, nproc, files[label], timeout_s=timeout_s, out_dir=out / f"{label}-np{nproc}", checkout=clone)
-            for label, clone in (("pristine", tree.upstream), ("series", tree.patched))]
+            for label, clone in (("pristine", tree.pristine_clone), ("series", tree.series_clone))]
     return (tree, *runs)
 
 

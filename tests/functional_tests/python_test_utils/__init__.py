@@ -4,10 +4,10 @@ Data flows one way:
 
     tensorboard event dir --tensorboard_reader--> metrics.json (golden schema, 5 decimals)
                                               +-> metrics_exact.json (same schema, unrounded)
-    upstream + patched + golden --checks (tolerances)--> findings --verdicts--> comparison.json
+    pristine + series + golden --checks (tolerances)--> findings --verdicts--> comparison.json
                                  --formatting--> table, one-line verdict
                                  --plot--------> loss_curves.png
-    upstream == patched exactly --golden_update--> golden_values_<env>_<platform>.json
+    pristine == series exactly --golden_update--> golden_values_<env>_<platform>.json
     ranks' param_sync/rank<R>.json --memory_report--> memory.json --> comparison.json,
                                  the memory block of the verdict, the plot's memory panel
 

@@ -1,4 +1,4 @@
-"""The two checks: patched vs upstream exactly, and each run vs the golden values.
+"""The two checks: series vs pristine exactly, and each run vs the golden values.
 
 1. **Exact** (:func:`compare_variants`): same machine, same run of the harness, so any
    difference is the series' doing. Bitwise float64 equality of the unrounded values
@@ -23,7 +23,10 @@ from .formatting import format_exact, format_grid
 from .golden_schema import Metrics, MetricSeries
 from .tolerances import Informational, MetricRule
 
-VARIANTS = ("upstream", "patched")
+#: The two runs of a case, in this order everywhere (``comparison.json`` keys, the run folders
+#: ``build/functional/<case>/<variant>/``): the pristine tree (megatron-core as released) and
+#: the series tree (it with patches/<base>/).
+VARIANTS = ("pristine", "series")
 EXACT_REQUIRED = ("lm loss", "grad-norm", "num-zeros")
 EXACT_OPTIONAL = ("params-norm", "learning-rate", "load_balancing_loss")
 
@@ -63,13 +66,13 @@ class Divergence:
 
     step: int
     metric: str
-    upstream: float
-    patched: float
+    pristine: float
+    series: float
 
     def describe(self) -> str:
         return (
             f"diverged at step {self.step} "
-            f"({self.metric}, {format_exact(self.upstream)}, {format_exact(self.patched)})"
+            f"({self.metric}, {format_exact(self.pristine)}, {format_exact(self.series)})"
         )
 
 
@@ -97,8 +100,8 @@ class VariantComparison:
 
 
 def compare_variants(
-    upstream: Metrics,
-    patched: Metrics,
+    pristine: Metrics,
+    series: Metrics,
     required: Sequence[str] = EXACT_REQUIRED,
     optional: Sequence[str] = EXACT_OPTIONAL,
 ) -> VariantComparison:
@@ -109,32 +112,32 @@ def compare_variants(
     are failures.
     """
     result = VariantComparison()
-    for metric in sorted(set(upstream) & set(patched), key=lambda m: (m not in required, m)):
-        result.max_abs_diff[metric] = max_abs_diff(upstream[metric], patched[metric])
+    for metric in sorted(set(pristine) & set(series), key=lambda m: (m not in required, m)):
+        result.max_abs_diff[metric] = max_abs_diff(pristine[metric], series[metric])
     for metric in (*required, *optional):
-        absent = [v for v, m in zip(VARIANTS, (upstream, patched)) if metric not in m]
+        absent = [v for v, m in zip(VARIANTS, (pristine, series)) if metric not in m]
         if absent:
             if metric in required or len(absent) == 1:
                 result.failures.append(f"{metric}: not logged by {' and '.join(absent)}")
             continue
         result.compared.append(metric)
-        up, pa = upstream[metric], patched[metric]
-        if up.steps != pa.steps:
+        pr, se = pristine[metric], series[metric]
+        if pr.steps != se.steps:
             result.failures.append(
-                f"{metric}: step grids differ: upstream {format_grid(up)}, patched {format_grid(pa)}"
+                f"{metric}: step grids differ: pristine {format_grid(pr)}, series {format_grid(se)}"
             )
-        for step in up.steps:
-            if step not in pa.values:
+        for step in pr.steps:
+            if step not in se.values:
                 continue
-            u, p = up.values[step], pa.values[step]
-            if not same_bits(u, p):
-                result.per_metric[metric] = Divergence(step, metric, u, p)
+            p, s = pr.values[step], se.values[step]
+            if not same_bits(p, s):
+                result.per_metric[metric] = Divergence(step, metric, p, s)
                 break
         if metric in required:
             both_nan = [
                 t
-                for t in up.steps
-                if t in pa.values and math.isnan(up.values[t]) and math.isnan(pa.values[t])
+                for t in pr.steps
+                if t in se.values and math.isnan(pr.values[t]) and math.isnan(se.values[t])
             ]
             if both_nan:
                 result.failures.append(f"{metric}: no value in either run at steps {both_nan[:10]}")
@@ -173,7 +176,7 @@ def compare_to_golden(
         actual: the run's metrics, rounded to the golden precision (``metrics.json``).
         golden: the golden file's metrics.
         rules: metric -> rule; only these metrics are checked (the case's METRICS).
-        label: names the run in messages ("upstream"/"patched").
+        label: names the run in messages ("pristine"/"series").
     """
     out = GoldenComparison()
     for metric, rule in rules.items():

@@ -46,11 +46,11 @@ def format_table(comparison: Mapping, max_failures: int = 20) -> str:
     head = (
         "metric",
         "variants",
-        "max|up-pa|",
+        "max|pri-ser|",
         "golden rule",
-        "max|up-gold|",
-        "max|pa-gold|",
-        "failing up/pa",
+        "max|pri-gold|",
+        "max|ser-gold|",
+        "failing pri/ser",
     )
     rows = [head]
     for metric, e in comparison["metrics"].items():
@@ -62,9 +62,9 @@ def format_table(comparison: Mapping, max_failures: int = 20) -> str:
                 same,
                 num(e["max_abs_diff_variants"]),
                 (e["golden_check"] or "-").split(" (")[0],
-                num(e["max_abs_diff_golden"]["upstream"]),
-                num(e["max_abs_diff_golden"]["patched"]),
-                f"{count(fs['upstream'])}/{count(fs['patched'])}",
+                num(e["max_abs_diff_golden"]["pristine"]),
+                num(e["max_abs_diff_golden"]["series"]),
+                f"{count(fs['pristine'])}/{count(fs['series'])}",
             )
         )
     widths = [max(len(str(r[i])) for r in rows) for i in range(len(head))]

@@ -25,15 +25,15 @@ class GoldenUpdateRefused(RuntimeError):
 
 def update_golden(
     golden_path: str | Path,
-    upstream: Metrics,
-    patched: Metrics,
+    pristine: Metrics,
+    series: Metrics,
     rules: Mapping[str, MetricRule],
 ) -> str:
-    """Write the golden file from the runs, only if patched equals upstream exactly.
+    """Write the golden file from the runs, only if series equals pristine exactly.
 
     The new file holds the metrics of ``rules`` (the case's METRICS, in that order),
-    rounded to 5 decimals, taken from the patched run. Metrics outside the exact check
-    (iteration-time, memory) therefore come from the patched run, the code that ships.
+    rounded to 5 decimals, taken from the series run. Metrics outside the exact check
+    (iteration-time, memory) therefore come from the series run, the code that ships.
 
     Returns:
         a per-step diff of the old and new values ("golden file created" when new).
@@ -42,20 +42,20 @@ def update_golden(
         GoldenUpdateRefused: the variants differ or are incomplete, a metric of ``rules``
             is missing, or a metric that may not have missing steps has a nan.
     """
-    variants = compare_variants(upstream, patched)
+    variants = compare_variants(pristine, series)
     problems = list(variants.failures)
     if variants.first is not None:
         problems.insert(0, variants.first.describe())
     for metric, rule in rules.items():
-        if metric not in patched:
+        if metric not in series:
             problems.append(f"{metric}: not logged by the run")
         elif not rule.allow_missing:
-            nan_steps = [t for t, v in patched[metric].values.items() if math.isnan(v)]
+            nan_steps = [t for t, v in series[metric].values.items() if math.isnan(v)]
             if nan_steps:
                 problems.append(f"{metric}: no value at steps {nan_steps[:10]}")
     if problems:
         raise GoldenUpdateRefused(f"refusing to write {golden_path}: " + "; ".join(problems))
-    new = {m: patched[m].rounded() for m in rules}
+    new = {m: series[m].rounded() for m in rules}
     golden_path = Path(golden_path)
     old: Metrics | None = None
     if golden_path.exists():

@@ -2,7 +2,7 @@
 
 The golden check (tolerances.GOLDEN_RULES) needs a relative tolerance that passes on any
 reviewer's machine yet stays tight enough to flag a real change. This script measures
-the spread it has to absorb, on the default case, patched tree:
+the spread it has to absorb, on the default case, series tree of its base:
 
 - run to run: the same command twice on this machine;
 - machine to machine: the same command with PyTorch's CPU kernels forced to another
@@ -58,11 +58,12 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     case = rc.load_case(rc.find_case(args.case))
     artifacts = data.prepare(log=lambda m: None)
+    base = rc.BASES[case.base]
     runs = {}
     for name, env in VARIATIONS.items():
         res = rc.run_variant(
-            case, "patched", rc.OUT_ROOT / "variation" / name, str(artifacts.data_prefix),
-            "cpu", timeout_s=900, extra_env=env, record_memory=False,
+            case, base.trees["series"], rc.OUT_ROOT / "variation" / name, str(artifacts.data_prefix),
+            "cpu", timeout_s=900, extra_env={"MEGATRON_LM_CHECKOUT": str(base.checkout), **env}, record_memory=False,
         )
         if res.failures:
             raise SystemExit(f"{name}: {res.failures[0]}")

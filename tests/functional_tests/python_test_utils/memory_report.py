@@ -204,7 +204,7 @@ def format_memory(memories: Mapping[str, Optional[Mapping]]) -> str:
     """The memory block printed next to the verdict: both runs, MiB, max per training step.
 
     Args:
-        memories: {"upstream": summary or None, "patched": summary or None}.
+        memories: {"pristine": summary or None, "series": summary or None}.
     """
     names = list(memories)
     maxima = {n: (step_maxima(m) if m else None) for n, m in memories.items()}

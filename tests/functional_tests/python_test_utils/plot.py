@@ -1,13 +1,13 @@
 """``loss_curves.png``: one figure that says what a functional case compared and what it found.
 
 Read without the README: the title names the case, the megatron-core base (its version), the
-two trees (pristine "upstream" and "patched" = base + its series), the ranks and the device,
+two trees ("pristine" = the base as released, "series" = it + its series), the ranks and the device,
 and the verdict with what it means ("identical" = bit for bit equal, both within the golden
 tolerance). Four panels, x: training step:
 
 * **lm loss** (nats) and **grad norm** (unitless): golden values as a grey band of the
   golden tolerance (``tolerances.GOLDEN_RULES``: ``|actual - golden| <= atol + rtol *
-  |golden|``), upstream a solid line, patched a dashed line with dots on top (when the two
+  |golden|``), pristine a solid line, series a dashed line with dots on top (when the two
   are identical the dashes run exactly over the solid line).
 * **param sync memory** (MiB per step, max over ranks, ``memory_report``): tensors megatron
   allocates inside the layer-wise param sync and the NCCL temporaries the collective model
@@ -30,30 +30,30 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping, Optional
 
+from .checks import VARIANTS
 from .golden_schema import MetricSeries
 from .tolerances import GOLDEN_RULES, Approximate, Exact, MetricRule
 
 PANELS = (("lm loss", "lm loss (nats)"), ("grad-norm", "grad norm"))
-VARIANTS = ("upstream", "patched")
-#: Line colours per megatron-core base (``harness.trees.BASES`` keys): upstream, patched.
+#: Line colours per megatron-core base (``harness.trees.BASES`` keys): pristine, series.
 BASE_COLOURS = {
-    "0.17.1": {"upstream": "tab:blue", "patched": "tab:orange"},
-    "0.19": {"upstream": "tab:green", "patched": "tab:purple"},
+    "0.17.1": {"pristine": "tab:blue", "series": "tab:orange"},
+    "0.19": {"pristine": "tab:green", "series": "tab:purple"},
 }
 _LINE = {
-    "upstream": dict(linestyle="-", linewidth=2.0, zorder=3),
-    "patched": dict(linestyle="--", linewidth=1.4, marker=".", markersize=4, zorder=4),
+    "pristine": dict(linestyle="-", linewidth=2.0, zorder=3),
+    "series": dict(linestyle="--", linewidth=1.4, marker=".", markersize=4, zorder=4),
 }
 GOLDEN_STYLE = dict(color="0.35", linestyle="-", linewidth=0.8, zorder=2)
 BAND_STYLE = dict(color="0.6", alpha=0.35, linewidth=0, zorder=1)
 #: Param-sync panel: memory.json field -> (legend text, marker style per variant).
-#: Upstream's markers are large and hollow, patched's small and filled, so the two stay
+#: Pristine's markers are large and hollow, series' small and filled, so the two stay
 #: visible where they coincide (at 0, typically).
 SYNC_SERIES = (
-    ("megatron_bytes", "megatron tensors", {"upstream": dict(marker="o", markersize=7, fillstyle="none"),
-                                            "patched": dict(marker="o", markersize=3)}),
-    ("nccl_temporary_bytes", "NCCL temporaries", {"upstream": dict(marker="s", markersize=9, fillstyle="none"),
-                                                  "patched": dict(marker="x", markersize=5)}),
+    ("megatron_bytes", "megatron tensors", {"pristine": dict(marker="o", markersize=7, fillstyle="none"),
+                                            "series": dict(marker="o", markersize=3)}),
+    ("nccl_temporary_bytes", "NCCL temporaries", {"pristine": dict(marker="s", markersize=9, fillstyle="none"),
+                                                  "series": dict(marker="x", markersize=5)}),
 )
 LEGEND_FONT = 9
 
@@ -66,13 +66,13 @@ class RunInfo:
         case: test case name.
         base: megatron-core base, a key of ``BASE_COLOURS`` ("0.17.1", "0.19").
         version: the pristine tree's megatron-core version ("0.19.2").
-        series: the series applied to make the patched tree ("patches/0.19").
+        series: the series applied to make the series tree ("patches/0.19").
         trees: variant -> tree label (``harness.trees`` label, or "mutant <name>").
         ranks: training ranks.
         device: "cpu" (gloo ranks) or "cuda" (GPUs; NCCL, or gloo on one GPU in the GPU check).
         verdict: one of ``verdicts.VERDICTS``.
         verdict_line: ``comparison["verdict_line"]`` (e.g. "diverged at step 6 (...)").
-        released: the upstream tree is a release (False: a user's own tree, ``--checkout``).
+        released: the pristine tree is a release (False: a user's own tree, ``--checkout``).
         golden_note: ``comparison["golden_note"]`` where the golden values are for information.
     """
 
@@ -96,13 +96,13 @@ def figure_title(info: RunInfo) -> str:
     device = {"cpu": "CPU, gloo", "cuda": "GPU"}.get(info.device, info.device)
     meaning = VERDICT_MEANING.get(info.verdict, "")
     if info.golden_note and info.verdict == "identical":
-        meaning = f"patched equals upstream bit for bit in every logged metric at every step; {info.golden_note}"
+        meaning = f"series equals pristine bit for bit in every logged metric at every step; {info.golden_note}"
     line = info.verdict_line if info.verdict_line.startswith(info.verdict) else f"{info.verdict}: {info.verdict_line}"
     return (
         f"{info.case}: megatron-core {info.version}, {info.ranks} ranks ({device})\n"
-        f"upstream = {info.trees['upstream']} (megatron-core {info.version} "
+        f"pristine = {info.trees['pristine']} (megatron-core {info.version} "
         f"{'as released' if info.released else 'as it is, not a release'}), "
-        f"patched = {info.trees['patched']} ({info.version} + {info.series})\n"
+        f"series = {info.trees['series']} ({info.version} + {info.series})\n"
         f"verdict: {line}" + (f" = {meaning}" if meaning else "")
     )
 
@@ -118,7 +118,7 @@ def build_figure(
     """The figure (a matplotlib ``Figure`` on an Agg canvas), not yet written.
 
     Args:
-        curves: "upstream", "patched", "golden" -> that side's metrics, or None when the
+        curves: "pristine", "series", "golden" -> that side's metrics, or None when the
             side is absent (e.g. no golden file yet).
         first_divergent_step: marked with a red vertical line, or None.
         title: figure title; ignored when ``info`` is given (``figure_title(info)``).
@@ -274,7 +274,7 @@ def _sync_panel(ax, memory: Mapping[str, Mapping | None], colours, names) -> Non
             if not between:
                 continue
             ys = [row[fld] / MIB for row in between.values()]
-            big = variant == "upstream"
+            big = variant == "pristine"
             ax.plot([int(s) + 0.5 for s in between], ys, linestyle="none", marker=marker,
                     markersize=13 if big else 6, fillstyle="none" if big else "full", color=colours.get(variant),
                     label=f"{names.get(variant, variant)}: {text}, forced sync after the step (max {max(ys):.3f})")  # fmt: skip

@@ -1,4 +1,4 @@
-"""Functional test runner: train a case on the pristine and the patched tree, compare.
+"""Functional test runner: train a case on the pristine and the series tree, compare.
 
 The main job of the harness (scripts/run_functional_test.sh calls this module). For each
 test case folder ``tests/functional_tests/test_cases/<model>/<case>/``:
@@ -17,20 +17,20 @@ test case folder ``tests/functional_tests/test_cases/<model>/<case>/``:
    at MODEL_ARGS --save-interval, then resumes from that checkpoint to N; the resumed
    steps must equal the straight run bit for bit.
 3. The tensorboard event files become ``metrics.json`` / ``metrics_exact.json``
-   (``tensorboard_reader``), compared exactly (patched vs upstream) and per step against
+   (``tensorboard_reader``), compared exactly (series vs pristine) and per step against
    ``golden_values_<env>_<platform>.json`` (``checks``, ``verdicts``).
 4. In the same runs the ranks record, per training step, the layer-wise param sync's
    megatron tensors, the NCCL temporaries the collective model gives for its calls and the
    step peak (``harness.param_sync_recorder``, ``param_sync/rank<R>.json``), reduced to
-   ``memory.json`` (``memory_report``), printed next to the verdict (upstream vs patched,
+   ``memory.json`` (``memory_report``), printed next to the verdict (pristine vs series,
    MiB) and drawn in the plot's third panel. A case's EXPECT_PARAM_SYNC (kind -> group
    size) fails a run that recorded no such gather.
 
-Outputs, per case: ``build/functional/<case>/{upstream,patched}/`` (logs, tensorboard,
+Outputs, per case: ``build/functional/<case>/{pristine,series}/`` (logs, tensorboard,
 metrics, param-sync records, memory.json), ``comparison.json`` and ``loss_curves.png``. Exit code 0 only if every case is
-"identical" (patched == upstream exactly, both within golden tolerance).
+"identical" (series == pristine exactly, both within golden tolerance).
 
-``--update-golden`` rewrites the golden file from the runs, only if patched == upstream
+``--update-golden`` rewrites the golden file from the runs, only if series == pristine
 exactly, and prints the per-step diff of old and new values.
 """
 
@@ -51,9 +51,10 @@ from typing import Dict, List, Optional, Sequence
 import yaml
 
 from harness import launch, param_sync_recorder
-from harness.trees import BASES as TREE_BASES, REPO_ROOT
+from harness.trees import REPO_ROOT
 
 from . import checks, golden_schema, golden_update, memory_report, plot, tolerances, verdicts
+from .checks import VARIANTS
 from .formatting import format_table
 from . import tensorboard_reader as tbr
 
@@ -66,8 +67,8 @@ DEFAULT_CASE = "gpt_dp2_bf16_fp32grad_overlap_layerwise"
 class Base:
     """A megatron-core base the cases train on (a case's ``BASE`` key).
 
-    trees: variant ("upstream", "patched") -> ``harness.trees`` label of its megatron tree
-        (``harness.trees.BASES``).
+    trees: variant ("pristine", "series") -> ``harness.trees`` label of its megatron tree
+        ("pristine-<base>", "series-<base>").
     checkout: the Megatron-LM checkout whose ``pretrain_gpt.py`` runs (``scripts/setup.sh``
         builds it; the series does not touch ``pretrain_gpt.py``, so the pristine one serves
         both variants).
@@ -81,16 +82,15 @@ class Base:
 
 
 BASES: Dict[str, Base] = {
-    "0.19": Base("0.19", dict(zip(("upstream", "patched"), TREE_BASES["0.19"])),
+    "0.19": Base("0.19", {v: f"{v}-0.19" for v in VARIANTS},
                  REPO_ROOT / "build" / "megatron-lm" / "core_v0.19.0",
                  "gpt019_dp2_bf16_fp32grad_overlap_legacy"),
-    "0.17.1": Base("0.17.1", dict(zip(("upstream", "patched"), TREE_BASES["0.17.1"])),
+    "0.17.1": Base("0.17.1", {v: f"{v}-0.17.1" for v in VARIANTS},
                    REPO_ROOT / "build" / "megatron-lm" / "core_v0.17.1", DEFAULT_CASE),
 }
 #: A case without a BASE key trains on this base.
 DEFAULT_BASE = "0.17.1"
 GOLDEN_NAME = {"cpu": "golden_values_cpu_gloo.json", "cuda": "golden_values_dgx_h200.json"}
-VARIANTS = ("upstream", "patched")
 # What the committed golden values were trained on (harness.data.provenance: source wheel,
 # corpus, tokenizer, dataset sha256), written by --update-golden. A run on other data
 # says so and why, instead of reporting a bare "outside golden tolerance".
@@ -426,9 +426,9 @@ def run_case(
     device: str = "cpu",
     update_golden: bool = False,
     timeout_s: float = 900,
-    patched_tree=None,
+    series_tree=None,
     out_root: Path = OUT_ROOT,
-    reuse_upstream: Optional[Path] = None,
+    reuse_pristine: Optional[Path] = None,
     golden_path: Optional[Path] = None,
     model_args: Optional[Dict[str, object]] = None,
     extra_env: Optional[Dict[str, str]] = None,
@@ -441,10 +441,10 @@ def run_case(
     Args:
         name: test case folder name.
         device: "cpu" (gloo ranks, CPU runtime layer) or "cuda" (NCCL).
-        update_golden: rewrite the golden file if patched == upstream exactly.
-        patched_tree: None for the patched tree, or a Path of a mutant tree (tests).
-        reuse_upstream: a folder holding an upstream metrics_exact.json of this case to
-            reuse instead of training upstream again (mutant tests only).
+        update_golden: rewrite the golden file if series == pristine exactly.
+        series_tree: None for the series tree, or a Path of a mutant tree (tests).
+        reuse_pristine: a folder holding a pristine run's metrics_exact.json of this case to
+            reuse instead of training the pristine tree again (mutant tests only).
         golden_path, model_args, extra_env: for the GPU check (harness/gpu_check): another
             golden file, MODEL_ARGS entries added or replaced, environment for the ranks.
         record_memory: record the param sync's memory per step in both runs
@@ -484,14 +484,14 @@ def run_case(
         print(f"  WARNING: {data_note}", flush=True)
     results: Dict[str, VariantResult] = {}
     for variant in VARIANTS:
-        if variant == "upstream" and reuse_upstream is not None:
+        if variant == "pristine" and reuse_pristine is not None:
             results[variant] = VariantResult(
-                metrics=tbr.load_run_metrics(reuse_upstream),
-                memory=memory_report.load_run_memory(reuse_upstream) if record_memory else None,
+                metrics=tbr.load_run_metrics(reuse_pristine),
+                memory=memory_report.load_run_memory(reuse_pristine) if record_memory else None,
             )
             continue
         base = BASES[case.base]
-        tree = base.trees[variant] if variant == "upstream" or patched_tree is None else Path(patched_tree)
+        tree = base.trees[variant] if variant == "pristine" or series_tree is None else Path(series_tree)
         checkout = base.checkout
         if own is not None:  # each clone is a whole checkout: its megatron and its pretrain_gpt.py
             tree = checkout = own.checkouts()[variant]
@@ -511,7 +511,7 @@ def run_case(
             if not have_metrics:
                 raise golden_update.GoldenUpdateRefused("a training run produced no metrics")
             diff = golden_update.update_golden(
-                golden_path, results["upstream"].metrics, results["patched"].metrics, rules
+                golden_path, results["pristine"].metrics, results["series"].metrics, rules
             )
             print(f"  golden values written to {golden_path}:\n{diff}")
             GOLDEN_DATA.write_text(json.dumps(data.provenance(artifacts), indent=1) + "\n")
@@ -520,7 +520,7 @@ def run_case(
             failures.append(f"golden update refused: {e}")
     if have_metrics:
         comparison = verdicts.build_comparison(
-            case.name, results["upstream"].metrics, results["patched"].metrics, golden_path,
+            case.name, results["pristine"].metrics, results["series"].metrics, golden_path,
             rules, extra_failures=failures,
         )
     else:
@@ -548,17 +548,17 @@ def run_case(
     comparison["memory"] = memories if record_memory else None
     (out / "comparison.json").write_text(json.dumps(comparison, indent=1) + "\n")
     curves = {
-        "upstream": results["upstream"].metrics,
-        "patched": results["patched"].metrics,
+        "pristine": results["pristine"].metrics,
+        "series": results["series"].metrics,
         "golden": golden_schema.load(golden_path) if golden_path.exists() else None,
     }
     base = BASES[case.base]
     info = plot.RunInfo(
-        case=case.name, base=case.base, version=tree_version(base.trees["upstream"]),
+        case=case.name, base=case.base, version=tree_version(base.trees["pristine"]),
         series=f"patches/{case.base}", ranks=case.nproc, device=device,
         verdict=comparison["verdict"], verdict_line=comparison["verdict_line"],
-        trees={"upstream": base.trees["upstream"],
-               "patched": base.trees["patched"] if patched_tree is None else f"mutant tree {Path(patched_tree).name}"},
+        trees={"pristine": base.trees["pristine"],
+               "series": base.trees["series"] if series_tree is None else f"mutant tree {Path(series_tree).name}"},
     )  # fmt: skip
     if own is not None:
         info = replace(info, version=own.version, series=f"patches/{own.series.name}"
@@ -590,7 +590,7 @@ def golden_for_information(comparison: dict) -> dict:
     """The comparison of a tree that is not a release: the verdict is the bit-for-bit check alone.
 
     The golden values were made on a release; another tree may train other numbers and still
-    be right. "outside_golden" and "no_golden" (patched == upstream exactly, nothing else
+    be right. "outside_golden" and "no_golden" (series == pristine exactly, nothing else
     failed) become "identical"; ``golden_note`` keeps what the golden check found, and the
     golden failures leave ``failures`` for ``golden_findings``. Other verdicts stay.
     """
@@ -599,7 +599,7 @@ def golden_for_information(comparison: dict) -> dict:
         return out
     golden = list(comparison.get("golden_failures", []))
     note = ("within the golden tolerance at every step" if comparison["verdict"] == "identical"
-            else comparison["verdict_line"].split(" (patched == upstream")[0])
+            else comparison["verdict_line"].split(" (series == pristine")[0])
     out.update(verdict="identical", verdict_line="identical",
                golden_note=f"golden values for information only (not a release): {note}",
                golden_findings=golden,
@@ -664,7 +664,7 @@ def missing_golden(names: Sequence[str], device: str) -> List[str]:
             messages.append(
                 f"{name}: no golden values for --device {device}: {shown} "
                 f"does not exist. Create it on this machine with: {update_golden_command(name, device)} "
-                f"(trains upstream and patched, and writes the file only if they are equal bit for bit)"
+                f"(trains pristine and series, and writes the file only if they are equal bit for bit)"
             )
     return messages
 
@@ -693,7 +693,7 @@ def default_cases(bases: Sequence[str]) -> List[str]:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     ap = argparse.ArgumentParser(
         prog="scripts/run_functional_test.sh",
-        description="Train test cases on the pristine and the patched megatron tree and "
+        description="Train test cases on the pristine and the series megatron tree and "
         "compare them with each other (exactly) and with the golden values.",
         epilog="Exit: 0 every case identical; 1 diverged, outside golden tolerance or failed; "
         f"2 bad arguments; {EXIT_NO_GOLDEN} a case has no golden file for --device (nothing "
@@ -707,7 +707,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                     "named cases must belong to it")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     ap.add_argument("--update-golden", action="store_true",
-                    help="rewrite golden values from this run (refused unless patched == upstream)")
+                    help="rewrite golden values from this run (refused unless series == pristine)")
     ap.add_argument("--timeout", type=float, default=900, help="seconds per training run")
     ap.add_argument("--checkout", type=Path, metavar="PATH",
                     help="train your own Megatron-LM git checkout PATH as it is against PATH + the series "

@@ -10,7 +10,7 @@ moe_utils.py``, with ``--moe-router-load-balancing-type aux_loss``). We read tho
 files with tensorboard's own ``EventAccumulator`` and never parse stdout: the stdout
 'lm loss' of the 2nd iteration after a (re)start is an average over two iterations.
 
-This one reader produces every side of every comparison (upstream run, patched run, and
+This one reader produces every side of every comparison (pristine run, series run, and
 the golden file through ``golden_update.update_golden``), so a change in what gets logged shows
 up as a failing comparison, not as a silently skipped metric. Upstream's equivalent is
 ``read_tb_logs_as_list`` in Megatron-LM ``tests/functional_tests/python_test_utils/common.py``;
@@ -27,7 +27,7 @@ Two outputs, one source:
     **float32**; tensorboard widens it to a Python float without loss, and JSON ``repr``
     round-trips it bit for bit. A tensor-style scalar (``new_style=True``, optionally
     ``double_precision=True``) is read at its own dtype (float32 or float64). The exact
-    upstream-vs-patched check compares these bits. Limit: a quantity Megatron computes in
+    pristine-vs-series check compares these bits. Limit: a quantity Megatron computes in
     float64 (grad-norm is ``total_norm.item() ** 0.5`` in Python) is only seen to float32
     precision, so a difference below half a float32 ulp of it is invisible here; the next
     step's 'lm loss' (a float32 quantity, stored exactly) still exposes any real change.

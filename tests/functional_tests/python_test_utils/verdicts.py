@@ -2,7 +2,7 @@
 
 Every metric and both variants are checked before the verdict is made. Precedence:
 
-- ``"diverged"``: patched differs from upstream (the main finding, even if more failed);
+- ``"diverged"``: series differs from pristine (the main finding, even if more failed);
 - ``"failed"``: a required metric is missing, step grids differ, a required value is NaN,
   the golden file is invalid, or the caller reports e.g. a crashed rank;
 - ``"no_golden"``: the golden file does not exist. Not a numerics result: there is
@@ -25,13 +25,13 @@ from .tolerances import MetricRule
 VERDICTS = ("identical", "diverged", "failed", "no_golden", "outside_golden")
 #: What each verdict means, in words a reader of the plot or the printed summary needs.
 VERDICT_MEANING = {
-    "identical": "patched equals upstream bit for bit in every logged metric at every step, "
+    "identical": "series equals pristine bit for bit in every logged metric at every step, "
     "and both lie within the golden tolerance",
-    "diverged": "patched differs from upstream (red line: the first step that differs)",
+    "diverged": "series differs from pristine (red line: the first step that differs)",
     "failed": "a run crashed, or a metric, a step or the golden file is missing or invalid "
     "(comparison.json lists why)",
-    "no_golden": "no golden values for this device: patched was compared with upstream only",
-    "outside_golden": "patched equals upstream bit for bit, but a step lies outside the golden tolerance",
+    "no_golden": "no golden values for this device: series was compared with pristine only",
+    "outside_golden": "series equals pristine bit for bit, but a step lies outside the golden tolerance",
 }
 
 
@@ -41,8 +41,8 @@ def _json_float(x: float | None) -> float | None:
 
 def build_comparison(
     case: str,
-    upstream: Metrics,
-    patched: Metrics,
+    pristine: Metrics,
+    series: Metrics,
     golden_path: str | Path | None,
     rules: Mapping[str, MetricRule],
     extra_failures: Sequence[str] = (),
@@ -51,7 +51,7 @@ def build_comparison(
 
     Args:
         case: test case name.
-        upstream, patched: exact metrics (``metrics_exact.json``); rounded here with the
+        pristine, series: exact metrics (``metrics_exact.json``); rounded here with the
             same function the reader uses for ``metrics.json``.
         golden_path: the golden file; None or a missing file gives "no_golden" (unless
             something outranks it), never a skip.
@@ -61,11 +61,11 @@ def build_comparison(
     Returns:
         JSON-ready dict: case, verdict, verdict_line, first_divergent_step,
         first_divergence, golden_file, metrics (per metric: exact_check, identical,
-        max_abs_diff_variants, golden_check, max_abs_diff_golden {upstream, patched},
-        golden_failing_steps {upstream, patched}), failures (every message).
+        max_abs_diff_variants, golden_check, max_abs_diff_golden {pristine, series},
+        golden_failing_steps {pristine, series}), failures (every message).
         Non-finite numbers are written as null.
     """
-    variants = compare_variants(upstream, patched)
+    variants = compare_variants(pristine, series)
     failures: list[str] = list(extra_failures) + list(variants.failures)
     golden: Metrics | None = None
     no_golden = None
@@ -81,7 +81,7 @@ def build_comparison(
     per_variant: dict[str, GoldenComparison] = {}
     golden_failures: list[str] = []
     if golden is not None:
-        for name, run in zip(VARIANTS, (upstream, patched)):
+        for name, run in zip(VARIANTS, (pristine, series)):
             result = compare_to_golden(golden_schema.round_all(run), golden, rules, name)
             per_variant[name] = result
             failures.extend(result.structural)
@@ -95,7 +95,7 @@ def build_comparison(
             f" (+{len(failures) - 1} more)" if len(failures) > 1 else ""
         )
     elif no_golden is not None:
-        verdict, line = "no_golden", f"{no_golden} (patched == upstream exactly)"
+        verdict, line = "no_golden", f"{no_golden} (series == pristine exactly)"
     elif golden_failures:
         verdict, line = "outside_golden", "outside golden tolerance"
     else:
@@ -133,8 +133,8 @@ def build_comparison(
             {
                 "step": first.step,
                 "metric": first.metric,
-                "upstream": _json_float(first.upstream),
-                "patched": _json_float(first.patched),
+                "pristine": _json_float(first.pristine),
+                "series": _json_float(first.series),
             }
             if first
             else None
