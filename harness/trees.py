@@ -40,9 +40,8 @@ TREES = tuple(TREE_PARENTS)
 #: The labels these trees had before (module docstring) -> their label now.
 LEGACY_LABELS = {"upstream": "pristine-0.17.1", "patched": "series-0.17.1", "upstream-0.19": "pristine-0.19",
                  "patched-0.19": "series-0.19"}
-#: Base (a folder of patches/) -> (its pristine tree, its series tree), in the older labels
-#: (``LEGACY_LABELS``: see the module docstring).
-BASES = {"0.17.1": ("upstream", "patched"), "0.19": ("upstream-0.19", "patched-0.19")}
+#: Base (a folder of patches/) -> (its pristine tree, its series tree).
+BASES = {base: (f"pristine-{base}", f"series-{base}") for base in ("0.17.1", "0.19")}
 
 
 def is_tree_label(tree) -> bool:

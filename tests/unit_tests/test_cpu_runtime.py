@@ -221,7 +221,7 @@ def test_install_if_requested_env(clean_runtime, monkeypatch):
 # ----------------------------------------------------------------------------- gloo ranks
 def _run_gloo_workers(world: int, out_dir: Path, timeout_s: int = 240) -> List[Dict]:
     """Start ``world`` gloo ranks of the worker script; return each rank's facts."""
-    argv, env = torchrun_command(WORKER, [str(out_dir)], world, tree="patched", extra_env={"PYTHONWARNINGS": "ignore"})
+    argv, env = torchrun_command(WORKER, [str(out_dir)], world, tree="series-0.17.1", extra_env={"PYTHONWARNINGS": "ignore"})
     try:
         run_command(argv, env, run_dir=out_dir / "logs", timeout_s=timeout_s, what=f"gloo worker x{world}")
     except LaunchError as exc:

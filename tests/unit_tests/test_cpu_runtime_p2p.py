@@ -71,7 +71,7 @@ def test_installed_and_uninstalled_exactly():
 
 @pytest.mark.gloo
 def test_pipeline_send_then_pseudo_free_delivers_the_sent_bytes(tmp_path):
-    argv, env = torchrun_command(WORKER, [str(tmp_path), str(ROUNDS)], 2, tree="patched",
+    argv, env = torchrun_command(WORKER, [str(tmp_path), str(ROUNDS)], 2, tree="series-0.17.1",
                                  extra_env={"PYTHONWARNINGS": "ignore"})
     try:
         run_command(argv, env, run_dir=tmp_path / "logs", timeout_s=240, what="p2p worker x2")

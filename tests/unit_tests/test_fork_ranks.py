@@ -21,7 +21,7 @@ pytestmark = [pytest.mark.gloo]
 
 def _ranks(out: Path, launcher: str, *mode: str, timeout_s: float = 120):
     out.mkdir()
-    argv, env = launch.torchrun_command(WORKER, [str(out), *mode], NPROC, tree="patched", launcher=launcher)
+    argv, env = launch.torchrun_command(WORKER, [str(out), *mode], NPROC, tree="series-0.17.1", launcher=launcher)
     proc = subprocess.run(argv, env=env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout_s)
     facts = [json.loads(p.read_text()) for p in sorted(out.glob("rank*.json"))]
     return proc, facts
@@ -56,6 +56,6 @@ def test_a_failing_rank_ends_the_others(tmp_path):
 
 def test_gpu_runs_are_not_forked():
     with pytest.raises(ValueError, match="launcher"):
-        launch.torchrun_command(WORKER, [], 2, tree="patched", cpu=False, launcher="fork")
-    argv, _ = launch.torchrun_command(WORKER, [], 2, tree="patched", cpu=False)
+        launch.torchrun_command(WORKER, [], 2, tree="series-0.17.1", cpu=False, launcher="fork")
+    argv, _ = launch.torchrun_command(WORKER, [], 2, tree="series-0.17.1", cpu=False)
     assert argv[1:3] == ["-m", "torch.distributed.run"]

@@ -131,7 +131,7 @@ OFFLOAD_SCENARIOS = (
     "offload_no_ogr_idle", "gather_into_offloaded", "gather_into_offloaded_idle",
     "gather_into_offloaded_moe", "gather_into_offloaded_moe_idle",
 )
-NOT_RUN_ON = {"upstream-0.19": OFFLOAD_SCENARIOS}
+NOT_RUN_ON = {"pristine-0.19": OFFLOAD_SCENARIOS}
 
 
 def scenarios_for(tree, names=None) -> str:
@@ -230,7 +230,7 @@ def assert_bitwise(got, want, what, steps=None):
         assert g["grad_norms"][:n] == w["grad_norms"][:n], what
 
 
-def trains_like(runs, tree, scenario, ref_tree="upstream", ref_scenario=None):
+def trains_like(runs, tree, scenario, ref_tree="pristine-0.17.1", ref_scenario=None):
     """`scenario` on `tree` trains 3 steps without error, bitwise equal to `ref_scenario`
     (default: the same) on `ref_tree` (default: pristine)."""
     ref_scenario = ref_scenario or scenario
@@ -493,7 +493,7 @@ def test_baseline_trees_agree(runs):
     with and without --overlap-grad-reduce and with an expert layer; the patched tree
     gathers into grad_data only."""
     for scenario in ("baseline", "baseline_no_ogr", "baseline_moe"):
-        EXPECT[scenario](runs, "patched")
+        EXPECT[scenario](runs, "series-0.17.1")
 
 
 # --------------------------------------------------- (a) zero_grad_buffer with a gather pending
@@ -501,8 +501,8 @@ def test_zero_grad_buffer_with_gather_pending(runs):
     """start_param_sync() after the step, then the next step's zero_grad_buffer() before
     the pre-hooks finish the gathers. Pristine: correct. Patched: zero_grad_buffer()
     completes the gathers first; equal to pristine (dense and MoE)."""
-    EXPECT["zero_grad"](runs, "patched")
-    EXPECT["zero_grad_moe"](runs, "patched")
+    EXPECT["zero_grad"](runs, "series-0.17.1")
+    EXPECT["zero_grad_moe"](runs, "series-0.17.1")
 
 
 # --------------------------------------- (b) offload/restore of grad buffers with a gather pending
@@ -510,7 +510,7 @@ def test_offload_restore_with_gather_pending(runs):
     """start_param_sync(), offload_grad_buffers(), restore_grad_buffers(), next step.
     Pristine: correct (its receive buffers are not grad_data). Patched: offload completes
     the gathers first; equal to pristine."""
-    EXPECT["offload"](runs, "patched")
+    EXPECT["offload"](runs, "series-0.17.1")
 
 
 # ------------------------------------ (c) forward-only pass leaving a chained gather pending
@@ -518,8 +518,8 @@ def test_forward_only_pass_leaves_chained_gather_pending(runs):
     """A no_grad forward over the first layers (pre-hooks on) after each step leaves
     next_param_gather_bucket_group's gather pending into the next step.
     Pristine: correct. Patched: equal to pristine (dense and MoE)."""
-    EXPECT["forward_only"](runs, "patched")
-    EXPECT["forward_only_moe"](runs, "patched")
+    EXPECT["forward_only"](runs, "series-0.17.1")
+    EXPECT["forward_only_moe"](runs, "series-0.17.1")
 
 
 # ----------------------------------- (d) params used without their module's forward pre-hook
@@ -527,38 +527,38 @@ def test_prehook_bypass_pristine(runs):
     """Pristine: the bypassed layer's gather is never waited on; the next step's chained
     dispatch trips `assert self.param_gather_handle is None` (step 1, forward)."""
     for scenario in ("bypass_prehook", "bypass_prehook_moe"):
-        summary, _ = record(runs, "upstream", scenario)
+        summary, _ = record(runs, "pristine-0.17.1", scenario)
         assert_pristine_assertion(summary, step=1, phase="forward")
 
 
 def test_prehook_bypass_raises(runs):
-    EXPECT["bypass_prehook"](runs, "patched")
-    EXPECT["bypass_prehook_moe"](runs, "patched")
+    EXPECT["bypass_prehook"](runs, "series-0.17.1")
+    EXPECT["bypass_prehook_moe"](runs, "series-0.17.1")
 
 
 # ----------------------------- (e) a gather started between backward and finish_grad_sync
 def test_gather_after_backward_pristine(runs):
     """Pristine: finish_grad_sync() resets param_gather_dispatched without waiting; the
     next step's first pre-hook trips `assert self.param_gather_handle is None`."""
-    summary, _ = record(runs, "upstream", "gather_after_backward")
+    summary, _ = record(runs, "pristine-0.17.1", "gather_after_backward")
     assert_pristine_assertion(summary, step=1, phase="forward")
 
 
 def test_gather_after_backward_completes(runs):
-    EXPECT["gather_after_backward"](runs, "patched")
+    EXPECT["gather_after_backward"](runs, "series-0.17.1")
 
 
 # ------------------------------------------------- start_param_sync with a gather pending
 def test_start_param_sync_reentry_pristine(runs):
     """Pristine: a bare AssertionError each step, state unchanged; training goes on."""
-    summary, _ = record(runs, "upstream", "reentry")
+    summary, _ = record(runs, "pristine-0.17.1", "reentry")
     assert summary["error"] is None, summary
     assert summary["reentry_errors"] == ["AssertionError: "] * 3, summary
     assert summary["reentry_state_kept"] == [True] * 3
 
 
 def test_start_param_sync_reentry(runs):
-    EXPECT["reentry"](runs, "patched")
+    EXPECT["reentry"](runs, "series-0.17.1")
 
 
 # -------------------------------------------------- start_grad_sync with a gather pending
@@ -567,12 +567,12 @@ def test_start_grad_sync_with_gather_pending_pristine(runs):
     pending past finish_grad_sync, so step 1's chained dispatch trips its assertion (with
     or without the start_grad_sync() call)."""
     for scenario in ("start_grad_sync", "skip_last_reference"):
-        summary, _ = record(runs, "upstream", scenario)
+        summary, _ = record(runs, "pristine-0.17.1", scenario)
         assert_pristine_assertion(summary, step=1, phase="forward")
 
 
 def test_start_grad_sync_completes_a_gather_where_no_grads_were_accumulated(runs):
-    EXPECT["start_grad_sync"](runs, "patched")
+    EXPECT["start_grad_sync"](runs, "series-0.17.1")
 
 
 # ------------------------------- (f) a param sync between backward and the optimizer step
@@ -586,8 +586,8 @@ def test_forced_sync_before_step_pristine_computes_with_stale_params(runs):
         ("forced_before_step_no_ogr", "baseline_no_ogr"),
         ("forced_before_step_moe", "baseline_moe"),
     ):
-        summary, got = record(runs, "upstream", scenario)
-        _, want = record(runs, "upstream", ref)
+        summary, got = record(runs, "pristine-0.17.1", scenario)
+        _, want = record(runs, "pristine-0.17.1", ref)
         assert summary["error"] is None, summary
         assert all(torch.equal(x, y) for x, y in zip(got[0]["params"][0], want[0]["params"][0]))
         assert not all(torch.equal(x, y) for x, y in zip(got[0]["params"][1], want[0]["params"][1]))
@@ -599,7 +599,7 @@ def test_forced_sync_before_step(runs):
     its updated params: equal to the run without the call, dense, MoE, and without
     --overlap-grad-reduce."""
     for scenario in ("forced_before_step", "forced_before_step_no_ogr", "forced_before_step_moe"):
-        EXPECT[scenario](runs, "patched")
+        EXPECT[scenario](runs, "series-0.17.1")
 
 
 def test_param_sync_during_grad_reduce_and_after_no_sync(runs):
@@ -607,18 +607,18 @@ def test_param_sync_during_grad_reduce_and_after_no_sync(runs):
     no_sync() microbatch's backward: pristine is right (its receive buffers are private);
     patched receives into temporaries there and equals it bitwise."""
     for scenario in ("forced_during_reduce", "forced_after_no_sync", "gather_after_no_sync"):
-        us, _ = record(runs, "upstream", scenario)
+        us, _ = record(runs, "pristine-0.17.1", scenario)
         assert us["error"] is None, us
-        trains_like(runs, "upstream", scenario, ref_scenario="baseline")
-        EXPECT[scenario](runs, "patched")
+        trains_like(runs, "pristine-0.17.1", scenario, ref_scenario="baseline")
+        EXPECT[scenario](runs, "series-0.17.1")
 
 
 def test_forced_sync_with_a_gather_pending_in_grad_data_raises(runs):
     """Pristine trains on (the forced sync drops the pending gather: the bypassed layer
     keeps stale params, silently). Patched raises."""
-    summary, _ = record(runs, "upstream", "forced_bypass")
+    summary, _ = record(runs, "pristine-0.17.1", "forced_bypass")
     assert summary["error"] is None, summary
-    EXPECT["forced_bypass"](runs, "patched")
+    EXPECT["forced_bypass"](runs, "series-0.17.1")
 
 
 # ------------------------------------------------------ forced syncs the guard must let through
@@ -647,15 +647,15 @@ def test_forced_sync_after_gathers_to_temporaries_pristine(runs):
     gathers into grad_data over the reduced grads and the forced sync drops them without
     zeroing: every step reads param bytes as grads (grad norm 4.155 against 0.267 at step
     0), silently."""
-    summary, got = record(runs, "upstream", "gather_then_forced_before_step")
-    base, want = record(runs, "upstream", "baseline")
+    summary, got = record(runs, "pristine-0.17.1", "gather_then_forced_before_step")
+    base, want = record(runs, "pristine-0.17.1", "baseline")
     assert summary["error"] is None, summary
     assert summary["grad_norms"][0] == base["grad_norms"][0]
     assert summary["grad_norms"][1] != base["grad_norms"][1], summary
     assert not all(torch.equal(x, y) for x, y in zip(got[0]["params"][1], want[0]["params"][1]))
     _skip_without_019()
-    summary, _ = record(runs, "upstream-0.19", "gather_then_forced_before_step")
-    base, _ = record(runs, "upstream-0.19", "baseline")
+    summary, _ = record(runs, "pristine-0.19", "gather_then_forced_before_step")
+    base, _ = record(runs, "pristine-0.19", "baseline")
     assert summary["error"] is None, summary
     assert round(summary["grad_norms"][0], 3) == 4.155 and round(base["grad_norms"][0], 3) == 0.267
     assert summary["grad_data_gathers"].get("start_param_sync", 0) > 0, summary
@@ -680,12 +680,12 @@ def test_forced_sync_after_a_backward_without_ddp_hooks_pristine(runs):
     0 right) but then computes with stale params (the dispatched mark, as
     forced_before_step); 0.19.2 receives into grad_data and zeroes every grad: grad norm
     0.0 at every step."""
-    summary, _ = record(runs, "upstream", "hookless_forced_before_step_no_ogr")
-    ref, _ = record(runs, "upstream", "hookless_no_ogr")
+    summary, _ = record(runs, "pristine-0.17.1", "hookless_forced_before_step_no_ogr")
+    ref, _ = record(runs, "pristine-0.17.1", "hookless_no_ogr")
     assert summary["error"] is None and summary["grad_norms"][0] == ref["grad_norms"][0]
     assert summary["grad_norms"][1] != ref["grad_norms"][1], summary
     _skip_without_019()
-    summary, _ = record(runs, "upstream-0.19", "hookless_forced_before_step_no_ogr")
+    summary, _ = record(runs, "pristine-0.19", "hookless_forced_before_step_no_ogr")
     assert summary["error"] is None and summary["grad_norms"] == [0.0] * 3, summary
 
 
@@ -700,9 +700,9 @@ def test_forced_sync_during_the_grad_reduce_of_a_group_without_grads(runs, base)
     sync bitwise. Pristine 0.17.1 equals it too (private receive buffers); 0.19.2 zeroes
     every grad."""
     EXPECT["forced_during_reduce_no_grads"](runs, _series(base))
-    trains_like(runs, "upstream", "forced_during_reduce_no_grads", ref_scenario="grad_sync_func")
+    trains_like(runs, "pristine-0.17.1", "forced_during_reduce_no_grads", ref_scenario="grad_sync_func")
     if base == "0.19":
-        summary, _ = record(runs, "upstream-0.19", "forced_during_reduce_no_grads")
+        summary, _ = record(runs, "pristine-0.19", "forced_during_reduce_no_grads")
         assert summary["grad_norms"] == [0.0] * 3, summary
 
 
@@ -1191,8 +1191,8 @@ def test_019_series_equals_the_0171_series_in_every_scenario(runs):
             # (grad norm 0.3948 on 0.17.1, 0.3913 on 0.19.2 at step 1); each series equals
             # its own base's optimizer path there (EXPECT).
             continue
-        s19, r19 = record(runs, "patched-0.19", scenario)
-        s17, r17 = record(runs, "patched", scenario)
+        s19, r19 = record(runs, "series-0.19", scenario)
+        s17, r17 = record(runs, "series-0.17.1", scenario)
         if {k: v for k, v in s19.items() if k != "grad_norms"} != {
             k: v for k, v in s17.items() if k != "grad_norms"
         } or not _bitwise(r19, r17):
@@ -1208,13 +1208,13 @@ def test_019_pristine_forced_sync_before_step_zeroes_every_grad(runs):
     grads there (it receives into temporaries); the 0.19 series equals its run without
     the call (test above)."""
     _skip_without_019()
-    baseline, _ = record(runs, "upstream-0.19", "baseline")
+    baseline, _ = record(runs, "pristine-0.19", "baseline")
     assert baseline["error"] is None and all(n > 0 for n in baseline["grad_norms"]), baseline
     for scenario in ("forced_before_step", "forced_before_step_no_ogr", "forced_before_step_moe",
                      "forced_during_reduce"):
-        summary, _ = record(runs, "upstream-0.19", scenario)
+        summary, _ = record(runs, "pristine-0.19", scenario)
         assert summary["error"] is None and summary["grad_norms"] == [0.0] * 3, (scenario, summary)
-        ok, _ = record(runs, "upstream", scenario)
+        ok, _ = record(runs, "pristine-0.17.1", scenario)
         assert all(n > 0 for n in ok["grad_norms"]), (scenario, ok)
 
 
@@ -1222,20 +1222,20 @@ def test_019_every_expectation_holds_on_the_series(runs):
     """Control of the 0.19 guard mutants: every scenario's expectation (EXPECT, references
     pristine 0.17.1) holds on 0.19 + its series."""
     _skip_without_019()
-    assert not failed_expectations(runs, "patched-0.19")
+    assert not failed_expectations(runs, "series-0.19")
 
 
 def test_019_series_trains_like_pristine_019_where_it_is_right(runs):
     """The runs without a hazard: 0.19 + series bitwise equal to pristine 0.19.2."""
     _skip_without_019()
     for scenario in ("baseline", "baseline_no_ogr", "baseline_moe"):
-        trains_like(runs, "patched-0.19", scenario, ref_tree="upstream-0.19")
+        trains_like(runs, "series-0.19", scenario, ref_tree="pristine-0.19")
 
 
 def test_every_expectation_holds_on_the_0171_series(runs):
     """Every scenario's expectation (EXPECT) holds on 0.17.1 + its series, accumulation
     across steps and param syncs before the grad sync included; the control of the 0.17.1 guard mutants."""
-    assert not failed_expectations(runs, "patched")
+    assert not failed_expectations(runs, "series-0.17.1")
 
 
 def test_019_pristine_zero_grad_buffer_drops_a_gather_pending_in_grad_data(runs):
@@ -1245,8 +1245,8 @@ def test_019_pristine_zero_grad_buffer_drops_a_gather_pending_in_grad_data(runs)
     them into the params, silently: step 1 computes with params unlike the run without the
     calls. Pristine 0.17.1 (temporaries) and the series equal that run (EXPECT)."""
     _skip_without_019()
-    summary, got = record(runs, "upstream-0.19", "zero_grad_no_ogr_idle")
-    ref, want = record(runs, "upstream-0.19", "baseline_no_ogr")
+    summary, got = record(runs, "pristine-0.19", "zero_grad_no_ogr_idle")
+    ref, want = record(runs, "pristine-0.19", "baseline_no_ogr")
     assert summary["error"] is None and ref["error"] is None, (summary, ref)
     assert summary["grad_norms"][0] == ref["grad_norms"][0], (summary, ref)
     assert not all(torch.equal(x, y) for x, y in zip(got[0]["params"][1], want[0]["params"][1]))
@@ -1260,8 +1260,8 @@ def test_019_pristine_zeroes_grads_accumulated_across_steps(runs):
     keeps them. The 0.19 series adds onto them on both paths, as 0.17.1 does
     (test_019_every_expectation_holds_on_the_series)."""
     _skip_without_019()
-    ref, _ = record(runs, "upstream-0.19", "accumulate_across_steps_optimizer_gather")
-    got, _ = record(runs, "upstream-0.19", "accumulate_across_steps")
+    ref, _ = record(runs, "pristine-0.19", "accumulate_across_steps_optimizer_gather")
+    got, _ = record(runs, "pristine-0.19", "accumulate_across_steps")
     assert got["error"] is None and ref["error"] is None, (got, ref)
     assert got["grad_norms"][0] == ref["grad_norms"][0] and got["grad_norms"][1] != ref["grad_norms"][1], (got, ref)
-    expect_accumulation_like_the_optimizer_path(runs, "patched-0.19")
+    expect_accumulation_like_the_optimizer_path(runs, "series-0.19")

@@ -39,7 +39,7 @@ def fork_parts(argv):
 
 def test_a_gpu_launch_drops_an_inherited_cpu_runtime(monkeypatch):
     monkeypatch.setenv("MEGATRON_CPU_RUNTIME", "1")
-    argv, env = launch.pretrain_command("upstream", [], 8, cpu=False)
+    argv, env = launch.pretrain_command("pristine-0.17.1", [], 8, cpu=False)
     assert "MEGATRON_CPU_RUNTIME" not in env
     assert argv[1:3] == ["-m", "torch.distributed.run"]  # GPU ranks: torchrun, never forked
     assert argv[argv.index("--distributed-backend") + 1] == "nccl"
@@ -62,7 +62,7 @@ def test_a_script_keeps_its_arguments_on_the_tree_directory_it_is_given():
     (dict(tree="no-such-tree"), ValueError, "no-such-tree"),
 ])  # fmt: skip
 def test_bad_input_raises_with_a_message(kwargs, error, message):
-    call = {"script": launch.PRETRAIN_SCRIPT, "nproc": 2, "tree": "upstream", **kwargs}
+    call = {"script": launch.PRETRAIN_SCRIPT, "nproc": 2, "tree": "pristine-0.17.1", **kwargs}
     with pytest.raises(error, match=message):
         launch.torchrun_command(call.pop("script"), [], call.pop("nproc"), **call)
 
@@ -72,7 +72,7 @@ def test_pretrain_command_trains_upstreams_entry_on_the_tree():
     upstream's pretrain_gpt.py on the patched tree, backend first, then the CPU runtime's
     flags (local transformer implementation, CPU initialization), the caller's flags last;
     extra_env reaches the ranks."""
-    argv, env = launch.pretrain_command("patched", ["--seed", "1"], 2, extra_env={"X_LAUNCH_TEST": "1"})
+    argv, env = launch.pretrain_command("series-0.17.1", ["--seed", "1"], 2, extra_env={"X_LAUNCH_TEST": "1"})
     nproc, preload, script, args = fork_parts(argv)
     assert (nproc, script) == (2, str(REPO_ROOT / "harness" / "upstream_pretrain_gpt.py"))
     assert preload == list(launch.PRETRAIN_PRELOAD)
@@ -88,7 +88,7 @@ def test_pretrain_command_trains_upstreams_entry_on_the_tree():
 def test_pretrain_command_on_gpus_without_runtime_flags():
     """cpu=False: torchrun of the same entry with nccl and no CPU runtime; runtime_flags=False:
     only the backend before the caller's flags."""
-    argv, env = launch.pretrain_command("upstream", ["--seed", "1"], 8, cpu=False, runtime_flags=False)
+    argv, env = launch.pretrain_command("pristine-0.17.1", ["--seed", "1"], 8, cpu=False, runtime_flags=False)
     assert argv[1:] == ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "8",
                         str(REPO_ROOT / "harness" / "upstream_pretrain_gpt.py"),
                         "--distributed-backend", "nccl", "--seed", "1"]  # fmt: skip
@@ -205,7 +205,7 @@ def builder_placement(tree: str, megatron_args, tmp_path) -> dict:
     return json.loads(proc.stdout.split("RESULT ", 1)[1].splitlines()[0])
 
 
-@pytest.mark.parametrize("tree, cpu_init", [("upstream", True), ("upstream-0.19", False)])
+@pytest.mark.parametrize("tree, cpu_init", [("pristine-0.17.1", True), ("pristine-0.19", False)])
 def test_a_gpu_launch_puts_the_model_on_cuda_on_either_base(tree, cpu_init, tmp_path):
     """A GPU launch's flags, through megatron's parser, make the base's model placement call
     .cuda(): on 0.19 the launch leaves out --use-cpu-initialization (with it, the builder
@@ -221,11 +221,11 @@ def test_the_0_19_builder_keeps_the_model_on_cpu_with_cpu_initialization(tmp_pat
     """The reason for the rule, on 0.19's own builder: the flags of a GPU launch plus
     --use-cpu-initialization (as RUNTIME_FLAGS passed it before) never move the model."""
     monkeypatch.setattr(launch, "check_gpu_flags", lambda *a: None)
-    got = builder_placement("upstream-0.19", [*default_case_args(tmp_path), "--use-cpu-initialization"], tmp_path)
+    got = builder_placement("pristine-0.19", [*default_case_args(tmp_path), "--use-cpu-initialization"], tmp_path)
     assert got["config_use_cpu_initialization"] is True and got["cuda_calls"] == [], got
 
 
-@pytest.mark.parametrize("tree, refused", [("upstream-0.19", True), ("upstream", False)])
+@pytest.mark.parametrize("tree, refused", [("pristine-0.19", True), ("pristine-0.17.1", False)])
 def test_cpu_initialization_on_gpus_is_refused_on_0_19_with_the_reason(tree, refused):
     flag = ["--use-cpu-initialization"]
     if refused:
@@ -251,7 +251,7 @@ def test_pretrain_refuses_wrong_tree():
 def test_launch_reports_failing_rank(tmp_path):
     """A rank that dies makes run_pretrain raise with the stderr tail (here: a bad flag)."""
     with pytest.raises(launch.LaunchError, match="run failed") as info:
-        launch.run_pretrain("patched", default_case_args(tmp_path) + ["--num-layers", "not-a-number"], nproc=2,
+        launch.run_pretrain("series-0.17.1", default_case_args(tmp_path) + ["--num-layers", "not-a-number"], nproc=2,
                             run_dir=tmp_path / "run", timeout_s=120)
     assert "stderr tail" in str(info.value) and "--num-layers" in str(info.value)
 

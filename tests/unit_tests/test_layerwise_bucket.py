@@ -310,7 +310,7 @@ def test_the_bucket_tests_pass_on_the_019_series(request, tmp_path):
         [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "no:xdist", "-q",
          "-c", str(REPO_ROOT / "pytest.ini"), "--rootdir", str(REPO_ROOT), "--noconftest",
          "-k", "not 019_series", f"--junitxml={report}", str(Path(__file__))],
-        env=env_for_tree("patched-0.19"), cwd=tmp_path, capture_output=True, text=True, timeout=600,
+        env=env_for_tree("series-0.19"), cwd=tmp_path, capture_output=True, text=True, timeout=600,
     )
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     outcomes = {

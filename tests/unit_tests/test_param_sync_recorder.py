@@ -111,7 +111,7 @@ def test_pristine_bucket_syncs_count_exactly_their_temporaries(worker_runs):
     (receive tensors for the other ranks + the local flatten), NCCL bytes = the flat
     temporary of the equal-share list gather, entry calls as made (chained starts inside
     their finish count once); no param sync, no record; the step peak of known sizes."""
-    for rank, (record, expected) in worker_runs("upstream").items():
+    for rank, (record, expected) in worker_runs("pristine-0.17.1").items():
         assert expected["params_synced_step_1"] and expected["params_synced_step_2"]
         cells = list(_cells(record, expected))
         assert {kind for _, _, kind, _, _ in cells} == {"dense", "expert", "optimizer"}
@@ -129,7 +129,7 @@ def test_pristine_bucket_syncs_count_exactly_their_temporaries(worker_runs):
 
 @pytest.mark.gloo
 def test_patched_bucket_syncs_record_zero_bytes_and_still_gather(worker_runs):
-    for rank, (record, expected) in worker_runs("patched").items():
+    for rank, (record, expected) in worker_runs("series-0.17.1").items():
         assert expected["params_synced_step_1"] and expected["params_synced_step_2"]
         for section, step, kind, got, exp in _cells(record, expected):
             where = f"rank {rank} {section} {step} {kind}"
