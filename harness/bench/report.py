@@ -25,6 +25,15 @@ def _mib(b) -> str:
     return "n/a" if b is None else ("0" if b == 0 else f"{b / 2**20:.2f}")
 
 
+def _change(d: int) -> str:
+    """A step peak's drop ``d`` (bytes; negative: a rise) in words: in MiB, or in bytes where
+    it is under 0.01 MiB (the allocator's few bytes of bookkeeping, which MiB would show as 0.00)."""
+    if d == 0:
+        return "unchanged"
+    size = f"{_mib(abs(d))} MiB" if abs(d) >= 0.01 * 2**20 else f"{abs(d)} B"
+    return f"{'lower' if d > 0 else 'higher'} by {size}"
+
+
 def _ratio(s: Optional[dict]) -> str:
     if not s:
         return "n/a"
@@ -102,7 +111,7 @@ def _headline(result) -> List[str]:
             f"- **Step peak memory, DP {s['dp_size']}, {'--overlap-param-gather' if s['overlap'] else 'no overlap'}**: "
             f"pristine {_mib(pr['step_peak_bytes'])} MiB (in *{pr['peak_phase']}*), series "
             f"{_mib(s['step_peak_bytes'])} MiB (in *{s['peak_phase']}*): "
-            f"{'lower by ' + _mib(d) if d > 0 else ('unchanged' if d == 0 else 'higher by ' + _mib(-d))} MiB. "
+            f"{_change(d)}. "
             f"The param gather's transient ({where}) drops by {_mib(moved)} MiB"
             + ("; it set the pristine tree's step peak." if pr["peak_phase"] == where or
                (where == "optimizer gather" and pr["phase_peak_bytes"][where] == pr["step_peak_bytes"])
