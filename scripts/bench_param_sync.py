@@ -1,4 +1,4 @@
-"""Benchmark the layer-wise param sync: upstream 0.17.1 against the series.
+"""Benchmark the layer-wise param sync: pristine megatron-core 0.17.1 against the series.
 
 Usage (from the repo root, after scripts/setup.sh):
 
@@ -6,12 +6,12 @@ Usage (from the repo root, after scripts/setup.sh):
     .venv/bin/python scripts/bench_param_sync.py --quick    # smoke run for tests (about a minute)
     .venv/bin/python scripts/bench_param_sync.py --publish  # also copy PNG + MD to docs/bench/
 
-Both trees (``TREES``: upstream, patched) are measured in the same run:
+Both trees (``TREES``: pristine-0.17.1, series-0.17.1) are measured in the same run:
 
 * gloo ranks, DP 2 and 4 (torchrun): one worker group per tree
   (harness/bench/sync_worker.py), both alive at once. Each counts one sync of every case,
   then serves timing blocks; this script asks the groups for blocks in ABBA order (trees
-  in order in even rounds, reversed in odd ones) and forms the patched/upstream ratio per
+  in order in even rounds, reversed in odd ones) and forms the series/pristine ratio per
   round (harness/bench/stats.py). The "control" path (every grad buffer's reset(), code
   no tree changes) is the negative control.
 * step memory (--step-memory DPs, "" to skip): peak memory per phase of a real training
@@ -29,7 +29,7 @@ wire_bytes (received by this rank), shares_equal,
 bucket_shares, profiler_alloc_bytes / _calls / _peak_bytes / _caller_thread_bytes
 (torch.profiler, all threads), theory_* and their matches, params_synced. "timing" holds,
 per (dp_size, model, bucket_size, path), the per-round block medians of both trees and
-the ratio vs upstream with its bootstrap CI.
+the series/pristine ratio with its bootstrap CI.
 
 Exit status: 0 when the structural checks hold (see checks()); 1 otherwise (outputs are
 written either way); 2 when a worker fails. Timing never decides the exit status.
@@ -64,7 +64,8 @@ STEP_WORKER = REPO_ROOT / "harness" / "gpu_check" / "memory_worker.py"
 #: The step-memory runs: a warm-up step (optimizer state exists), then the step reported.
 STEP_MEMORY_STEPS = 2
 #: The trees, in the order tables show them (harness.trees labels).
-TREES = ("upstream", "patched")
+TREES = ("pristine-0.17.1", "series-0.17.1")
+PRISTINE, SERIES = TREES
 PATHS = ("async", "forced", "optimizer")
 KEY = ("model", "path", "dp_size", "rank", "bucket_size")
 WORKER_TIMEOUT_S = 900
@@ -172,18 +173,18 @@ def run_real(trees, dp: int, cfg: dict, raw: Path):
 # ---------------------------------------------------------------- merging
 def gathers(rec: dict) -> list:
     """Per-rank shares of each all-gather one sync of this record issues: one per bucket
-    with anything to gather, except upstream's optimizer path (LayerWiseDistributedOptimizer
-    .allgather_params), which gathers the whole model at once."""
+    with anything to gather, except the pristine tree's optimizer path
+    (LayerWiseDistributedOptimizer.allgather_params), which gathers the whole model at once."""
     if rec["path"] == "control":
         return []
-    if rec["path"] == "optimizer" and rec["tree"] == "upstream":
+    if rec["path"] == "optimizer" and rec["tree"] == PRISTINE:
         return [rec["model_shares"]] if rec["model_shares"] and max(rec["model_shares"]) else []
     return [s for s in rec["bucket_shares"] if max(s) > 0]
 
 
 def expected_nccl(rec: dict) -> tuple:
     """(NCCL ops, NCCL temporary bytes) of one sync if every gather is a list all_gather on
-    ProcessGroupNCCL, as upstream issues them (theory.py)."""
+    ProcessGroupNCCL, as pristine 0.17.1 issues them (theory.py)."""
     total = [nccl_list_all_gather(s, rec["param_itemsize"]) for s in gathers(rec)]
     return sum(t[0] for t in total), sum(t[1] for t in total)
 
@@ -192,12 +193,12 @@ def merge(records: list, timing: dict) -> list:
     """Add theory matches and timing summaries to the records; sort them."""
     for r in records:
         r["theory_match"] = r["temporary_bytes"] == (
-            r["theory_upstream_bytes"] if r["tree"] == "upstream" else r["theory_series_bytes"]
+            r["theory_pristine_bytes"] if r["tree"] == PRISTINE else r["theory_series_bytes"]
         )
         # The peak includes the collective model's stand-ins for NCCL's temporaries
         # (gloo ranks); it is compared with the theory only where there are none.
         r["peak_theory_match"] = r.get("model_standin_bytes", 0) > 0 or r["peak_extra_bytes"] == (
-            r["theory_upstream_peak_bytes"] if r["tree"] == "upstream" else 0
+            r["theory_pristine_peak_bytes"] if r["tree"] == PRISTINE else 0
         )
         ops, temp = expected_nccl(r)
         r["list_gather_ops"], r["list_gather_nccl_temporary_bytes"] = ops, temp
@@ -209,8 +210,8 @@ def merge(records: list, timing: dict) -> list:
         mine = blocks.get(r["tree"], [])
         r["block_median_s"] = mine
         r["median_s"] = statistics.median(mine) if mine else None
-        r["time_ratio_vs_upstream"] = (
-            stats.ratio_summary(blocks, r["tree"], "upstream") if r["tree"] != "upstream" else None
+        r["time_ratio_vs_pristine"] = (
+            stats.ratio_summary(blocks, r["tree"], PRISTINE) if r["tree"] != PRISTINE else None
         )
     order = {t: i for i, t in enumerate(TREES)}
     paths = {p: i for i, p in enumerate(PATHS + ("control",))}
@@ -231,34 +232,34 @@ def checks(records: list) -> dict:
     return {
         # The forced sync receives into a temporary by design (grad_data may hold grads
         # there), one bucket at a time, as 0.17.1 does.
-        "patched_zero_temporary_bytes": [
+        "series_zero_temporary_bytes": [
             key(r) for r in sync
-            if r["tree"] == "patched" and r["path"] != "forced" and r["temporary_bytes"] != 0
+            if r["tree"] == SERIES and r["path"] != "forced" and r["temporary_bytes"] != 0
         ],  # fmt: skip
-        "patched_zero_nccl_model_temporary_bytes": [
-            key(r) for r in sync if r["tree"] == "patched" and r["nccl_model_temporary_bytes"] != 0
+        "series_zero_nccl_model_temporary_bytes": [
+            key(r) for r in sync if r["tree"] == SERIES and r["nccl_model_temporary_bytes"] != 0
         ],
-        "patched_one_op_per_gather_where_shares_equal": [
+        "series_one_op_per_gather_where_shares_equal": [
             key(r) for r in sync
-            if r["tree"] == "patched" and r["path"] != "optimizer" and r["shares_equal"]
+            if r["tree"] == SERIES and r["path"] != "optimizer" and r["shares_equal"]
             and r["ops_per_gather"] != 1
         ],  # fmt: skip
-        "patched_no_zero_size_ops": [
-            key(r) for r in sync if r["tree"] == "patched" and r["zero_size_ops"] != 0
+        "series_no_zero_size_ops": [
+            key(r) for r in sync if r["tree"] == SERIES and r["zero_size_ops"] != 0
         ],
-        "patched_ops_and_launches_at_most_upstream": [
-            key(r) for r in sync if r["tree"] == "patched"
-            for u in sync if u["tree"] == "upstream" and all(u[k] == r[k] for k in KEY)
+        "series_ops_and_launches_at_most_pristine": [
+            key(r) for r in sync if r["tree"] == SERIES
+            for u in sync if u["tree"] == PRISTINE and all(u[k] == r[k] for k in KEY)
             # the optimizer path broadcasts each param in place: one op per param, one launch
             if (r["path"] != "optimizer" and r["collective_ops"] > u["collective_ops"])
             or r["collective_launches"] > u["collective_launches"]
         ],  # fmt: skip
-        "upstream_equals_theory": [
-            key(r) for r in sync if r["tree"] == "upstream" and not (r["theory_match"] and r["peak_theory_match"])
+        "pristine_equals_theory": [
+            key(r) for r in sync if r["tree"] == PRISTINE and not (r["theory_match"] and r["peak_theory_match"])
         ],
-        "upstream_nccl_equals_theory": [
+        "pristine_nccl_equals_theory": [
             key(r) for r in sync
-            if r["tree"] == "upstream"
+            if r["tree"] == PRISTINE
             and (r["collective_ops"], r["nccl_model_temporary_bytes"])
             != (r["list_gather_ops"], r["list_gather_nccl_temporary_bytes"])
         ],  # fmt: skip
@@ -268,12 +269,12 @@ def checks(records: list) -> dict:
 
 
 def timing_table(timing: dict) -> list:
-    """Rows {dp_size, model, bucket_size, path, median_s per tree, patched_vs_upstream}."""
+    """Rows {dp_size, model, bucket_size, path, median_s per tree, series_vs_pristine}."""
     rows = []
     for (dp, model, bucket, path), blocks in timing.items():
         row = dict(dp_size=dp, model=model, bucket_size=bucket, path=path,
                    median_s={t: statistics.median(v) for t, v in blocks.items() if v},
-                   patched_vs_upstream=stats.ratio_summary(blocks, "patched", "upstream"))  # fmt: skip
+                   series_vs_pristine=stats.ratio_summary(blocks, SERIES, PRISTINE))  # fmt: skip
         rows.append(row)
     return rows
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# scripts/gpu_check.sh: the patch series on CUDA, upstream vs patched, results in a folder.
+# scripts/gpu_check.sh: the patch series on CUDA, pristine vs series trees, results in a folder.
 #
 #   scripts/gpu_check.sh OUT              # both bases; on one GPU scheduled within 8 min (runs share the GPU)
 #   scripts/gpu_check.sh --dry-run OUT    # print the runs and commands; works without a GPU

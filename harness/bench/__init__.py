@@ -1,4 +1,4 @@
-"""Benchmark of the layer-wise param sync: upstream 0.17.1 and the series, measured in one
+"""Benchmark of the layer-wise param sync: pristine 0.17.1 and the series, measured in one
 run on gloo ranks (``scripts/bench_param_sync.py``). The real-shape audit of the same sync is
 ``harness.audit``; the peak memory per phase of a training step comes from the GPU check's
 memory worker (``harness/gpu_check/memory_worker.py``) on CPU ranks.

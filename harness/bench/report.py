@@ -12,7 +12,8 @@ from pathlib import Path
 from typing import List, Optional
 
 PATHS = ("async", "forced", "optimizer", "control")
-SHORT = {"upstream": "up", "patched": "series"}
+#: Column names of the trees (harness.trees labels; the first in meta["trees"] is the pristine one).
+SHORT = {"pristine-0.17.1": "pristine", "series-0.17.1": "series"}
 
 
 def _legend(text: str) -> List[str]:
@@ -22,6 +23,15 @@ def _legend(text: str) -> List[str]:
 
 def _mib(b) -> str:
     return "n/a" if b is None else ("0" if b == 0 else f"{b / 2**20:.2f}")
+
+
+def _change(d: int) -> str:
+    """A step peak's drop ``d`` (bytes; negative: a rise) in words: in MiB, or in bytes where
+    it is under 0.01 MiB (the allocator's few bytes of bookkeeping, which MiB would show as 0.00)."""
+    if d == 0:
+        return "unchanged"
+    size = f"{_mib(abs(d))} MiB" if abs(d) >= 0.01 * 2**20 else f"{abs(d)} B"
+    return f"{'lower' if d > 0 else 'higher'} by {size}"
 
 
 def _ratio(s: Optional[dict]) -> str:
@@ -61,7 +71,7 @@ def write_markdown(path: Path, result: dict) -> None:
 
 def _header(meta) -> List[str]:
     return [
-        "# Layer-wise param sync: memory, NCCL operations and time, upstream vs series",
+        "# Layer-wise param sync: memory, NCCL operations and time, pristine vs series",
         "",
         "Produced by (repo root):",
         "",
@@ -74,7 +84,7 @@ def _header(meta) -> List[str]:
         + ", ".join(f"`{t}`" for t in meta["trees"])
         + ". Raw data: `build/bench/param_sync.json` (not committed).",
         "",
-        "Trees: `upstream` = megatron-core 0.17.1; `patched` = this series. Large DP sizes, real "
+        "Trees: `pristine-0.17.1` = megatron-core 0.17.1 as released; `series-0.17.1` = it with this series. Large DP sizes, real "
         "model shapes and the other releases: [real_shapes.md](real_shapes.md). Models: `gpt_equal` = a middle pipeline stage of a GPT, 16 "
         "identical layers, hidden 128 (every bucket's per-rank shares equal at DP 2/4/8); "
         "`gpt_unequal` = a whole GPT, 4 layers, hidden 256, embedding and untied output layer "
@@ -87,24 +97,25 @@ def _headline(result) -> List[str]:
     records, timing = result["records"], result["timing"]
     lines = ["## Headline", ""]
     step = result.get("step_memory") or []
+    pristine, series = _trees(result)
     for s in step:
-        if s["tree"] != "patched":
+        if s["tree"] != series:
             continue
-        up = _find(step, tree="upstream", overlap=s["overlap"], dp_size=s["dp_size"])
-        if not up:
+        pr = _find(step, tree=pristine, overlap=s["overlap"], dp_size=s["dp_size"])
+        if not pr:
             continue
-        d = up["step_peak_bytes"] - s["step_peak_bytes"]
+        d = pr["step_peak_bytes"] - s["step_peak_bytes"]
         where = "forward" if s["overlap"] else "optimizer gather"
-        moved = (up["phase_peak_bytes"][where] or 0) - (s["phase_peak_bytes"][where] or 0)
+        moved = (pr["phase_peak_bytes"][where] or 0) - (s["phase_peak_bytes"][where] or 0)
         lines.append(
             f"- **Step peak memory, DP {s['dp_size']}, {'--overlap-param-gather' if s['overlap'] else 'no overlap'}**: "
-            f"upstream {_mib(up['step_peak_bytes'])} MiB (in *{up['peak_phase']}*), series "
+            f"pristine {_mib(pr['step_peak_bytes'])} MiB (in *{pr['peak_phase']}*), series "
             f"{_mib(s['step_peak_bytes'])} MiB (in *{s['peak_phase']}*): "
-            f"{'lower by ' + _mib(d) if d > 0 else ('unchanged' if d == 0 else 'higher by ' + _mib(-d))} MiB. "
+            f"{_change(d)}. "
             f"The param gather's transient ({where}) drops by {_mib(moved)} MiB"
-            + ("; it set the step peak upstream." if up["peak_phase"] == where or
-               (where == "optimizer gather" and up["phase_peak_bytes"][where] == up["step_peak_bytes"])
-               else f"; it stays {_mib(up['step_peak_bytes'] - (up['phase_peak_bytes'][where] or 0))} MiB below upstream's step peak, so the peak does not move.")
+            + ("; it set the pristine tree's step peak." if pr["peak_phase"] == where or
+               (where == "optimizer gather" and pr["phase_peak_bytes"][where] == pr["step_peak_bytes"])
+               else f"; it stays {_mib(pr['step_peak_bytes'] - (pr['phase_peak_bytes'][where] or 0))} MiB below the pristine tree's step peak, so the peak does not move.")
         )
     for tree in _trees(result):
         rs = [r for r in records if r["tree"] == tree and r["path"] != "control"]
@@ -121,9 +132,9 @@ def _headline(result) -> List[str]:
         )
     for row in timing:
         if row["bucket_size"] is None:
-            r = row.get("patched_vs_upstream")
+            r = row.get("series_vs_pristine")
             lines.append(
-                f"- {row['model']}, DP {row['dp_size']}, {row['path']}: series/upstream wall time {_ratio(r)}"
+                f"- {row['model']}, DP {row['dp_size']}, {row['path']}: series/pristine wall time {_ratio(r)}"
                 + (" (negative control)" if row["path"] == "control" else "")
             )
     return lines + [""]
@@ -193,24 +204,22 @@ def _real_table(result) -> List[str]:
 
 
 def _timing_table(result) -> List[str]:
-    trees = _trees(result)
+    pristine, _ = _trees(result)
     rows = result["timing"]
     if not rows:
         return []
-    others = [t for t in trees if t != "upstream"]
     lines = [
         "## Time: interleaved ratios with 95 % bootstrap CIs",
         "",
-        "| model | DP | path | upstream ms | " + " | ".join(f"{SHORT.get(t, t)}/up" for t in others) + " |",
-        "|---|--:|---|--:|" + "--:|" * len(others),
-    ]  # fmt: skip
+        "| model | DP | path | pristine ms | series/pristine |",
+        "|---|--:|---|--:|--:|",
+    ]
     cfg = result["meta"]["config"]
     for row in rows:
-        cells = [_ratio(row.get(f"{t}_vs_upstream")) for t in others]
         name = row["path"] + (" (negative control)" if row["path"] == "control" else "")
         lines.append(
             f"| {row['model']} | {row['dp_size']} | {name} | "
-            f"{row['median_s'].get('upstream', float('nan')) * 1e3:.2f} | " + " | ".join(cells) + " |"
+            f"{row['median_s'].get(pristine, float('nan')) * 1e3:.2f} | {_ratio(row.get('series_vs_pristine'))} |"
         )
     return lines + _legend(
         f"{cfg['rounds']} rounds; each round times one block of {cfg['block']} syncs per tree "
@@ -257,7 +266,7 @@ def _method(meta) -> List[str]:
         "a list `all_gather` with equal slots allocates a flat `world_size x numel` output and "
         "copies out of it (one launch); with unequal slots it issues one broadcast per rank "
         "(no temporary); `all_gather_into_tensor` writes into its output (one launch, nothing "
-        "allocated). *theory* (`harness/bench/theory.py`): upstream = every other rank's share "
+        "allocated). *theory* (`harness/bench/theory.py`): pristine = every other rank's share "
         "plus the local flatten; the series = 0. The CPU runtime layer's device-mapping "
         "`TorchFunctionMode` is suspended during measured syncs (it would add microseconds per "
         "torch call that no GPU run pays).",
@@ -275,7 +284,7 @@ def _method(meta) -> List[str]:
 def write_plot(path: Path, result: dict) -> None:
     """Three panels: (a) NCCL-model + dispatch temporaries vs DP (gpt_equal, async);
     (b) NCCL ops per sync vs DP (optimizer path, gpt_unequal);
-    (c) wall-time ratio vs upstream with CIs, per DP and path, incl. the negative control."""
+    (c) series/pristine wall-time ratio with CIs, per DP and path, incl. the negative control."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -321,17 +330,16 @@ def write_plot(path: Path, result: dict) -> None:
     rows = [r for r in result["timing"] if r["bucket_size"] is None]
     labels, x = [], 0
     for row in rows:
-        for j, t in enumerate(x for x in trees if x != "upstream"):
-            s = row.get(f"{t}_vs_upstream")
-            if s:
-                ax3.errorbar([x + 0.25 * j], [s["ratio"]], yerr=[[s["ratio"] - s["ci_lo"]], [s["ci_hi"] - s["ratio"]]],
-                             fmt=markers[t], color=f"C{trees.index(t)}", capsize=3,
-                             label=t if x == 0 else None)  # fmt: skip
+        s = row.get("series_vs_pristine")
+        if s:
+            ax3.errorbar([x], [s["ratio"]], yerr=[[s["ratio"] - s["ci_lo"]], [s["ci_hi"] - s["ratio"]]],
+                         fmt=markers[trees[1]], color="C1", capsize=3,
+                         label=trees[1] if x == 0 else None)  # fmt: skip
         labels.append(f"{row['model'].replace('gpt_', '')}\nDP{row['dp_size']} {row['path']}")
         x += 1
     ax3.axhline(1.0, color="grey", lw=0.8)
     ax3.set_xticks(range(len(labels)), labels, fontsize=6, rotation=60)
-    ax3.set_ylabel("wall time / upstream (95 % CI)")
+    ax3.set_ylabel("wall time series / pristine (95 % CI)")
     ax3.set_title("(c) interleaved time ratios (control = same code)")
     if rows:
         ax3.legend(fontsize=8)

@@ -134,7 +134,7 @@ class Setup(LayerwiseModel):
             (per_bucket, whole): for every bucket, the elements of its params that each
             DP rank owns (from the layer-wise optimizer's dp_cp_params_list, so the same on
             every tree whether or not the tree sets bucket.layerwise_params_list); and the
-            whole model's per-rank elements (upstream's optimizer path gathers those in one
+            whole model's per-rank elements (the pristine tree's optimizer path gathers those in one
             all_gather). ([], None) when the optimizer does not shard (DP 1).
         """
         owners = self.opt.dp_cp_params_list
@@ -150,18 +150,18 @@ class Setup(LayerwiseModel):
         """Theoretical dispatch-level bytes of one sync of `path` on `rank` (theory.py).
 
         Returns:
-            {theory_upstream_bytes, theory_series_bytes, theory_upstream_peak_bytes}, all
+            {theory_pristine_bytes, theory_series_bytes, theory_pristine_peak_bytes}, all
             bytes.
         """
         if path == CONTROL:
-            return dict(theory_upstream_bytes=0, theory_series_bytes=0, theory_upstream_peak_bytes=0)
+            return dict(theory_pristine_bytes=0, theory_series_bytes=0, theory_pristine_peak_bytes=0)
         if path == "optimizer":
             owners = self.opt.dp_cp_params_list
-            up = 0 if owners is None else theory.theory_upstream_bytes(owners, rank, PARAM_DTYPE.itemsize)
-            return dict(theory_upstream_bytes=up, theory_series_bytes=0, theory_upstream_peak_bytes=up)
+            b = 0 if owners is None else theory.theory_upstream_bytes(owners, rank, PARAM_DTYPE.itemsize)
+            return dict(theory_pristine_bytes=b, theory_series_bytes=0, theory_pristine_peak_bytes=b)
         per_group = [theory.group_bytes(g, rank) for g in self.forward_order]
         peak = theory.async_chain_peak_bytes(per_group) if path == "async" else max(per_group)
-        return dict(theory_upstream_bytes=sum(per_group), theory_series_bytes=0, theory_upstream_peak_bytes=peak)
+        return dict(theory_pristine_bytes=sum(per_group), theory_series_bytes=0, theory_pristine_peak_bytes=peak)
 
     def owned(self, rank: int) -> set:
         owners = self.opt.dp_cp_params_list
@@ -299,7 +299,7 @@ def _merge_ranks(records: list) -> list:
         peers = [everyone[r][i] for r in range(world)]
         rec = dict(rec)
         rec["params_synced"] = all(p["params_synced"] for p in peers)
-        for key in ("temporary_bytes", "alloc_calls", "peak_extra_bytes", "theory_upstream_bytes",
+        for key in ("temporary_bytes", "alloc_calls", "peak_extra_bytes", "theory_pristine_bytes",
                     "collective_ops", "wire_bytes", "nccl_model_temporary_bytes",
                     "profiler_alloc_bytes"):  # fmt: skip
             rec[f"all_ranks_{key}"] = [p[key] for p in peers]

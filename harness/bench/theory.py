@@ -2,7 +2,7 @@
 
 Two designs of the receive side of the layer-wise param sync (--optimizer dist_muon):
 
-* **upstream 0.17.1**: `_ParamAndGradBucketGroup.start_param_sync` (layer-wise branch,
+* **pristine megatron-core 0.17.1**: `_ParamAndGradBucketGroup.start_param_sync` (layer-wise branch,
   `megatron/core/distributed/param_and_grad_buffer.py`) and
   `LayerWiseDistributedOptimizer.allgather_params` (`optimizer/layer_wise_optimizer.py`)
   allocate, per gather, a `torch.empty` receive tensor for every other rank plus the
@@ -13,7 +13,7 @@ Two designs of the receive side of the layer-wise param sync (--optimizer dist_m
 
 `_flatten_dense_tensors` of exactly ONE tensor returns a view of it (no copy, 0 bytes;
 `torch._C._nn.flatten_dense_tensors` special-cases a single tensor), and for no tensor
-upstream allocates `torch.empty(0)` (0 bytes). A rank owning two or more params gets a
+pristine 0.17.1 allocates `torch.empty(0)` (0 bytes). A rank owning two or more params gets a
 fresh `torch.cat` of them.
 
 The functions take plain per-rank param lists (anything with `.numel()`), or duck-typed
@@ -32,7 +32,7 @@ def _flat_sizes(params_by_rank: Sequence[Sequence]) -> List[int]:
 
 
 def theory_upstream_bytes(params_by_rank, rank, itemsize):
-    """Bytes upstream 0.17.1 allocates for one gather of one bucket (or of the whole
+    """Bytes pristine 0.17.1 allocates for one gather of one bucket (or of the whole
     model, for the optimizer's path), from start_param_sync / allgather_params:
 
     - a torch.empty receive tensor for every other rank: sum of their sizes;
@@ -58,12 +58,12 @@ def theory_upstream_bytes(params_by_rank, rank, itemsize):
 
 
 def bucket_bytes(bucket, rank: int) -> int:
-    """Theoretical bytes of one DDP bucket's layer-wise gather on upstream 0.17.1.
+    """Theoretical bytes of one DDP bucket's layer-wise gather on pristine 0.17.1.
 
     Args:
         bucket: a megatron `_ParamAndGradBucket` (uses `layerwise_params_list`, set by the
             layer-wise optimizer, None when it does not shard the bucket, and
-            `params_list[0].dtype` as the param dtype, as upstream does).
+            `params_list[0].dtype` as the param dtype, as pristine 0.17.1 does).
         rank: this rank's index in the bucket group's DP group.
     """
     if bucket.layerwise_params_list is None:
@@ -73,7 +73,7 @@ def bucket_bytes(bucket, rank: int) -> int:
 
 def group_bytes(bucket_group, rank: int) -> int:
     """Sum of bucket_bytes() over a `_ParamAndGradBucketGroup`'s buckets: what one
-    start_param_sync() of the group holds at once on upstream (bytes)."""
+    start_param_sync() of the group holds at once on pristine 0.17.1 (bytes)."""
     return sum(bucket_bytes(b, rank) for b in bucket_group.buckets)
 
 

@@ -1,4 +1,4 @@
-"""GPU check: the series' CUDA code on one or more GPUs, upstream vs patched, in one run.
+"""GPU check: the series' CUDA code on one or more GPUs, pristine vs series trees, in one run.
 
 ``scripts/gpu_check.sh OUT`` (``python -m harness.gpu_check``) plans and runs, on both bases
 (megatron-core 0.17.1 and 0.19; ``plan`` lists every run):
@@ -12,11 +12,11 @@
   each where there are enough; otherwise they share GPUs through NCCL's socket transport
   (a ``NCCL_HOSTID`` per rank), so one GPU runs the whole plan: NCCL's code paths and its
   real CUDA memory, not its time.
-* The optimizer's gather timed (``timing_nccl_optimizer_gather``): upstream's list all_gather
+* The optimizer's gather timed (``timing_nccl_optimizer_gather``): the pristine list all_gather
   against the series' in-place broadcasts, interleaved on one model, alone on the GPUs where
   each rank has one (docs/bench/optimizer_gather_on_nccl.md).
 * CUDA memory: ``torch.cuda.max_memory_allocated`` and ``memory_reserved`` during the forward
-  of a training step and around one param sync, upstream vs patched, with the all-gather
+  of a training step and around one param sync, pristine vs series, with the all-gather
   call forms and what ProcessGroupNCCL allocates.
 
 Modules: ``plan`` (what runs, with which command and timeout), ``__main__`` (the command

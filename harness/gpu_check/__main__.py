@@ -47,7 +47,7 @@ def detect_gpus() -> tuple:
 
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="scripts/gpu_check.sh",
-                                 description="The series on CUDA: upstream vs patched, functional and memory.",
+                                 description="The series on CUDA: pristine vs series trees, functional and memory.",
                                  epilog="Exit codes: " + " ".join(__doc__.split("Exit codes:")[1].split()))
     ap.add_argument("out", type=Path, help="results folder (created; must be absent or empty)")
     ap.add_argument("--dry-run", action="store_true", help="print the runs and their commands; run nothing")
@@ -61,7 +61,7 @@ def _parser() -> argparse.ArgumentParser:
                     "series' base train PATH as it is and with the series, in scratch clones; the runs "
                     "of the pinned 0.17.1 trees are planned as skipped")
     ap.add_argument("--update-golden", action="store_true",
-                    help="record golden values in OUT/<run>/golden even where the checkout has some (refused unless patched == upstream; without a golden file for this GPU type they are recorded anyway)")
+                    help="record golden values in OUT/<run>/golden even where the checkout has some (refused unless series == pristine; without a golden file for this GPU type they are recorded anyway)")
     return ap
 
 

@@ -1,7 +1,7 @@
-"""One rank of the GPU check's optimizer-gather timing: upstream's and the series' gather, interleaved.
+"""One rank of the GPU check's optimizer-gather timing: the pristine tree's and the series' gather, interleaved.
 
 Without --overlap-param-gather, ``LayerWiseDistributedOptimizer.step()`` ends with
-``allgather_params()``. Upstream flattens each rank's params, gathers them with one list
+``allgather_params()``. Pristine 0.17.1 flattens each rank's params, gathers them with one list
 ``torch.distributed.all_gather`` and copies them out; the series (0.17.1 and 0.19 patch 0006)
 broadcasts each param in place from its owner, all inside one ``_coalescing_manager`` group.
 This worker times both on the same model, in the same process, on the same process group::
@@ -9,10 +9,10 @@ This worker times both on the same model, in the same process, on the same proce
     torchrun --nproc-per-node 8 harness/gpu_check/gather_timing_worker.py \
         --backend nccl --layers 32 --rounds 20 --block 3 --out gather_timing.json
 
-The tree under test (PYTHONPATH; the plan runs the patched 0.17.1 tree) gives the series'
-``allgather_params``. Upstream's is the same method's source read from ``--pristine-tree``
-(``build/upstream``'s ``layer_wise_optimizer.py``) and compiled in the patched module's
-namespace (``pristine_allgather_params``): upstream's code, bound to the same optimizer. The
+The tree under test (PYTHONPATH; the plan runs series-0.17.1) gives the series'
+``allgather_params``. The pristine one is the same method's source read from ``--pristine-tree``
+(pristine-0.17.1's ``layer_wise_optimizer.py``) and compiled in the series module's
+namespace (``pristine_allgather_params``): the pristine code, bound to the same optimizer. The
 patch changes nothing else that the method reaches (the 0.17.1 file also gains a guard for
 ``dp_cp_params_list is None``, DP 1, which this run never has).
 
@@ -28,11 +28,11 @@ value (``synced``); on CUDA the same gather's ``max_memory_allocated`` over what
 allocated before it (``peak_extra_bytes``). Then ``--rounds`` rounds (fewer, at least
 ``MIN_ROUNDS``, where the warm-up gathers say they would not end within ``--max-seconds``);
 each times one block of ``--block`` gathers per path, the paths in
-``harness.bench.stats.abba_order`` (upstream first in even rounds, the series first in odd
+``harness.bench.stats.abba_order`` (pristine first in even rounds, the series first in odd
 ones). Each gather: device synchronize, barrier, then the wall time of the gather up to a
 device synchronize; a gather's time is the slowest rank's
 (all_reduce MAX after the rounds, so no extra collective runs between timed gathers). Rank 0
-writes the per-round block medians, the series/upstream ratio (median of the per-round ratios)
+writes the per-round block medians, the series/pristine ratio (median of the per-round ratios)
 and its bootstrap CI (``stats.ratio_summary``) to ``--out``.
 
 On NCCL nothing of the harness wraps a collective (no recording layer, no coalescing
@@ -77,7 +77,8 @@ from harness.bench import stats  # noqa: E402
 from harness.gpu_check import real_shapes, shared_gpu  # noqa: E402
 from harness.trees import check_expected_tree, tree_parent  # noqa: E402
 
-PATHS = ("upstream", "patched")
+#: The two gathers, keys of every per-path field of the document: the pristine tree's and the series'.
+PATHS = ("pristine", "series")
 #: The fewest timing rounds ``--max-seconds`` may leave.
 MIN_ROUNDS = 5
 PARAM_DTYPE = torch.bfloat16
@@ -125,12 +126,12 @@ def method_source(path: Path, cls: str = "LayerWiseDistributedOptimizer", name: 
 
 
 def pristine_allgather_params(pristine_tree: str, module):
-    """Upstream's ``allgather_params``, compiled from ``pristine_tree``'s file in ``module``'s
-    namespace (the patched ``layer_wise_optimizer``): (function, its source)."""
+    """The pristine ``allgather_params``, compiled from ``pristine_tree``'s file in ``module``'s
+    namespace (the series' ``layer_wise_optimizer``): (function, its source)."""
     path = tree_parent(pristine_tree) / OPTIMIZER_FILE
     source = method_source(path)
     scope: dict = {}
-    exec(compile(source, str(path), "exec"), vars(module), scope)  # noqa: S102 - upstream's own code
+    exec(compile(source, str(path), "exec"), vars(module), scope)  # noqa: S102 - the pristine tree's own code
     return scope["allgather_params"], source
 
 
@@ -178,7 +179,7 @@ class Setup:
             raise RuntimeError("the layer-wise optimizer shards nothing (DP 1?): nothing to gather")
         pristine, self.pristine_source = pristine_allgather_params(pristine_tree, lwo)
         self.series_source = textwrap.dedent(inspect.getsource(type(self.opt).allgather_params))
-        self.gathers = {"upstream": pristine.__get__(self.opt), "patched": self.opt.allgather_params}
+        self.gathers = {"pristine": pristine.__get__(self.opt), "series": self.opt.allgather_params}
 
     def owners(self) -> list:
         return self.opt.dp_cp_params_list
@@ -224,8 +225,8 @@ class Setup:
         return out
 
 
-def upstream_nccl_ops(elements: list) -> int:
-    """NCCL operations of upstream's list all_gather on ProcessGroupNCCL: one ncclAllGather when
+def pristine_nccl_ops(elements: list) -> int:
+    """NCCL operations of the pristine tree's list all_gather on ProcessGroupNCCL: one ncclAllGather when
     every rank's share is equal, else one broadcast per rank (a zero-size one included). The
     series issues one broadcast per param. Either way one group launch."""
     return 1 if len(set(elements)) == 1 else len(elements)
@@ -275,7 +276,7 @@ def run(args) -> dict:
     synced = [None] * world
     dist.all_gather_object(synced, {p: checks[p] for p in PATHS})
     itemsize = params[0].element_size()
-    ops = {"upstream": upstream_nccl_ops(elements), "patched": len(params)}
+    ops = {"pristine": pristine_nccl_ops(elements), "series": len(params)}
     return {
         "backend": str(dist.get_backend()), "world": world, "config_name": args.config, "layers": cfg["num_layers"],
         "gpu": torch.cuda.get_device_name(0) if _on_gpu() else None, "torch": torch.__version__,
@@ -284,7 +285,7 @@ def run(args) -> dict:
         "param_count": len(params), "param_numel": sum(elements), "param_bytes": sum(elements) * itemsize,
         "params_per_rank": [len(ps) for ps in owners], "elements_per_rank": elements,
         "received_bytes_per_rank": [(sum(elements) - e) * itemsize for e in elements],
-        "nccl_ops": ops, "launches": {"upstream": 1, "patched": 1},
+        "nccl_ops": ops, "launches": {"pristine": 1, "series": 1},
         "series_in_place": all(type(p.data) is torch.Tensor and p.is_contiguous() for p in params),
         "pristine_source_sha256": sha(s.pristine_source), "series_source_sha256": sha(s.series_source),
         "pristine_uses_list_all_gather": "torch.distributed.all_gather(gather_list" in s.pristine_source,
@@ -293,7 +294,7 @@ def run(args) -> dict:
                        "peak_extra_bytes": [r[p]["peak_extra_bytes"] for r in synced]} for p in PATHS},
         "rounds": rounds, "rounds_asked": args.rounds, "block": args.block, "block_median_s": blocks,
         "median_s": {p: statistics.median(blocks[p]) for p in PATHS},
-        "ratio": stats.ratio_summary(blocks, "patched", "upstream"),
+        "ratio": stats.ratio_summary(blocks, "series", "pristine"),
     }
 
 
@@ -307,7 +308,8 @@ def main(argv=None) -> int:
     ap.add_argument("--block", type=int, default=3)
     ap.add_argument("--max-seconds", type=float, help="fewer rounds (at least %d) where --rounds would take longer, "
                     "judged by the warm-up gathers" % MIN_ROUNDS)
-    ap.add_argument("--pristine-tree", default="upstream", help="the tree whose allgather_params is upstream's")
+    ap.add_argument("--pristine-tree", default="pristine-0.17.1", help="the tree whose allgather_params is timed as "
+                    "the pristine one (a harness.trees label)")
     args = ap.parse_args(argv)
 
     if args.backend == "nccl":
@@ -333,8 +335,8 @@ def main(argv=None) -> int:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(doc, indent=1) + "\n")
         r = doc["ratio"]
-        print(f"optimizer gather: upstream {doc['median_s']['upstream'] * 1e3:.3f} ms, patched "
-              f"{doc['median_s']['patched'] * 1e3:.3f} ms, patched/upstream {r['ratio']:.2f} "
+        print(f"optimizer gather: pristine {doc['median_s']['pristine'] * 1e3:.3f} ms, series "
+              f"{doc['median_s']['series'] * 1e3:.3f} ms, series/pristine {r['ratio']:.2f} "
               f"[{r['ci_lo']:.2f}, {r['ci_hi']:.2f}] over {r['rounds']} rounds", flush=True)
     dist.barrier()
     dist.destroy_process_group()

@@ -27,7 +27,7 @@ allocated figure: None). Measured on every rank, in bytes:
   ``PHASE_DESC``; None for a phase that did not run), ``step_peak_extra_bytes`` the peak over the
   whole step;
 * ``forward``: the forward's peak (``peak_extra_bytes``), the bytes allocated before it and
-  ``memory_reserved`` after it. The gather's receive buffers live here: upstream's
+  ``memory_reserved`` after it. The gather's receive buffers live here: the pristine tree's
   ``torch.empty`` slots and ``_layerwise_src_buffer``.
 * ``sync`` (overlap on only): one param sync alone (``start_param_sync`` of the first bucket
   group in forward order, then ``finish_param_sync`` of every group), outside any forward: the
@@ -156,8 +156,8 @@ class Setup:
         # Both generators: megatron seeds the CUDA one (weights built on the GPU), and the CPU one
         # draws the weights built on CPU whatever use_cpu_initialization says, e.g. the learned
         # position embedding (a torch.nn.Embedding, core/models/common/embeddings/
-        # language_model_embedding.py:LanguageModelEmbedding). Unseeded, two processes (upstream
-        # and patched) would start from different weights. (megatron.training seeds both in
+        # language_model_embedding.py:LanguageModelEmbedding). Unseeded, two processes (pristine
+        # and series tree) would start from different weights. (megatron.training seeds both in
         # initialize.py:_set_random_seed.)
         torch.manual_seed(seed)
         model_parallel_cuda_manual_seed(seed)

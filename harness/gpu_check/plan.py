@@ -2,8 +2,8 @@
 
 ``make_plan(gpus, gpu_name, out)`` is a pure function of the GPU count and name (and of
 whether Transformer Engine is importable), so that a dry run on a machine without GPUs shows
-exactly what a machine with that many would run. Runs, by base (0.17.1: ``build/upstream``
-and ``megatron/``; 0.19: ``build/upstream-0.19`` and ``build/patched-0.19``):
+exactly what a machine with that many would run. Runs, by base (the trees of harness.trees:
+``pristine-0.17.1`` and ``series-0.17.1``; ``pristine-0.19`` and ``series-0.19``):
 
 =================================  =====  =====  ==============================================
 run                                base   ranks  what
@@ -27,8 +27,8 @@ functional_nccl_019_sync           0.19   2      0.19, overlap off
 functional_nccl_019_moe            0.19   4      0.19, MoE EP 2, alltoall token dispatcher
 functional_nccl_019_vpp            0.19   4      0.19, PP 2 with VPP 2
 functional_nccl_019_layout         0.19   2      0.19's layout path (model-provider API)
-timing_nccl_optimizer_gather       0.17.1 2..8   the optimizer's gather timed: upstream's list
-                                                 all_gather vs the series' in-place broadcasts
+timing_nccl_optimizer_gather       0.17.1 2..8   the optimizer's gather timed: the pristine
+                                                 list all_gather vs the series' in-place broadcasts
                                                  (0006), interleaved on one model
 =================================  =====  =====  ==============================================
 
@@ -74,7 +74,9 @@ CASES_019 = {
     "vpp": "gpt019_pp2_vpp2_dp2_bf16_fp32grad_overlap_legacy",
     "layout": "gpt019_dp2_bf16_fp32grad_overlap_layout",
 }
-TREES = ("upstream", "patched")
+#: A memory run's two sides -> the tree each runs on (``real_shapes.TREES``); each side writes
+#: ``OUT/<run>/<side>.json``.
+TREES = real_shapes.TREES
 MEMORY_WORKER = Path(__file__).resolve().parent / "memory_worker.py"
 GATHER_TIMING_WORKER = Path(__file__).resolve().parent / "gather_timing_worker.py"
 #: The optimizer-gather timing (``gather_timing_worker.py``): with a GPU per rank, the whole
@@ -170,7 +172,7 @@ class Run:
         nproc: ranks.
         devices: the CUDA device of each rank.
         timeout_s: wall-clock limit of the whole run, seconds.
-        launches: the torchrun commands, upstream first.
+        launches: the torchrun commands, the pristine tree first.
         golden_file: functional runs: the golden values' file name (in the case folder).
         config: memory runs: the memory_worker configuration.
         case: functional runs: the functional test case.
@@ -279,13 +281,14 @@ def functional_launches(run_dir: Path, backend: str, nproc: int, extra_env: Dict
     (``harness.gpu_check.functional`` passes the same ones), on the trees of the case's base, or
     with ``own`` (``harness.own_tree.OwnTree``) on its two clones, each its own checkout."""
     from harness import data
+    from harness.trees import LEGACY_LABELS
     from tests.functional_tests.python_test_utils import run_case
 
     case = run_case.load_case(run_case.find_case(case_name))
     base = run_case.BASES[case.base]
     model_args = {**case.model_args, **functional_overrides(backend)}
     out = []
-    for variant in TREES:
+    for variant in run_case.VARIANTS:
         tree, checkout = base.trees[variant], base.checkout
         if own is not None:
             tree = checkout = own.checkouts()[variant]
@@ -299,7 +302,8 @@ def functional_launches(run_dir: Path, backend: str, nproc: int, extra_env: Dict
                                             cpu=False, runtime_flags=runtime_flags,
                                             extra_env={**case.env_vars, "MEGATRON_LM_CHECKOUT": str(checkout),
                                                        **extra_env})
-        out.append(Launch(variant if own is not None else tree, argv, env))
+        # run_case names a base's trees by their older labels; the plan shows today's.
+        out.append(Launch(variant if own is not None else LEGACY_LABELS.get(tree, tree), argv, env))
     return out
 
 
@@ -311,25 +315,25 @@ def functional_overrides(backend: str) -> Dict[str, object]:
 
 def memory_launches(run_dir: Path, backend: str, nproc: int, config: str, extra_env: Dict[str, str]) -> List[Launch]:
     out = []
-    for tree in TREES:
+    for side, tree in TREES.items():
         argv, env = launch.torchrun_command(
             MEMORY_WORKER, ["--backend", backend, "--config", config, "--steps", str(MEMORY_STEPS),
-                            "--out", str(run_dir / f"{tree}.json")],
+                            "--out", str(run_dir / f"{side}.json")],
             nproc, tree=tree, cpu=False, extra_env=extra_env)
         out.append(Launch(tree, argv, env))
     return out
 
 
 def gather_timing_launches(run_dir: Path, nproc: int, one_gpu: bool, extra_env: Dict[str, str]) -> List[Launch]:
-    """The optimizer-gather timing: one torchrun on the patched tree, which times its own
-    ``allgather_params`` and upstream's (compiled from the upstream tree's source)."""
+    """The optimizer-gather timing: one torchrun on the series tree, which times its own
+    ``allgather_params`` and the pristine one (compiled from the pristine tree's source)."""
     args = [*GATHER_TIMING["one_gpu" if one_gpu else "multi_gpu"], "--backend", "nccl",
             "--rounds", str(GATHER_TIMING["rounds"]), "--block", str(GATHER_TIMING["block"]),
             "--max-seconds", str(GATHER_TIMING["max_seconds"]),
-            "--pristine-tree", "upstream", "--out", str(run_dir / "gather_timing.json")]
-    argv, env = launch.torchrun_command(GATHER_TIMING_WORKER, args, nproc, tree="patched", cpu=False,
+            "--pristine-tree", TREES["pristine"], "--out", str(run_dir / "gather_timing.json")]
+    argv, env = launch.torchrun_command(GATHER_TIMING_WORKER, args, nproc, tree=TREES["series"], cpu=False,
                                         extra_env=extra_env)
-    return [Launch("patched", argv, env)]
+    return [Launch(TREES["series"], argv, env)]
 
 
 def timeout_for(name: str) -> int:
@@ -362,8 +366,8 @@ def make_plan(gpus: int, gpu_name: str, out: Path, update_golden: bool = False,
         gpus: >= 1 (a dry run on a machine without GPUs plans for 1).
         gpu_name: ``torch.cuda.get_device_name(0)``, e.g. "NVIDIA H200".
         out: results folder; each run writes under ``out/<run name>``.
-        update_golden: functional runs rewrite their golden file (refused unless patched
-            equals upstream exactly).
+        update_golden: functional runs rewrite their golden file (refused unless the series
+            tree's values equal the pristine tree's exactly).
         with_te: whether transformer_engine is installed (None: ``te_available()``); without
             it the TE run is planned with ``skip_reason`` ``TE_MISSING``.
         own: ``--checkout PATH`` (``harness.own_tree.OwnTree``): the functional runs of the
@@ -481,7 +485,7 @@ def prediction_lines(prediction: Optional[dict]) -> List[str]:
         return [f"  predicted: none ({real_shapes.PREDICTION_FILE.name} missing: "
                 "python -m harness.gpu_check.real_shapes --write)"]
     lines = [f"  predicted by the real-shape audit ({prediction['layers']} layers, DP {prediction['dp']}, "
-             f"{prediction['trees']['upstream']['ranks'][0]['param_numel']} params): peak bytes per DP rank "
+             f"{prediction['trees']['pristine']['ranks'][0]['param_numel']} params): peak bytes per DP rank "
              f"(+- allocator rounding)"]
     for tree, rec in prediction["trees"].items():
         for window, label in (("sync", "param sync"), ("sync_optimizer", "optimizer gather")):

@@ -56,10 +56,9 @@ MARGIN = 0.05
 ROUNDING_BYTES = 512
 PREDICTION_FILE = Path(__file__).resolve().parent / "real_shape_prediction.json"
 PREDICT_WORKER = Path(__file__).resolve().parent / "predict_worker.py"
-#: Trees of the prediction and the run: the GPU check's two sides (``plan.TREES``).
-TREES = ("upstream", "patched")
-#: Each side's tree in the audit (a label of harness.audit.grid.TREES).
-AUDIT_TREES = {"upstream": "pristine-0.17.1", "patched": "series-0.17.1"}
+#: The GPU check's two sides (its memory runs and the prediction; ``plan.TREES``) -> the tree
+#: each runs on: a harness.trees label, which is also the tree's label in harness.audit.grid.TREES.
+TREES = {"pristine": "pristine-0.17.1", "series": "series-0.17.1"}
 #: Memory worker window -> audit path.
 WINDOWS = {"sync": "async", "sync_optimizer": "optimizer"}
 
@@ -89,8 +88,8 @@ def rank_bytes(layers: int) -> Dict[str, int]:
       momentum, 8 B) on half the layers' params plus one fc1 of imbalance;
     * ``transient``: the larger of a training step's (Muon's Newton-Schulz on the largest
       matrix, fc1, about 4 fp32 copies; the fp32 logits and their grad, 3 x seq x vocab x
-      4 B; upstream's forward-time gather temporaries, 2 bucket groups in flight of DDP's
-      default 40 M elements, bf16, share and receive: 4 x 40 M x 2 B) and upstream's
+      4 B; the pristine tree's forward-time gather temporaries, 2 bucket groups in flight of
+      DDP's default 40 M elements, bf16, share and receive: 4 x 40 M x 2 B) and its
       optimizer-path gather (``allgather_params``: the local params flattened and a receive
       tensor per other rank, 2 B per param of the model: the audit predicts exactly that);
     * ``fixed``: ``FIXED_BYTES_PER_RANK``.
@@ -147,8 +146,8 @@ def model_spec(layers: int = LAYERS, cfg: Optional[dict] = None):
 
 def predict(tree: str, layers: int = LAYERS, dp: int = RANKS, timeout_s: float = 600,
             cfg: Optional[dict] = None) -> dict:
-    """Run ``predict_worker.py`` (the audit's cell) on ``tree`` (a side of ``TREES``: its audit
-    tree, ``AUDIT_TREES``) for ``model_spec(layers, cfg)``; its JSON record.
+    """Run ``predict_worker.py`` (the audit's cell) on ``tree`` (a side of ``TREES``: on its
+    tree) for ``model_spec(layers, cfg)``; its JSON record.
 
     Raises:
         RuntimeError: the worker failed (its output tail).
@@ -156,12 +155,12 @@ def predict(tree: str, layers: int = LAYERS, dp: int = RANKS, timeout_s: float =
     from harness.audit import grid as audit_shapes
     from harness.trees import env_for_tree
 
-    env = env_for_tree(audit_shapes.tree_dir(audit_shapes.TREES[AUDIT_TREES[tree]]))
+    env = env_for_tree(audit_shapes.tree_dir(audit_shapes.TREES[TREES[tree]]))
     env.update(MEGATRON_CPU_RUNTIME="force", OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "p.json"
         extra = ["--worker-config", json.dumps(cfg)] if cfg is not None else []
-        proc = subprocess.run([sys.executable, str(PREDICT_WORKER), "--tree", AUDIT_TREES[tree], "--layers", str(layers),
+        proc = subprocess.run([sys.executable, str(PREDICT_WORKER), "--tree", TREES[tree], "--layers", str(layers),
                                "--dp", str(dp), "--out", str(out), *extra], env=env, cwd=REPO_ROOT,
                               capture_output=True, text=True, timeout=timeout_s)
         if proc.returncode != 0:

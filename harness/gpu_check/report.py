@@ -6,13 +6,13 @@ The folder, as ``python -m harness.gpu_check`` writes it::
     OUT/environment.json   GPU, driver, torch, Python, megatron-core, date
     OUT/runs.json          per run: status ("ok", "failed", "timeout", "not_run"), returncode, seconds
     OUT/<functional run>/<case>/comparison.json   (run_case; with metrics and loss_curves.png)
-    OUT/<memory run>/{upstream,patched}.json      (memory_worker)
+    OUT/<memory run>/{pristine,series}.json       (memory_worker, one per side of plan.TREES)
     OUT/summary.json, OUT/report.txt              (this module)
 
 ``summarize(out)`` reads it into one dict; ``render(summary)`` is the text report. Bytes are
 bytes; the report prints them in MiB/GiB. A memory run passes when both trees finished,
 their lm loss is bit for bit equal at every step and the params agree after training, and,
-on NCCL, the patched param sync allocated 0 bytes on every rank. On gloo the patched sync's
+on NCCL, the series' param sync allocated 0 bytes on every rank. On gloo the series sync's
 CUDA bytes (which include the NCCL temporaries the collective model allocates) are reported,
 not required. The real-shape memory run (config ``llama3_8b_layers``) also fails where a
 measured peak of the param sync or the optimizer gather (per tree, per DP rank) differs from
@@ -22,8 +22,8 @@ audit's. A run with status "skipped" (e.g. Transformer Engine not installed) nei
 nor fails.
 
 The optimizer-gather timing run (kind ``timing``, ``OUT/<run>/gather_timing.json`` from
-``gather_timing_worker.py``) prints upstream's and the series' median time of
-``allgather_params()``, the series/upstream ratio with its bootstrap CI, their NCCL operations
+``gather_timing_worker.py``) prints the pristine tree's and the series' median time of
+``allgather_params()``, the series/pristine ratio with its bootstrap CI, their NCCL operations
 and CUDA peaks. It fails only where the worker left no result, where a path did not leave every
 param equal to its owner's, or where the series' gather did not run in place (a param that is
 not a plain contiguous tensor takes the flatten-and-gather fallback); the time never decides.
@@ -40,7 +40,13 @@ import json
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-TREES = ("upstream", "patched")
+#: The two sides compared: the pristine tree and the series tree (a memory run's sides,
+#: ``plan.TREES``; the timing run's two gathers, ``gather_timing_worker.PATHS``).
+TREES = ("pristine", "series")
+#: Older names -> today's. Results folders written before the sides were named pristine and
+#: series hold upstream.json and patched.json, and use those names as keys of the plan's
+#: prediction and of the timing document; ``_load_renamed`` reads them under today's names.
+OLD_NAMES = {"upstream": "pristine", "patched": "series"}
 
 
 class ResultsError(ValueError):
@@ -52,6 +58,22 @@ def _load(path: Path) -> Optional[Any]:
         return json.loads(path.read_text())
     except (OSError, ValueError):
         return None
+
+
+def _renamed(doc: Any) -> Any:
+    """``doc`` with every dict key of ``OLD_NAMES`` replaced by its name today."""
+    if isinstance(doc, dict):
+        return {OLD_NAMES.get(k, k): _renamed(v) for k, v in doc.items()}
+    return [_renamed(v) for v in doc] if isinstance(doc, list) else doc
+
+
+def _load_renamed(path: Path) -> Optional[Any]:
+    """``_load(path)`` under today's names: where ``path`` is missing, the file of its older
+    name (``OLD_NAMES``: ``upstream.json`` for ``pristine.json``); keys renamed alike."""
+    older = {new: old for old, new in OLD_NAMES.items()}
+    if not path.exists() and path.stem in older:
+        path = path.with_name(older[path.stem] + path.suffix)
+    return _renamed(_load(path))
 
 
 def fmt_bytes(n: Optional[float]) -> str:
@@ -101,54 +123,54 @@ def memory_tree(doc: Optional[dict]) -> Optional[dict]:
 
 
 def summarize_memory(run: dict, run_dir: Path) -> dict:
-    trees = {t: memory_tree(_load(run_dir / f"{t}.json")) for t in TREES}
+    trees = {t: memory_tree(_load_renamed(run_dir / f"{t}.json")) for t in TREES}
     out: Dict[str, Any] = {"trees": trees, "problems": []}
-    up, pa = trees["upstream"], trees["patched"]
+    pr, se = trees["pristine"], trees["series"]
     for t in TREES:
         if trees[t] is None:
             out["problems"].append(f"{t}: no result ({run_dir / (t + '.json')} missing or holds an error)")
-    if up and pa:
-        diverged = next((i + 1 for i, (a, b) in enumerate(zip(up["losses_hex"], pa["losses_hex"])) if a != b), None)
-        if len(up["losses_hex"]) != len(pa["losses_hex"]):
-            out["problems"].append(f"step counts differ: upstream {len(up['losses_hex'])}, patched {len(pa['losses_hex'])}")
+    if pr and se:
+        diverged = next((i + 1 for i, (a, b) in enumerate(zip(pr["losses_hex"], se["losses_hex"])) if a != b), None)
+        if len(pr["losses_hex"]) != len(se["losses_hex"]):
+            out["problems"].append(f"step counts differ: pristine {len(pr['losses_hex'])}, series {len(se['losses_hex'])}")
         if diverged is not None:
-            out["problems"].append(f"lm loss differs at step {diverged}: upstream {up['losses_hex'][diverged - 1]}, "
-                                   f"patched {pa['losses_hex'][diverged - 1]}")
-        if up["init_params_checksums"] != pa["init_params_checksums"]:
-            out["problems"].append(f"the trees start from different weights: upstream {up['init_params_checksums']}, "
-                                   f"patched {pa['init_params_checksums']} (the worker's seeding)")
-        if up["params_checksums"] != pa["params_checksums"] or len(pa["params_checksums"]) != 1:
-            out["problems"].append(f"params after training differ: upstream {up['params_checksums']}, "
-                                   f"patched {pa['params_checksums']}")
-        out["losses_bitwise_equal"] = diverged is None and len(up["losses_hex"]) == len(pa["losses_hex"])
+            out["problems"].append(f"lm loss differs at step {diverged}: pristine {pr['losses_hex'][diverged - 1]}, "
+                                   f"series {se['losses_hex'][diverged - 1]}")
+        if pr["init_params_checksums"] != se["init_params_checksums"]:
+            out["problems"].append(f"the trees start from different weights: pristine {pr['init_params_checksums']}, "
+                                   f"series {se['init_params_checksums']} (the worker's seeding)")
+        if pr["params_checksums"] != se["params_checksums"] or len(se["params_checksums"]) != 1:
+            out["problems"].append(f"params after training differ: pristine {pr['params_checksums']}, "
+                                   f"series {se['params_checksums']}")
+        out["losses_bitwise_equal"] = diverged is None and len(pr["losses_hex"]) == len(se["losses_hex"])
         for key in ("forward_peak_extra_bytes", "step_peak_extra_bytes", "sync_peak_extra_bytes",
                     "optimizer_sync_peak_extra_bytes"):
-            if up[key] is not None and pa[key] is not None:
-                out[key.replace("_bytes", "_saved_bytes")] = up[key] - pa[key]
+            if pr[key] is not None and se[key] is not None:
+                out[key.replace("_bytes", "_saved_bytes")] = pr[key] - se[key]
         for path, prefix in (("param sync", ""), ("optimizer gather", "optimizer_")):
-            cu, cp = up[prefix + "sync_gather_calls"], pa[prefix + "sync_gather_calls"]
+            c_pr, c_se = pr[prefix + "sync_gather_calls"], se[prefix + "sync_gather_calls"]
             # The optimizer's gather broadcasts each param in place (series patch 0006): one
-            # NCCL call per param, in at most upstream's launches; the param sync's calls are
-            # at most upstream's.
-            more_ops = cp["ops"] > cu["ops"] and not prefix
-            if more_ops or cp["launches"] > cu["launches"] or cp["zero_size_ops"]:
+            # NCCL call per param, in at most the pristine tree's launches; the param sync's
+            # calls are at most the pristine tree's.
+            more_ops = c_se["ops"] > c_pr["ops"] and not prefix
+            if more_ops or c_se["launches"] > c_pr["launches"] or c_se["zero_size_ops"]:
                 out["problems"].append(
-                    f"patched {path}: {cp['ops']} NCCL calls ({cp['zero_size_ops']} zero-size) in "
-                    f"{cp['launches']} launches, upstream {cu['ops']} in {cu['launches']}")
-            sync = pa[prefix + "sync_peak_extra_bytes_per_rank"]
+                    f"series {path}: {c_se['ops']} NCCL calls ({c_se['zero_size_ops']} zero-size) in "
+                    f"{c_se['launches']} launches, pristine {c_pr['ops']} in {c_pr['launches']}")
+            sync = se[prefix + "sync_peak_extra_bytes_per_rank"]
             if run["backend"] == "nccl" and any(b != 0 for b in sync):
                 out["problems"].append(
-                    f"patched {path} allocated on NCCL: {[fmt_bytes(b) for b in sync]} per rank")
+                    f"series {path} allocated on NCCL: {[fmt_bytes(b) for b in sync]} per rank")
         if run.get("config") == "equal_shares":
             # What the run is for: a bucket whose shares are equal, gathered by the series with
             # one all_gather_into_tensor. Without both, it proved nothing.
-            if not pa["buckets_with_equal_shares"]:
+            if not se["buckets_with_equal_shares"]:
                 out["problems"].append("equal_shares: no bucket with equal shares (the model config does not "
                                        "make them at this DP size)")
-            if not pa["sync_gather_calls"]["into_tensor"]:
-                out["problems"].append("equal_shares: the patched param sync made no all_gather_into_tensor")
+            if not se["sync_gather_calls"]["into_tensor"]:
+                out["problems"].append("equal_shares: the series param sync made no all_gather_into_tensor")
         if run.get("config") == "llama3_8b_layers":
-            out["prediction"] = compare_prediction(run.get("prediction"), trees)
+            out["prediction"] = compare_prediction(_renamed(run.get("prediction")), trees)
             out["problems"] += out["prediction"]["problems"]
     out["ok"] = not out["problems"]
     return out
@@ -190,20 +212,20 @@ def compare_prediction(prediction: Optional[dict], trees: dict) -> dict:
 
 def summarize_timing(run: dict, run_dir: Path) -> dict:
     """The optimizer-gather timing's entry: the worker's document (``timing``) and problems."""
-    doc = _load(run_dir / "gather_timing.json")
+    doc = _load_renamed(run_dir / "gather_timing.json")
     if doc is None:
         return {"ok": False, "timing": None, "problems": [f"{run_dir / 'gather_timing.json'} missing"]}
     problems = [f"{path}: a param differs from its owner's after the gather"
-                for path in ("upstream", "patched") if not doc["checks"][path]["synced"]]
+                for path in TREES if not doc["checks"][path]["synced"]]
     if not doc["series_in_place"]:
-        problems.append("patched: a param is not a plain contiguous tensor (the flatten-and-gather fallback ran)")
+        problems.append("series: a param is not a plain contiguous tensor (the flatten-and-gather fallback ran)")
     if not (doc["pristine_uses_list_all_gather"] and doc["series_uses_coalescing_manager"]):
-        problems.append("the two gathers are not upstream's list all_gather and the series' grouped broadcasts")
+        problems.append("the two gathers are not the pristine list all_gather and the series' grouped broadcasts")
     return {"ok": not problems, "timing": doc, "problems": problems}
 
 
 def summarize_functional(run: dict, run_dir: Path, case: str) -> dict:
-    """A functional run's entry: ok for "identical", or for "no_golden" (patched == upstream,
+    """A functional run's entry: ok for "identical", or for "no_golden" (series == pristine,
     no golden values for this GPU type yet) with the values recorded under ``run_dir/golden``
     (``functional.passed``); ``golden_recorded`` and ``golden_commit_command`` say where and
     how to commit them."""
@@ -277,8 +299,8 @@ def summarize(out: Path) -> dict:
 
 
 def _memory_lines(r: dict) -> List[str]:
-    up, pa = r["trees"]["upstream"], r["trees"]["patched"]
-    any_tree = up or pa
+    pr, se = r["trees"]["pristine"], r["trees"]["series"]
+    any_tree = pr or se
     lines = []
     if any_tree:
         lines.append(f"  model: {any_tree['param_count'] / 1e6:.1f} M params, {fmt_bytes(any_tree['param_bytes'])} "
@@ -289,15 +311,15 @@ def _memory_lines(r: dict) -> List[str]:
             ("step peak over allocated", "step_peak_extra_bytes"),
             ("param sync alone", "sync_peak_extra_bytes"),
             ("optimizer gather alone", "optimizer_sync_peak_extra_bytes")]
-    lines.append(f"  {'':32s}{'upstream':>12s}{'patched':>12s}{'saved':>12s}")
+    lines.append(f"  {'':32s}{'pristine':>12s}{'series':>12s}{'saved':>12s}")
     for label, key in rows:
-        u = up[key] if up else None
-        p = pa[key] if pa else None
-        saved = None if u is None or p is None else u - p
-        lines.append(f"  {label:32s}{fmt_bytes(u):>12s}{fmt_bytes(p):>12s}"
+        p = pr[key] if pr else None
+        s = se[key] if se else None
+        saved = None if p is None or s is None else p - s
+        lines.append(f"  {label:32s}{fmt_bytes(p):>12s}{fmt_bytes(s):>12s}"
                      f"{(fmt_bytes(saved) if key != 'forward_reserved_bytes' else ''):>12s}")
-    for t, tree, key in (("upstream", up, "sync"), ("patched", pa, "sync"),
-                         ("upstream", up, "optimizer_sync"), ("patched", pa, "optimizer_sync")):
+    for t, tree, key in (("pristine", pr, "sync"), ("series", se, "sync"),
+                         ("pristine", pr, "optimizer_sync"), ("series", se, "optimizer_sync")):
         if tree:
             c = tree[key + "_gather_calls"]
             what = "param all-gather per sync" if key == "sync" else "optimizer gather"
@@ -307,7 +329,7 @@ def _memory_lines(r: dict) -> List[str]:
                          f"in {c['launches']} launches, {fmt_bytes(c['wire_bytes'])} received; "
                          f"NCCL would allocate {fmt_bytes(c['nccl_temporary_bytes'])}")
     if "losses_bitwise_equal" in r:
-        n = len(up["losses_hex"])
+        n = len(pr["losses_hex"])
         lines.append(f"  lm loss over {n} steps: {'bitwise equal' if r['losses_bitwise_equal'] else 'DIFFERS'}")
     if r.get("prediction"):
         lines.append("  measured CUDA peak beside the real-shape audit's prediction (per DP rank; +- allocator "
@@ -324,20 +346,20 @@ def timing_lines(doc: Optional[dict]) -> List[str]:
     """The optimizer-gather timing's lines (``gather_timing_worker.py``'s document)."""
     if not doc:
         return []
-    ms = {p: doc["median_s"][p] * 1e3 for p in ("upstream", "patched")}
+    ms = {p: doc["median_s"][p] * 1e3 for p in TREES}
     r = doc["ratio"]
     ops = doc["nccl_ops"]
-    peak = {p: _max(doc["checks"][p]["peak_extra_bytes"]) for p in ("upstream", "patched")}
+    peak = {p: _max(doc["checks"][p]["peak_extra_bytes"]) for p in TREES}
     lines = [f"  optimizer gather (allgather_params), {doc['param_count']} params ({doc['layers']} layers, "
              f"{fmt_bytes(doc['param_bytes'])}) on DP {doc['world']}, {doc['backend']}"
              f"{' ' + doc['nccl'] if doc.get('nccl') else ''}: {doc['rounds']} rounds x {doc['block']} gathers "
              f"per path, interleaved (ABBA), slowest rank"
              f"{' (fewer than the ' + str(doc['rounds_asked']) + ' asked: slow gathers)' if doc.get('rounds_asked', doc['rounds']) > doc['rounds'] else ''}",
-             f"    upstream (list all_gather, {ops['upstream']} NCCL ops): median {ms['upstream']:.3f} ms, "
-             f"CUDA peak over allocated {fmt_bytes(peak['upstream'])}",
-             f"    patched (in-place broadcasts, {ops['patched']} NCCL ops in one group): median "
-             f"{ms['patched']:.3f} ms, CUDA peak over allocated {fmt_bytes(peak['patched'])}",
-             f"    patched/upstream time: {r['ratio']:.2f} [{r['ci_lo']:.2f}, {r['ci_hi']:.2f}] "
+             f"    pristine (list all_gather, {ops['pristine']} NCCL ops): median {ms['pristine']:.3f} ms, "
+             f"CUDA peak over allocated {fmt_bytes(peak['pristine'])}",
+             f"    series (in-place broadcasts, {ops['series']} NCCL ops in one group): median "
+             f"{ms['series']:.3f} ms, CUDA peak over allocated {fmt_bytes(peak['series'])}",
+             f"    series/pristine time: {r['ratio']:.2f} [{r['ci_lo']:.2f}, {r['ci_hi']:.2f}] "
              f"(median of {r['rounds']} per-round ratios, 95 % bootstrap CI)"]
     if doc.get("shared_gpu") or doc["backend"] != "nccl":
         lines.append("    these times decide nothing: "

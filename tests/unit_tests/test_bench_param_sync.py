@@ -1,7 +1,7 @@
 """Tests of scripts/bench_param_sync.py (quick mode) and harness/bench/ (theory, counters, stats).
 
 The benchmark runs once per module in --quick mode (DP 2 on gloo, both trees) into a
-temporary directory. The tests check the record fields, that upstream's counts equal what
+temporary directory. The tests check the record fields, that the pristine tree's counts equal what
 its design predicts (its temporaries equal the theory, its NCCL calls and temporaries equal
 ProcessGroupNCCL's rule, wire bytes equal the other ranks' shares), and the series' claims. Nothing asserts
 on time: wall times on a shared machine are data, not pass/fail criteria.
@@ -24,7 +24,9 @@ from harness.trees import REPO_ROOT
 
 SCRIPT = REPO_ROOT / "scripts" / "bench_param_sync.py"
 TIMEOUT_S = 600
-TREES = ("upstream", "patched")
+#: The trees the bench measures (its TREES): harness.trees labels.
+TREES = ("pristine-0.17.1", "series-0.17.1")
+PRISTINE, SERIES = TREES
 REQUIRED = {
     "tree": str,
     "model": str,
@@ -44,7 +46,7 @@ REQUIRED = {
     "bucket_shares": list,
     "profiler_alloc_bytes": int,
     "profiler_caller_thread_bytes": int,
-    "theory_upstream_bytes": int,
+    "theory_pristine_bytes": int,
     "theory_series_bytes": int,
     "list_gather_ops": int,
     "list_gather_nccl_temporary_bytes": int,
@@ -69,7 +71,7 @@ def bench(tmp_path_factory):
 @pytest.mark.gloo
 def test_the_benchmarks_own_checks_hold(bench):
     """The benchmark's structural claims (scripts/bench_param_sync.py checks(): the series'
-    0 bytes, no zero-size call, calls and launches at most upstream's, ...) all hold, and so
+    0 bytes, no zero-size call, calls and launches at most the pristine tree's, ...) all hold, and so
     its exit status is 0."""
     _, data, rc = bench
     failed = {k: v for k, v in data["meta"]["checks"].items() if v}
@@ -86,7 +88,7 @@ def _syncs(bench, **want):
 
 
 def _gathers(r):
-    if r["tree"] == "upstream" and r["path"] == "optimizer":
+    if r["tree"] == PRISTINE and r["path"] == "optimizer":
         return [r["model_shares"]]
     return [s for s in r["bucket_shares"] if max(s) > 0]
 
@@ -115,24 +117,24 @@ def test_schema_and_coverage(bench):
 
 
 @pytest.mark.gloo
-def test_upstream_temporaries_equal_the_theory(bench):
-    """Upstream's tensors allocated per sync == the theory on every record and real rank."""
-    ups = _syncs(bench, tree="upstream")
-    assert ups
-    for r in ups:
-        assert r["theory_upstream_bytes"] > 0
-        assert r["temporary_bytes"] == r["theory_upstream_bytes"], r
+def test_pristine_temporaries_equal_the_theory(bench):
+    """The pristine tree's tensors allocated per sync == the theory on every record and real rank."""
+    pristine = _syncs(bench, tree=PRISTINE)
+    assert pristine
+    for r in pristine:
+        assert r["theory_pristine_bytes"] > 0
+        assert r["temporary_bytes"] == r["theory_pristine_bytes"], r
         if not r["model_standin_bytes"]:
-            assert r["peak_extra_bytes"] == r["theory_upstream_peak_bytes"], r
-        assert r["all_ranks_temporary_bytes"] == r["all_ranks_theory_upstream_bytes"]
+            assert r["peak_extra_bytes"] == r["theory_pristine_peak_bytes"], r
+        assert r["all_ranks_temporary_bytes"] == r["all_ranks_theory_pristine_bytes"]
 
 
 @pytest.mark.gloo
-def test_upstream_follows_nccl_rule(bench):
-    """Upstream issues list all_gathers: NCCL calls and temporaries follow
+def test_pristine_follows_nccl_rule(bench):
+    """The pristine tree issues list all_gathers: NCCL calls and temporaries follow
     ProcessGroupNCCL's rule (1 call + flat output when equal, one broadcast per rank
     otherwise); equal shares show the full receive as NCCL temporary."""
-    for r in _syncs(bench, tree="upstream"):
+    for r in _syncs(bench, tree=PRISTINE):
         assert (r["collective_ops"], r["nccl_model_temporary_bytes"]) == (
             r["list_gather_ops"], r["list_gather_nccl_temporary_bytes"]), r  # fmt: skip
         if r["shares_equal"]:
@@ -142,8 +144,8 @@ def test_upstream_follows_nccl_rule(bench):
 
 @pytest.mark.gloo
 def test_wire_bytes_are_the_other_ranks_shares(bench):
-    """Wire bytes upstream receives = every other rank's share (exact-size slots, no padding)."""
-    for r in _syncs(bench, tree="upstream"):
+    """Wire bytes the pristine tree receives = every other rank's share (exact-size slots, no padding)."""
+    for r in _syncs(bench, tree=PRISTINE):
         want = sum(sum(s) - s[r["rank"]] for s in _gathers(r)) * r["param_itemsize"]
         assert r["wire_bytes"] == want, r
 
@@ -159,26 +161,26 @@ def _same_sync(bench, r, tree):
 def test_series_receives_without_temporaries(bench):
     """The series: nothing NCCL would allocate and no zero-size call in every record; no
     tensor allocated but on the forced path (a temporary per bucket by design, at most
-    upstream's bytes plus this rank's own share); group launches at most upstream's for the
-    same sync; NCCL calls at most upstream's on the async and forced paths (one per bucket
-    wherever the shares are equal), one per param on the optimizer path (its in-place
-    broadcasts); exactly the other ranks' shares on the wire (no padding)."""
-    for r in _syncs(bench, tree="patched"):
-        up = _same_sync(bench, r, "upstream")
+    the pristine tree's bytes plus this rank's own share); group launches at most the pristine
+    tree's for the same sync; NCCL calls at most the pristine tree's on the async and forced
+    paths (one per bucket wherever the shares are equal), one per param on the optimizer path
+    (its in-place broadcasts); exactly the other ranks' shares on the wire (no padding)."""
+    for r in _syncs(bench, tree=SERIES):
+        pr = _same_sync(bench, r, PRISTINE)
         if r["path"] != "forced":
             assert (r["temporary_bytes"], r["alloc_calls"], r["peak_extra_bytes"]) == (0, 0, 0), r
             assert r["dispatch_total_bytes"] == 0, r
         assert r["nccl_model_temporary_bytes"] == 0, r
         assert r["zero_size_ops"] == 0, r
-        assert r["collective_launches"] <= up["collective_launches"], (r, up)
+        assert r["collective_launches"] <= pr["collective_launches"], (r, pr)
         if r["path"] == "optimizer":
             assert r["collective_ops"] == r["num_params"], r
         else:
-            assert r["collective_ops"] <= up["collective_ops"], (r, up)
+            assert r["collective_ops"] <= pr["collective_ops"], (r, pr)
             if r["shares_equal"]:
                 assert r["collective_ops"] == len(_gathers(r)), r
         exact = sum(sum(s) - s[r["rank"]] for s in _gathers(r)) * r["param_itemsize"]
-        assert r["wire_bytes"] == exact == up["wire_bytes"], r
+        assert r["wire_bytes"] == exact == pr["wire_bytes"], r
 
 
 @pytest.mark.gloo
@@ -190,7 +192,7 @@ def test_real_ranks_synced_and_control_identical(bench):
     rows = data["timing"]
     assert {(row["model"], row["path"]) for row in rows} >= {("gpt_equal", "control"), ("gpt_unequal", "async")}
     for row in rows:
-        s = row["patched_vs_upstream"]
+        s = row["series_vs_pristine"]
         assert s["rounds"] == data["meta"]["config"]["rounds"] and s["ci_lo"] <= s["ci_hi"]
 
 
@@ -223,14 +225,14 @@ def _bench_module():
 
 @pytest.mark.gloo
 def test_step_memory_worker_finishes_at_dp2_within_budget(tmp_path):
-    """The bench's step-memory run of the upstream tree at DP 2 (run_step_memory, as the
+    """The bench's step-memory run of the pristine tree at DP 2 (run_step_memory, as the
     defaults run it, on the worker's small model) finishes within STEP_MEMORY_BUDGET_S (a hang raises WorkerError with
     the ranks' stacks), and measures what the README's step-memory table reads: every
-    phase, and on the optimizer path upstream's whole-model gather, at least half the
+    phase, and on the optimizer path the pristine tree's whole-model gather, at least half the
     model's param bytes above the step's start (it allocates the model once more)."""
     bench = _bench_module()
     cfg = dict(bench.DEFAULTS, step_memory="2")
-    records = bench.run_step_memory(["upstream"], cfg, tmp_path, timeout_s=STEP_MEMORY_BUDGET_S, small=True)
+    records = bench.run_step_memory([PRISTINE], cfg, tmp_path, timeout_s=STEP_MEMORY_BUDGET_S, small=True)
     by_overlap = {r["overlap"]: r for r in records}
     assert sorted(by_overlap) == [False, True] and all(r["dp_size"] == 2 for r in records), records
     for overlap, r in by_overlap.items():
@@ -247,7 +249,7 @@ def _p(*numels):
     return [torch.empty(n) for n in numels]
 
 
-def test_theory_upstream_counts_view_for_single_param():
+def test_theory_pristine_counts_view_for_single_param():
     """Rank 0 owns two params (flattened: a copy), rank 1 one (a view), rank 2 none."""
     by_rank = [_p(3, 5), _p(7), []]
     assert theory.theory_upstream_bytes(by_rank, 0, 2) == (8 + 7 + 0) * 2
@@ -278,9 +280,9 @@ def test_theory_nccl_list_rule_and_shares():
 def test_stats_abba_and_bootstrap():
     assert stats.abba_order(["a", "b", "c"], 0) == ["a", "b", "c"]
     assert stats.abba_order(["a", "b", "c"], 1) == ["c", "b", "a"]
-    blocks = {"up": [1.0, 2.0, 4.0], "pa": [0.5, 1.0, 2.0]}
-    assert stats.paired_ratios(blocks, "pa", "up") == [0.5, 0.5, 0.5]
-    s = stats.ratio_summary(blocks, "pa", "up")
+    blocks = {"pristine": [1.0, 2.0, 4.0], "series": [0.5, 1.0, 2.0]}
+    assert stats.paired_ratios(blocks, "series", "pristine") == [0.5, 0.5, 0.5]
+    s = stats.ratio_summary(blocks, "series", "pristine")
     assert (s["ratio"], s["ci_lo"], s["ci_hi"], s["rounds"]) == (0.5, 0.5, 0.5, 3)
     lo, hi = stats.bootstrap_median_ci([1.0, 2.0, 3.0, 4.0, 100.0])
     assert 1.0 <= lo <= 3.0 <= hi <= 100.0

@@ -121,9 +121,9 @@ def test_one_gpu_runs_every_rank_on_cuda0_on_both_bases_within_8_minutes(one_gpu
         if run["name"] in cases_019:
             assert run["case"] == cases_019[run["name"]]
         assert run["timeout_s"] >= run["time_s"] * plan_mod.HEADROOM and run["time_kind"] in ("measured", "estimate")
-        trees = ["upstream-0.19", "patched-0.19"] if base == "0.19" else ["upstream", "patched"]
+        trees = [f"pristine-{base}", f"series-{base}"]
         if run["kind"] == "timing":
-            trees = ["patched"]  # one process times its own gather and upstream's
+            trees = ["series-0.17.1"]  # one process times its own gather and the pristine one
         assert [x["tree"] for x in run["launches"]] == trees
         for x in run["launches"]:
             env, argv = parse_launch(x["command"])
@@ -139,7 +139,8 @@ def test_one_gpu_runs_every_rank_on_cuda0_on_both_bases_within_8_minutes(one_gpu
             if run["kind"] == "memory":
                 assert script.name == "memory_worker.py"
                 assert args[args.index("--backend") + 1] == run["backend"]
-                assert Path(args[args.index("--out") + 1]).name == f"{x['tree']}.json"
+                side = next(s for s, t in plan_mod.TREES.items() if t == x["tree"])
+                assert Path(args[args.index("--out") + 1]).name == f"{side}.json"
             elif run["kind"] == "timing":
                 assert script.name == "gather_timing_worker.py" and args[:2] == ["--config", "llama_tiny"]
                 assert args[args.index("--backend") + 1] == "nccl"
@@ -157,8 +158,8 @@ def test_one_gpu_nccl_launches_pass_megatrons_parser_on_their_base(one_gpu):
     from harness.trees import tree_parent
 
     plan, _ = one_gpu
-    for name, tree in (("functional_nccl", "patched"), ("functional_nccl_019_legacy", "patched-0.19"),
-                       ("functional_nccl_019_moe", "patched-0.19")):
+    for name, tree in (("functional_nccl", "series-0.17.1"), ("functional_nccl_019_legacy", "series-0.19"),
+                       ("functional_nccl_019_moe", "series-0.19")):
         run = next(r for r in plan["runs"] if r["name"] == name)
         _, argv = parse_launch(run["launches"][1]["command"])
         nproc, _, args = torchrun_parts(argv)
@@ -281,7 +282,7 @@ def test_runner_records_ok_failed_and_timed_out_runs(tmp_path):
     from harness.gpu_check.__main__ import execute
 
     def stand_in(code):
-        return plan_mod.Launch("upstream", [sys.executable, "-c", code], dict(os.environ))
+        return plan_mod.Launch("pristine-0.17.1", [sys.executable, "-c", code], dict(os.environ))
 
     runs = [plan_mod.Run("memory_ok", "memory", "gloo", 2, ["cuda:0", "cuda:0"], 30, [stand_in("pass")], config="tiny"),
             plan_mod.Run("memory_fails", "memory", "gloo", 2, ["cuda:0", "cuda:0"], 30,
@@ -311,7 +312,7 @@ def test_runner_records_ok_failed_and_timed_out_runs(tmp_path):
         pytest.fail("the timed-out run's child process survived")
     summary = report.summarize(tmp_path)
     problems = {r["name"]: r["problems"][0] for r in summary["runs"]}
-    assert problems == {"memory_ok": "upstream: no result ({}/memory_ok/upstream.json missing or holds an error)"
+    assert problems == {"memory_ok": "pristine: no result ({}/memory_ok/pristine.json missing or holds an error)"
                         .format(tmp_path), "memory_fails": "run failed (exit 3)", "memory_hangs": "run timeout"}
     assert not summary["ok"]
 
@@ -327,6 +328,9 @@ def test_golden_file_is_per_gpu_type_and_backend(name, slug):
 # ----------------------------------------------------------------------------- report
 @pytest.fixture
 def results(tmp_path):
+    """A copy of FIXTURE. It was written before the memory runs' sides were named pristine and
+    series: its memory results are upstream.json (the pristine side) and patched.json (the
+    series side), which the report reads under today's names (``report.OLD_NAMES``)."""
     dst = tmp_path / "results"
     shutil.copytree(FIXTURE, dst)
     return dst
@@ -344,13 +348,13 @@ def test_report_of_a_recorded_run(results):
     runs = {r["name"]: r for r in summary["runs"]}
     mem = runs["memory_gloo_shared_gpu"]
     MiB = 2**20
-    # Last step, maximum over ranks: upstream 800 + 10 (rank 1) + 1 (step 2) MiB, patched 111 MiB.
-    assert mem["trees"]["upstream"]["forward_peak_extra_bytes"] == 811 * MiB
-    assert mem["trees"]["patched"]["forward_peak_extra_bytes"] == 111 * MiB
+    # Last step, maximum over ranks: pristine 800 + 10 (rank 1) + 1 (step 2) MiB, series 111 MiB.
+    assert mem["trees"]["pristine"]["forward_peak_extra_bytes"] == 811 * MiB
+    assert mem["trees"]["series"]["forward_peak_extra_bytes"] == 111 * MiB
     assert mem["forward_peak_extra_saved_bytes"] == 700 * MiB
     assert mem["sync_peak_extra_saved_bytes"] == 700 * MiB and mem["losses_bitwise_equal"]
-    assert mem["trees"]["upstream"]["sync_gather_calls"]["nccl_temporary_bytes"] == 80_000_000
-    assert mem["trees"]["upstream"]["buckets_with_equal_shares"] == 1
+    assert mem["trees"]["pristine"]["sync_gather_calls"]["nccl_temporary_bytes"] == 80_000_000
+    assert mem["trees"]["pristine"]["buckets_with_equal_shares"] == 1
     assert runs["functional_nccl"]["verdict"] == "identical"
     assert json.loads((results / "summary.json").read_text()) == summary
     text = (results / "report.txt").read_text()
@@ -359,12 +363,23 @@ def test_report_of_a_recorded_run(results):
     assert "memory_gloo_shared_gpu: ok (megatron-core 0.17.1, gloo, 2 ranks on cuda:0,cuda:0; ok, 120 s)" in lines
     row = next(l for l in lines if l.strip().startswith("forward peak over allocated")).split()
     assert row[-6:] == ["811.00", "MiB", "111.00", "MiB", "700.00", "MiB"]
-    upstream_calls = next(l for l in lines if l.strip().startswith("upstream param all-gather"))
+    pristine_calls = next(l for l in lines if l.strip().startswith("pristine param all-gather"))
     assert "25 NCCL calls (4 zero-size) in 13 launches, 512.71 MiB received; NCCL would allocate 76.29 MiB" \
-        in upstream_calls
-    patched_calls = next(l for l in lines if l.strip().startswith("patched param all-gather"))
-    assert "1 into_tensor, 20 broadcast; 21 NCCL calls (0 zero-size) in 13 launches" in patched_calls
+        in pristine_calls
+    series_calls = next(l for l in lines if l.strip().startswith("series param all-gather"))
+    assert "1 into_tensor, 20 broadcast; 21 NCCL calls (0 zero-size) in 13 launches" in series_calls
     assert "  lm loss over 2 steps: bitwise equal" in lines
+
+
+def test_report_reads_the_memory_results_under_either_name(results):
+    """A results folder of today (pristine.json, series.json) gives the same summary as the
+    same results under the older names (upstream.json: pristine, patched.json: series)."""
+    before = report.summarize(results)
+    assert before["ok"] and before["runs"][1]["trees"]["pristine"]["forward_peak_extra_bytes"] == 811 * 2**20
+    for run in ("memory_nccl", "memory_gloo_shared_gpu"):
+        for old, new in report.OLD_NAMES.items():
+            (results / run / f"{old}.json").rename(results / run / f"{new}.json")
+    assert report.summarize(results) == before
 
 
 def test_report_fails_a_run_whose_loss_differs(results):
@@ -374,17 +389,17 @@ def test_report_fails_a_run_whose_loss_differs(results):
     summary = report.summarize(results)
     mem = next(r for r in summary["runs"] if r["name"] == "memory_gloo_shared_gpu")
     assert not summary["ok"] and not mem["ok"] and not mem["losses_bitwise_equal"]
-    assert mem["problems"] == ["lm loss differs at step 2: upstream 0x1.3800000000000p+3, patched 0x1.3800000000001p+3"]
+    assert mem["problems"] == ["lm loss differs at step 2: pristine 0x1.3800000000000p+3, series 0x1.3800000000001p+3"]
     assert "FAIL: 3/4 runs ok" in report.render(summary)
 
 
-def test_report_fails_nccl_when_the_patched_sync_allocates(results):
+def test_report_fails_nccl_when_the_series_sync_allocates(results):
     def alloc(doc):
         doc["ranks"][1]["sync"]["peak_extra_bytes"] = 4096
     for run in ("memory_nccl", "memory_gloo_shared_gpu"):
         edit_json(results / run / "patched.json", alloc)
     runs = {r["name"]: r for r in report.summarize(results)["runs"]}
-    assert runs["memory_nccl"]["problems"] == ["patched param sync allocated on NCCL: ['0 B', '4.00 KiB'] per rank"]
+    assert runs["memory_nccl"]["problems"] == ["series param sync allocated on NCCL: ['0 B', '4.00 KiB'] per rank"]
     assert runs["memory_gloo_shared_gpu"]["ok"], "on gloo the CUDA bytes are reported, not required"
 
 
@@ -396,7 +411,7 @@ def test_report_of_runs_that_timed_out_or_left_nothing(results):
     shutil.rmtree(results / "functional_nccl")
     runs = {r["name"]: r for r in report.summarize(results)["runs"]}
     assert runs["memory_nccl"]["problems"][0] == "run timeout" and not runs["memory_nccl"]["ok"]
-    assert runs["memory_gloo_shared_gpu"]["problems"][0].startswith("patched: no result")
+    assert runs["memory_gloo_shared_gpu"]["problems"][0].startswith("series: no result")
     assert runs["functional_nccl"]["verdict"] == "no result" and not runs["functional_nccl"]["ok"]
     assert runs["functional_gloo_shared_gpu"]["ok"]
 
@@ -575,16 +590,16 @@ def test_shared_gpu_collectives_on_two_gloo_ranks(tmp_path):
 @pytest.mark.gloo
 def test_memory_worker_on_cpu_ranks_gives_equal_losses_on_both_trees(tmp_path):
     """The memory worker end to end on 2 CPU gloo ranks (CPU runtime layer; no CUDA figures),
-    upstream and patched: the report finds the same lm loss bit for bit and the same params."""
+    pristine and series: the report finds the same lm loss bit for bit and the same params."""
     from harness import launch
 
     run_dir = tmp_path / "memory"
-    for tree in ("upstream", "patched"):
+    for side, tree in plan_mod.TREES.items():
         argv, env = launch.torchrun_command(
             plan_mod.MEMORY_WORKER, ["--backend", "gloo", "--config", "tiny", "--steps", "2",
-                                     "--out", str(run_dir / f"{tree}.json")], 2, tree=tree, cpu=True)
-        launch.run_command(argv, env, run_dir=tmp_path / f"log_{tree}", timeout_s=400, what=f"memory worker {tree}")
-    doc = json.loads((run_dir / "patched.json").read_text())
+                                     "--out", str(run_dir / f"{side}.json")], 2, tree=tree, cpu=True)
+        launch.run_command(argv, env, run_dir=tmp_path / f"log_{side}", timeout_s=400, what=f"memory worker {tree}")
+    doc = json.loads((run_dir / "series.json").read_text())
     assert [r["rank"] for r in doc["ranks"]] == [0, 1] and doc["gpu"] is None
     sync = doc["ranks"][0]["sync"]
     assert sync["reserved_bytes"] is None and sync["peak_extra_bytes"] >= 0, "CPU probe: no allocator to ask"
@@ -592,12 +607,12 @@ def test_memory_worker_on_cpu_ranks_gives_equal_losses_on_both_trees(tmp_path):
         "DDP's grad sync goes through shared_gpu's coalescing manager"
     summary = report.summarize_memory({"backend": "gloo"}, run_dir)
     assert summary["ok"], summary["problems"]
-    assert summary["losses_bitwise_equal"] and len(summary["trees"]["upstream"]["losses_hex"]) == 2
-    calls = summary["trees"]["patched"]["sync_gather_calls"]
+    assert summary["losses_bitwise_equal"] and len(summary["trees"]["pristine"]["losses_hex"]) == 2
+    calls = summary["trees"]["series"]["sync_gather_calls"]
     buckets = doc["ranks"][0]["buckets"]
     own = sum(b["shares"][0] for b in buckets) * 2  # rank 0's bf16 share
     # The series never pads: rank 0 receives every other rank's share, exactly.
-    exact = summary["trees"]["patched"]["param_bytes"] - own
+    exact = summary["trees"]["series"]["param_bytes"] - own
     assert calls["calls"] >= 1 and calls["wire_bytes"] == exact, (calls, exact)
 
 
@@ -704,7 +719,7 @@ def test_nccl_plan_trains_with_te_fused_wgrad_the_optimizer_path_and_eval(two_gp
 @pytest.mark.parametrize("damage, problem", [
     (None, None),
     ("no_equal_bucket", "equal_shares: no bucket with equal shares"),
-    ("no_into_tensor", "equal_shares: the patched param sync made no all_gather_into_tensor"),
+    ("no_into_tensor", "equal_shares: the series param sync made no all_gather_into_tensor"),
 ])
 def test_the_equal_shares_run_requires_an_equal_bucket_and_all_gather_into_tensor(results, damage, problem):
     edit_json(results / "plan.json", lambda d: next(r for r in d["runs"] if r["name"] == "memory_nccl")
@@ -741,7 +756,7 @@ def test_memory_workers_start_from_the_same_weights_whatever_their_cpu_generator
         out = tmp_path / f"prior{prior}.json"
         argv, env = launch.torchrun_command(
             wrapper, [str(prior), "--", "--backend", "gloo", "--config", "tiny", "--steps", "1", "--out", str(out)],
-            2, tree="patched", cpu=True)
+            2, tree="series-0.17.1", cpu=True)
         launch.run_command(argv, env, run_dir=tmp_path / f"log{prior}", timeout_s=400, what=f"memory worker {prior}")
         ranks = json.loads(out.read_text())["ranks"]
         assert len({r["init_params_checksum"] for r in ranks}) == 1, "DP ranks start from the same weights"
@@ -766,14 +781,14 @@ def test_the_real_shape_config_is_llama3_8b_with_the_layers_that_fit_two_ranks_o
 def test_the_real_shape_run_carries_the_audits_prediction(one_gpu):
     """The audit (harness/audit/worker.run_cell), run now on the real-shape
     configuration at DP 2, predicts the bytes that the plan carries and the dry run prints:
-    upstream's temporaries per DP rank and path, and 0 for the series."""
+    the pristine tree's temporaries per DP rank and path, and 0 for the series."""
     from harness.gpu_check import real_shapes
 
     plan, lines = one_gpu
     run = next(r for r in plan["runs"] if r["name"] == "memory_nccl_llama3_8b_layers")
     assert (run["config"], run["nproc"], run["exclusive"]) == ("llama3_8b_layers", 2, True)
     fresh = real_shapes.prediction_doc()
-    assert fresh["trees"]["upstream"]["ranks"][0]["param_numel"] == real_shapes.model_numel(real_shapes.LAYERS)
+    assert fresh["trees"]["pristine"]["ranks"][0]["param_numel"] == real_shapes.model_numel(real_shapes.LAYERS)
     text = "\n".join(lines)
     for tree, rec in fresh["trees"].items():
         for rank in rec["ranks"]:
@@ -787,7 +802,7 @@ def test_the_real_shape_run_carries_the_audits_prediction(one_gpu):
                 assert carried["predicted"][window] == want, (tree, window, rank["dp_rank"])
                 line = next(l for l in lines if l.startswith(f"    {tree} {label}: "))
                 assert f"rank {rank['dp_rank']}: {want['bytes']} B (+-{want['tolerance_bytes']})" in line
-                assert (want["bytes"] > 0) is (tree == "upstream"), (tree, window, want)
+                assert (want["bytes"] > 0) is (tree == "pristine"), (tree, window, want)
     assert "predicted by the real-shape audit (8 layers, DP 2" in text
 
 
@@ -795,14 +810,16 @@ def llama_results(results: Path, offset=0):
     """The fixture's memory_nccl run as the real-shape run, with a prediction that matches its
     buckets and whose bytes are the measured ones plus ``offset``."""
     rundir = results / "memory_nccl"
-    measured = {t: json.loads((rundir / f"{t}.json").read_text()) for t in ("upstream", "patched")}
+    # The fixture is a results folder from before the sides were renamed: upstream.json is the
+    # pristine side's result, patched.json the series side's.
+    measured = {t: json.loads((rundir / f"{old}.json").read_text()) for old, t in report.OLD_NAMES.items()}
     pred = {"layers": 8, "dp": 2, "trees": {}}
     for tree, doc in measured.items():
         ranks = []
         for r in doc["ranks"][:2]:
             ranks.append({"dp_rank": r["rank"], "param_numel": r["param_count"],
                           "buckets": [{"numel": b["numel"], "shares": b["shares"]} for b in doc["ranks"][0]["buckets"]],
-                          "predicted": {w: {"bytes": r[w]["peak_extra_bytes"] + (offset if tree == "upstream" else 0),
+                          "predicted": {w: {"bytes": r[w]["peak_extra_bytes"] + (offset if tree == "pristine" else 0),
                                             "tolerance_bytes": 512 * 4} for w in ("sync", "sync_optimizer")}})
         pred["trees"][tree] = {"ranks": ranks}
     edit_json(results / "plan.json", lambda d: next(r for r in d["runs"] if r["name"] == "memory_nccl")
@@ -827,7 +844,7 @@ def test_the_real_shape_run_fails_where_measured_and_predicted_disagree_beyond_r
 
 def test_the_real_shape_comparison_is_void_when_the_buckets_are_not_the_audits(results):
     pred = llama_results(results)
-    pred["trees"]["upstream"]["ranks"][0]["buckets"][0]["shares"] = [1, 2]
+    pred["trees"]["pristine"]["ranks"][0]["buckets"][0]["shares"] = [1, 2]
     edit_json(results / "plan.json", lambda d: next(r for r in d["runs"] if r["name"] == "memory_nccl")
               .update(prediction=pred))
     run = next(r for r in report.summarize(results)["runs"] if r["name"] == "memory_nccl")
@@ -860,7 +877,7 @@ def test_lanes_run_side_by_side_and_exclusive_runs_alone(tmp_path):
     def run(name, lane, exclusive=False):
         code = f"import time; time.sleep(1.5); open({str(tmp_path / (name + '.end'))!r}, 'w').write(str(time.time()))"
         return plan_mod.Run(name, "memory", "nccl", 2, ["cuda:0", "cuda:0"], 30,
-                            [plan_mod.Launch("upstream", [sys.executable, "-c", code], dict(os.environ))],
+                            [plan_mod.Launch("pristine-0.17.1", [sys.executable, "-c", code], dict(os.environ))],
                             config="tiny", lane=lane, exclusive=exclusive)
 
     plan = plan_mod.Plan(1, "NVIDIA H200", tmp_path, [run("a", 0), run("b", 1), run("x", -1, exclusive=True)])
@@ -896,12 +913,13 @@ def test_the_memory_workers_llama_model_has_the_audits_buckets_and_shares(tmp_pa
     from harness import launch
     from harness.gpu_check import memory_worker, real_shapes
 
-    out = tmp_path / "patched.json"
+    out = tmp_path / "series.json"
     argv, env = launch.torchrun_command(plan_mod.MEMORY_WORKER, ["--backend", "gloo", "--config", "llama_tiny",
-                                                                 "--steps", "1", "--out", str(out)], 2, tree="patched")
+                                                                 "--steps", "1", "--out", str(out)], 2,
+                                        tree=plan_mod.TREES["series"])
     launch.run_command(argv, env, run_dir=tmp_path / "log", timeout_s=400, what="memory worker llama_tiny")
     measured = json.loads(out.read_text())["ranks"][0]
-    predicted = real_shapes.predict("patched", cfg=memory_worker.CONFIGS["llama_tiny"])["ranks"][0]
+    predicted = real_shapes.predict("series", cfg=memory_worker.CONFIGS["llama_tiny"])["ranks"][0]
     assert measured["param_count"] == predicted["param_numel"]
     assert [[b["numel"], b["shares"]] for b in measured["buckets"]] == \
         [[b["numel"], b["shares"]] for b in predicted["buckets"]]
@@ -917,31 +935,32 @@ def test_the_gather_timing_runs_alone_on_the_whole_llama3_8b_where_each_rank_has
         run = next(r for r in plan.runs if r.name == "timing_nccl_optimizer_gather")
         _, _, args = torchrun_parts(run.launches[0].argv)
         assert run.kind == "timing" and run.nproc == nproc and run.exclusive is (gpus > 1)
-        assert run.shared_gpu is (gpus == 1) and [x.tree for x in run.launches] == ["patched"]
+        assert run.shared_gpu is (gpus == 1) and [x.tree for x in run.launches] == ["series-0.17.1"]
         config = args[args.index("--config") + 1]
         assert config == ("llama_tiny" if gpus == 1 else "llama3_8b")
         assert ("--layers" in args and args[args.index("--layers") + 1] == "32") is (gpus > 1)
-        assert args[args.index("--pristine-tree") + 1] == "upstream"
+        assert args[args.index("--pristine-tree") + 1] == "pristine-0.17.1"
         assert args[args.index("--max-seconds") + 1] == str(plan_mod.GATHER_TIMING["max_seconds"])
         assert plan.schedule_s <= plan.budget_s
 
 
-def test_pristine_allgather_params_is_upstreams_source():
-    """The upstream path the worker times is the upstream tree's own method, not a copy."""
+def test_pristine_allgather_params_is_the_pristine_trees_source():
+    """The pristine path the worker times is the pristine tree's own method, not a copy."""
     from harness.gpu_check import gather_timing_worker as w
     from harness.trees import tree_parent
 
-    up = w.method_source(tree_parent("upstream") / w.OPTIMIZER_FILE)
-    series = w.method_source(tree_parent("patched") / w.OPTIMIZER_FILE)
-    assert up.startswith("@torch.no_grad()\ndef allgather_params(self)")
-    assert "torch.distributed.all_gather(gather_list, src, group=group)" in up and "_coalescing_manager" not in up
+    pristine = w.method_source(tree_parent("pristine-0.17.1") / w.OPTIMIZER_FILE)
+    series = w.method_source(tree_parent("series-0.17.1") / w.OPTIMIZER_FILE)
+    assert pristine.startswith("@torch.no_grad()\ndef allgather_params(self)")
+    assert "torch.distributed.all_gather(gather_list, src, group=group)" in pristine
+    assert "_coalescing_manager" not in pristine
     assert "_coalescing_manager(group" in series and "torch.distributed.broadcast(p.data" in series
 
 
 @pytest.mark.gloo
 def test_gather_timing_on_two_gloo_ranks_gives_the_report_its_row(tmp_path):
     """The timing stage end to end on 2 CPU gloo ranks, the code the GPU runs: both paths leave
-    every param at its owner's value, the upstream path is upstream's list all_gather and the
+    every param at its owner's value, the pristine path is the pristine list all_gather and the
     series' its grouped broadcasts, and the report prints the times, the ratio with its CI and
     that gloo's times decide nothing."""
     from harness import launch
@@ -949,16 +968,16 @@ def test_gather_timing_on_two_gloo_ranks_gives_the_report_its_row(tmp_path):
     run_dir = tmp_path / "results" / "timing_nccl_optimizer_gather"
     argv, env = launch.torchrun_command(
         plan_mod.GATHER_TIMING_WORKER, ["--backend", "gloo", "--config", "llama_tiny", "--rounds", "4", "--block", "2",
-                                        "--out", str(run_dir / "gather_timing.json")], 2, tree="patched", cpu=True)
+                                        "--out", str(run_dir / "gather_timing.json")], 2, tree="series-0.17.1", cpu=True)
     launch.run_command(argv, env, run_dir=tmp_path / "log", timeout_s=300, what="gather timing worker")
     doc = json.loads((run_dir / "gather_timing.json").read_text())
     assert doc["world"] == 2 and doc["backend"] == "gloo" and doc["layers"] == 2
     assert doc["param_count"] == 2 * 6 + 3 == sum(doc["params_per_rank"])
-    assert doc["nccl_ops"] == {"upstream": 2, "patched": 15}, "unequal shares: one broadcast per rank upstream"
-    assert all(doc["checks"][p]["synced"] for p in ("upstream", "patched"))
+    assert doc["nccl_ops"] == {"pristine": 2, "series": 15}, "unequal shares: one broadcast per rank (pristine)"
+    assert all(doc["checks"][p]["synced"] for p in ("pristine", "series"))
     assert doc["series_in_place"] and doc["pristine_uses_list_all_gather"] and doc["series_uses_coalescing_manager"]
     assert doc["pristine_source_sha256"] != doc["series_source_sha256"]
-    assert [len(doc["block_median_s"][p]) for p in ("upstream", "patched")] == [4, 4]
+    assert [len(doc["block_median_s"][p]) for p in ("pristine", "series")] == [4, 4]
     assert doc["ratio"]["rounds"] == 4 and doc["ratio"]["ci_lo"] <= doc["ratio"]["ratio"] <= doc["ratio"]["ci_hi"]
 
     results = run_dir.parent
@@ -971,19 +990,19 @@ def test_gather_timing_on_two_gloo_ranks_gives_the_report_its_row(tmp_path):
     assert summary["ok"] and summary["runs"][0]["timing"]["ratio"] == doc["ratio"]
     lines = (results / "report.txt").read_text().splitlines()
     r = doc["ratio"]
-    assert f"    patched/upstream time: {r['ratio']:.2f} [{r['ci_lo']:.2f}, {r['ci_hi']:.2f}] (median of 4 " \
+    assert f"    series/pristine time: {r['ratio']:.2f} [{r['ci_lo']:.2f}, {r['ci_hi']:.2f}] (median of 4 " \
         "per-round ratios, 95 % bootstrap CI)" in lines
-    assert any(l.startswith("    upstream (list all_gather, 2 NCCL ops): median ") for l in lines)
-    assert any(l.startswith("    patched (in-place broadcasts, 15 NCCL ops in one group): median ") for l in lines)
+    assert any(l.startswith("    pristine (list all_gather, 2 NCCL ops): median ") for l in lines)
+    assert any(l.startswith("    series (in-place broadcasts, 15 NCCL ops in one group): median ") for l in lines)
     assert "    these times decide nothing: gloo runs every broadcast as its own call" in lines
 
-    doc["checks"]["patched"]["synced"] = False
+    doc["checks"]["series"]["synced"] = False
     doc["series_in_place"] = False
     (run_dir / "gather_timing.json").write_text(json.dumps(doc))
     bad = report.summarize(results)["runs"][0]
     assert not bad["ok"] and bad["problems"] == [
-        "patched: a param differs from its owner's after the gather",
-        "patched: a param is not a plain contiguous tensor (the flatten-and-gather fallback ran)"]
+        "series: a param differs from its owner's after the gather",
+        "series: a param is not a plain contiguous tensor (the flatten-and-gather fallback ran)"]
 
 
 @pytest.mark.parametrize("max_seconds, warm, want", [(None, [9.0, 9.0], 20), (30, [0.05, 0.05], 20),

@@ -7,7 +7,7 @@ as a shell would (shlex), ``docker run -e K=V`` / ``export K=V`` / leading ``K=V
 ``#SBATCH --nodes / --gpus-per-node`` become the launcher's environment (Slurm's
 SLURM_NNODES / SLURM_GPUS_ON_NODE), and the words after ``scripts/launch_pretrain_gpt.sh`` are
 its arguments. A Megatron-LM path in an example (or the image's $MEGATRON_LM) becomes a
-stand-in checkout of the patched tree. ``$(...)`` values (MASTER_ADDR from scontrol) become a
+stand-in checkout of the series tree. ``$(...)`` values (MASTER_ADDR from scontrol) become a
 host name. validate_args is told a Hopper GPU (compute capability 9) where it asks.
 """
 

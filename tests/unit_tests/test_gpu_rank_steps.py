@@ -8,7 +8,7 @@ suite takes that step. Here megatron's own ``compile_helpers()`` runs on every t
 ``scripts/setup.sh`` builds (the wheel trees and the Megatron-LM checkouts), each in its own
 process with that tree first on ``PYTHONPATH`` and no CPU runtime layer, as a GPU rank imports
 it; then ``helpers_cpp`` is imported from the same tree. Before setup.sh's ``place_helpers``
-put upstream's Makefile (and the GNUmakefile that names the target for .venv's Python) into
+put Megatron-LM's Makefile (and the GNUmakefile that names the target for .venv's Python) into
 the wheel trees, make failed there with "No targets specified and no makefile found".
 """
 
@@ -27,7 +27,7 @@ from harness.trees import REPO_ROOT, TREES, tree_parent
 CHECKOUTS = REPO_ROOT / "build" / "megatron-lm"
 
 # Run as a file (not -c), so that sys.path[0] is its folder, not the working directory (the
-# repo root, which holds the patched megatron/): the tree on PYTHONPATH is what imports.
+# repo root, which holds series-0.17.1's megatron/): the tree on PYTHONPATH is what imports.
 RANK_STEP = r"""
 import json, sys
 from pathlib import Path
@@ -79,7 +79,7 @@ def test_every_tree_passes_the_dataset_helper_step_of_a_gpu_rank(tmp_path):
     assert not failures, "\n".join(failures)
 
 
-@pytest.mark.parametrize("label", ["patched-0.19"])
+@pytest.mark.parametrize("label", ["series-0.19"])
 def test_the_step_still_fails_where_the_helpers_source_changed(tmp_path, label):
     """make is asked for real: a copy of the tree whose helpers.cpp is newer than its
     helpers_cpp and not compilable here makes the step fail (not a stub that always passes)."""
