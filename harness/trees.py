@@ -11,10 +11,8 @@ release as published) or ``series-<base>`` (it with patches/<base>/series applie
 
 The real-shape audit (harness.audit.grid) uses the same labels for these trees and names its
 other trees alike (``pristine-0.18.2``; ``-layout`` for a release's layer-wise param layout
-path). "upstream", in this repository, is Megatron-LM's own test suite (tests/upstream_tests/).
-The older labels ("upstream", "patched", "upstream-0.19", "patched-0.19") are still taken
-(``LEGACY_LABELS``) and ``BASES`` still gives them, for the callers written against them
-(tests/unit_tests/test_grad_data_guards.py keys its runs and skips by them).
+path). "upstream", in this repository, is Megatron-LM's own test suite (tests/upstream_tests/);
+the build folders keep their older names (build/upstream, build/patched-0.19).
 
 `megatron` is a namespace package (the wheel has no megatron/__init__.py), so the first
 entry of sys.path that holds megatron/core wins. The harness therefore puts the chosen
@@ -37,24 +35,20 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 TREE_PARENTS = {"pristine-0.17.1": "build/upstream", "series-0.17.1": ".", "pristine-0.19": "build/upstream-0.19",
                 "series-0.19": "build/patched-0.19"}
 TREES = tuple(TREE_PARENTS)
-#: The labels these trees had before (module docstring) -> their label now.
-LEGACY_LABELS = {"upstream": "pristine-0.17.1", "patched": "series-0.17.1", "upstream-0.19": "pristine-0.19",
-                 "patched-0.19": "series-0.19"}
 #: Base (a folder of patches/) -> (its pristine tree, its series tree).
 BASES = {base: (f"pristine-{base}", f"series-{base}") for base in ("0.17.1", "0.19")}
 
 
 def is_tree_label(tree) -> bool:
-    """Whether ``tree`` is a label tree_parent() takes (one of TREES, or of LEGACY_LABELS)."""
-    return isinstance(tree, str) and (tree in TREES or tree in LEGACY_LABELS)
+    """Whether ``tree`` is a label tree_parent() takes (one of TREES)."""
+    return isinstance(tree, str) and tree in TREES
 
 
 def tree_parent(tree: Union[str, Path]) -> Path:
     """Directory to put first on PYTHONPATH so that `import megatron.core` gets `tree`.
 
     Args:
-        tree: a label of TREES ("pristine-<base>", "series-<base>"; or a label of
-            LEGACY_LABELS), or a Path to a directory that holds a megatron/ tree (e.g. a
+        tree: a label of TREES ("pristine-<base>", "series-<base>"), or a Path to a directory that holds a megatron/ tree (e.g. a
             mutant tree from make_mutant_tree()).
 
     Raises:
@@ -64,7 +58,7 @@ def tree_parent(tree: Union[str, Path]) -> Path:
     if isinstance(tree, Path):
         parent = tree
     elif is_tree_label(tree):
-        parent = (REPO_ROOT / TREE_PARENTS[LEGACY_LABELS.get(tree, tree)]).resolve()
+        parent = (REPO_ROOT / TREE_PARENTS[tree]).resolve()
     else:
         raise ValueError(f"unknown tree {tree!r}; expected one of {TREES} or a Path")
     if not (parent / "megatron" / "core" / "__init__.py").is_file():

@@ -281,7 +281,6 @@ def functional_launches(run_dir: Path, backend: str, nproc: int, extra_env: Dict
     (``harness.gpu_check.functional`` passes the same ones), on the trees of the case's base, or
     with ``own`` (``harness.own_tree.OwnTree``) on its two clones, each its own checkout."""
     from harness import data
-    from harness.trees import LEGACY_LABELS
     from tests.functional_tests.python_test_utils import run_case
 
     case = run_case.load_case(run_case.find_case(case_name))
@@ -302,8 +301,7 @@ def functional_launches(run_dir: Path, backend: str, nproc: int, extra_env: Dict
                                             cpu=False, runtime_flags=runtime_flags,
                                             extra_env={**case.env_vars, "MEGATRON_LM_CHECKOUT": str(checkout),
                                                        **extra_env})
-        # run_case names a base's trees by their older labels; the plan shows today's.
-        out.append(Launch(variant if own is not None else LEGACY_LABELS.get(tree, tree), argv, env))
+        out.append(Launch(variant if own is not None else tree, argv, env))
     return out
 
 

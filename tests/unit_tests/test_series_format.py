@@ -77,7 +77,7 @@ def test_patch_tests_keep_upstream_format(base, tool, tmp_path):
 
 
 @pytest.mark.parametrize("base", BASES)
-@pytest.mark.parametrize("side", [1, 0], ids=["patched", "upstream"])
+@pytest.mark.parametrize("side", [1, 0], ids=["series", "pristine"])
 @pytest.mark.parametrize("tool", ["black", "isort"])
 def test_touched_files_keep_upstream_format(base, side, tool):
     tree = BASES[base][side]

@@ -11,7 +11,7 @@ CONNECT = ("RuntimeError: Gloo connectFullMesh failed with [/pytorch/third_party
 
 
 def _merged(*reports):
-    run = ur.Run(tree="patched", nproc=len(reports), files=["tests/unit_tests/test_x.py"])
+    run = ur.Run(tree="series-0.17.1", nproc=len(reports), files=["tests/unit_tests/test_x.py"])
     run.results, run.skip_reasons, run.fail_reasons = ur.merge_ranks(reports)
     return run
 
