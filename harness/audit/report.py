@@ -36,25 +36,26 @@ FORM_NAMES = {
     "broadcast": "bcast",
 }
 PATHS = ("async", "forced", "optimizer")
-#: Where ``--publish`` copies the outputs, and the audit's hand-written prose:
-#: real_shapes_findings.md (the reading of the tables, ``FINDINGS``) and real_shapes_text.md
-#: (method, column legend, notes).
+#: Where ``--publish`` copies the outputs, and the audit's hand-written prose
+#: (real_shapes_findings.md: the reading of the tables, method, column legend and notes).
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "bench"
-TEXT_FILE = DOCS / "real_shapes_text.md"
+TEXT_FILE = DOCS / "real_shapes_findings.md"
 
 
 def load_texts(path: Path = TEXT_FILE) -> Dict[str, str]:
-    """{heading: text} of ``path``: each "## KEY" section's lines, stripped and joined by one
-    space (blank lines, and the comment before the first heading, left out)."""
-    texts: Dict[str, List[str]] = {}
+    """{heading: text} of ``path``'s "## KEY" sections (the comment before the first heading
+    left out): ``findings`` as written (Markdown); every other one a paragraph, its lines
+    stripped and joined by one space."""
+    sections: Dict[str, List[str]] = {}
     key = None
     for line in path.read_text().splitlines():
         if line.startswith("## "):
             key = line[3:].strip()
-            texts[key] = []
-        elif key is not None and line.strip():
-            texts[key].append(line.strip())
-    return {k: " ".join(v) for k, v in texts.items()}
+            sections[key] = []
+        elif key is not None:
+            sections[key].append(line)
+    return {k: "\n".join(v).strip() if k == "findings" else " ".join(ln.strip() for ln in v if ln.strip())
+            for k, v in sections.items()}  # fmt: skip
 
 
 TEXTS = load_texts()
@@ -328,19 +329,11 @@ def forced_table(cells: List[dict], trees: List[str]) -> str:
     return "\n".join(lines)
 
 
-#: Hand-written reading of the tables (who should use which release and path, with the
-#: figures that decide it), placed after the column legend of real_shapes.md.
-FINDINGS = DOCS / "real_shapes_findings.md"
-
-
 def write_markdown(data: dict, path: Path, plot_name: str = "real_shapes.png") -> None:
     """docs/bench/real_shapes.md from the published JSON ``data`` ({"meta", "cells"}) and
-    ``FINDINGS``; ``scripts/audit_param_sync.py`` calls it, and so can anyone with the JSON:
+    ``TEXTS``; ``scripts/audit_param_sync.py`` calls it, and so can anyone with the JSON:
     the Markdown needs no new audit run. A flag run's (``meta["flags"]``) leaves out
-    ``FINDINGS`` and the flags of the built-in models.
-
-    Raises:
-        OSError: ``FINDINGS`` is missing."""
+    the findings and the flags of the built-in models."""
     meta, cells = data["meta"], data["cells"]
     trees = list(meta["trees"])
     layout = [t for t, m in meta["trees"].items() if m.get("layout")]
@@ -364,7 +357,7 @@ def write_markdown(data: dict, path: Path, plot_name: str = "real_shapes.png") -
     out += [f"- `{t}`: {m['title']} (`{m['dir']}`)" for t, m in meta["trees"].items()]
     out += ["", "Columns: " + meta["columns"], ""]
     if "flags" not in meta:  # the reading of the built-in models' tables; not of a flag run's
-        out += ["## What the tables show, by release", "", FINDINGS.read_text().rstrip(), ""]
+        out += ["## What the tables show, by release", "", TEXTS["findings"], ""]
     for label, spec in meta["models"].items():
         recs = [c for c in cells if c["model"] == label]
         if not recs:
@@ -402,17 +395,7 @@ def reproduce_section(meta: dict) -> List[str]:
     out = [
         "## Reproduce a built-in model from pretrain_gpt.py flags",
         "",
-        "`scripts/audit_param_sync.py ... -- FLAGS` audits the model that `pretrain_gpt.py` FLAGS describe: "
-        "each tree's own argument parser, `validate_args`, `core_transformer_config_from_args` and "
-        "`gpt_builder` make it (docs/harness.md, \"Your model\"), on the trees the run names (`--trees`; "
-        "by default pristine and the series of each base, and 0.19.2's layout path, which does not audit "
-        "VPP). These flags give the models above: all seven on pristine 0.17.1 at DP 8 gave their built-in "
-        "cells key for key when they were written, and `tests/unit_tests/test_audit.py` checks "
-        "Llama-3-8B TP 1 at DP 8 and 64 on 0.17.1, pristine and the series, and the DeepSeek-V2-Lite-like "
-        "MoE at DP 64 on pristine 0.19.2. They "
-        "name `--transformer-impl local`, the layer spec of these tables; left out, megatron's default "
-        "Transformer Engine spec gives other buckets (Llama-3-8B TP 1 at DP 8 on 0.17.1: 630 zero-size "
-        "operations against 629).",
+        TEXTS["reproduce"],
         "",
     ]
     for m in models:

@@ -76,7 +76,7 @@ from harness.trees import REPO_ROOT, env_for_tree
 WORKER = REPO_ROOT / "harness" / "audit" / "worker.py"
 WORKER_TIMEOUT_S = 1800
 
-#: The fixed texts of the JSON's meta (docs/bench/real_shapes_text.md): the method, with the
+#: The fixed texts of the JSON's meta (docs/bench/real_shapes_findings.md): the method, with the
 #: built-in models' sentence (``_BUILTIN_MODEL``; the flag path puts ``_FLAGS_MODEL`` there), the
 #: column legend and the memory note.
 _BUILTIN_MODEL = report.TEXTS["builtin_model"]
