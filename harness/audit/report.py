@@ -21,11 +21,14 @@ Units: bytes in the records; GiB (2^30 bytes) in tables and plot; counts per ran
 
 from __future__ import annotations
 
+import shlex
 import statistics
 import textwrap
 from collections import Counter
 from pathlib import Path
 from typing import Dict, Iterable, List, Optional
+
+from harness.audit import grid
 
 GIB = float(1 << 30)
 #: Short names of the collective model's forms (harness/cpu_runtime/collectives.py FORM_*).
@@ -68,23 +71,20 @@ def gib(nbytes: Optional[float]) -> str:
     return "0" if nbytes == 0 else f"{nbytes / GIB:.2f}"
 
 
-def bucket_summary(b: dict) -> dict:
-    """One bucket of a worker record without its per-rank lists."""
-    shares = b.get("shares")
-    out = {k: b[k] for k in ("expert", "layerwise", "numel", "param_numel", "params", "max_param_numel")}
-    if shares is not None:
-        out.update(ranks=len(shares), nonempty_shares=sum(1 for s in shares if s), max_share=max(shares),
-                   shares_equal=len(set(shares)) == 1)  # fmt: skip
-    return out
-
-
 def slim(record: dict) -> dict:
-    """The published form of a worker record (see the module docstring)."""
-    out = {k: v for k, v in record.items() if k not in ("buckets", "paths", "traceback", "megatron_layout_log")}
+    """The published form of a worker record (see the module docstring); an empty
+    ``megatron_layout_log`` (the legacy trees') is left out."""
+    out = {k: v for k, v in record.items() if k not in ("buckets", "paths", "traceback")
+           and (k != "megatron_layout_log" or v)}  # fmt: skip
     if "buckets" in record:
-        out["buckets"] = [bucket_summary(b) for b in record["buckets"]]
-    if record.get("megatron_layout_log"):
-        out["megatron_layout_log"] = [{k: v for k, v in e.items()} for e in record["megatron_layout_log"]]
+        out["buckets"] = []
+        for b in record["buckets"]:
+            out["buckets"].append({k: b[k] for k in ("expert", "layerwise", "numel", "param_numel", "params",
+                                                     "max_param_numel")})  # fmt: skip
+            shares = b.get("shares")
+            if shares is not None:  # the per-rank list, summed up
+                out["buckets"][-1].update(ranks=len(shares), nonempty_shares=sum(1 for x in shares if x),
+                                          max_share=max(shares), shares_equal=len(set(shares)) == 1)  # fmt: skip
     out["paths"] = {p: {k: v for k, v in r.items() if k != "traceback"} for p, r in record.get("paths", {}).items()}
     return out
 
@@ -215,12 +215,16 @@ def _ordered(records: Iterable[dict], trees: List[str]) -> List[dict]:
     return sorted(records, key=lambda r: (r["dp"], order.get(r["tree"], 99)))
 
 
+def md_table(head: List[str], rows: Iterable[List[str]]) -> List[str]:
+    """Markdown table lines: the header, its rule, one line per row of cells."""
+    return ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)] + ["| " + " | ".join(r) + " |" for r in rows]
+
+
 def model_table(records: List[dict], trees: List[str]) -> str:
     """The markdown table of one model's records, then one line per crash."""
-    lines = ["| " + " | ".join(TABLE_HEADER) + " |", "|" + "---|" * len(TABLE_HEADER)]
-    for r in _ordered(records, trees):
-        lines.append("| " + " | ".join([_dp_text(r), r["tree"]] + cell_cells(r)) + " |")
-    notes = crash_notes(_ordered(records, trees))
+    records = _ordered(records, trees)
+    notes = crash_notes(records)
+    lines = md_table(TABLE_HEADER, ([_dp_text(r), r["tree"]] + cell_cells(r) for r in records))
     return "\n".join(lines + ([""] + notes if notes else []))
 
 
@@ -242,68 +246,42 @@ def transient_peak(record: dict, path: str) -> Optional[int]:
     return rec["megatron_peak_bytes"] + nccl_peak(rec)
 
 
-def memory_rows(records: List[dict], layout_tree: str, legacy_trees: List[str]) -> List[dict]:
-    """Per model and DP: the layout tree's persistent padding against each legacy tree's
-    transient peaks (async path, optimizer path), in bytes."""
-    by = {(r["model"], r["dp"], r["tree"]): r for r in records}
+def memory_table(cells: List[dict], layout_tree: str, legacy_trees: List[str]) -> str:
+    """Markdown: per model and DP, the persistent padding of the layout tree against each legacy
+    tree's transient peaks (async path / optimizer path), GiB, and padding minus peak
+    (negative: the layout path needs less memory than that tree; '-' where a peak is unknown,
+    'crash' where the legacy cell crashed)."""
+    by = {(c["model"], c["dp"], c["tree"]): c for c in cells}
+    head = ["model", "DP", "params GiB/rank", f"{layout_tree} padding GiB (persistent)"] + [
+        f"{t} peak GiB: async / optimizer" for t in legacy_trees] + [
+        f"padding − {t} peak GiB: async / optimizer" for t in legacy_trees]  # fmt: skip
     rows = []
     for (model, dp, tree), r in sorted(by.items()):
         if tree != layout_tree or "error" in r:
             continue
-        row = dict(model=model, dp=dp, layout_padding_bytes=r.get("padding_bytes"), param_bytes=r.get("param_bytes"))
+        pad = r.get("padding_bytes")
+        row, deltas = [model, str(dp), gib(r.get("param_bytes")), gib(pad)], []
         for t in legacy_trees:
             other = by.get((model, dp, t))
-            row[t] = None if other is None or "error" in other else {
-                p: transient_peak(other, p) for p in ("async", "optimizer")}  # fmt: skip
-        rows.append(row)
-    return rows
-
-
-def _delta(padding: Optional[int], peak: Optional[int]) -> str:
-    """Padding minus a transient peak, GiB with sign ('-' when unknown)."""
-    if padding is None or peak is None:
-        return "-"
-    d = (padding - peak) / GIB
-    return f"{d:+.2f}"
-
-
-def memory_table(rows: List[dict], legacy_trees: List[str], layout_tree: str) -> str:
-    """Markdown: padding of the layout tree vs the legacy trees' transient peaks (GiB),
-    and padding minus peak (negative: the layout path needs less memory than that tree)."""
-    head = ["model", "DP", "params GiB/rank", f"{layout_tree} padding GiB (persistent)"] + [
-        f"{t} peak GiB: async / optimizer" for t in legacy_trees] + [
-        f"padding − {t} peak GiB: async / optimizer" for t in legacy_trees]  # fmt: skip
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for row in rows:
-        cells = [row["model"], str(row["dp"]), gib(row["param_bytes"]), gib(row["layout_padding_bytes"])]
-        deltas = []
-        for t in legacy_trees:
-            v = row.get(t)
-            if v is None:
-                cells.append("crash")
+            if other is None or "error" in other:
+                row.append("crash")
                 deltas.append("crash")
                 continue
-            cells.append(f"{gib(v['async'])} / {gib(v['optimizer'])}")
-            pad = row["layout_padding_bytes"]
-            deltas.append(f"{_delta(pad, v['async'])} / {_delta(pad, v['optimizer'])}")
-        lines.append("| " + " | ".join(cells + deltas) + " |")
-    return "\n".join(lines)
-
-
-#: What real_shapes.md says of the forced sync against the step's peak (``forced_table``).
-FORCED_NOTE = TEXTS["forced_note"]
+            peaks = [transient_peak(other, p) for p in ("async", "optimizer")]
+            row.append(" / ".join(gib(x) for x in peaks))
+            deltas.append(" / ".join("-" if pad is None or x is None else f"{(pad - x) / GIB:+.2f}" for x in peaks))
+        rows.append(row + deltas)
+    return "\n".join(md_table(head, rows))
 
 
 def _estimates_text(records: List[dict]) -> str:
     """megatron's step estimate (``theory_text``) of ``records``, once if they agree, else per
     release ("272.98 (264.61 + 8.38) on 0.17.1; 61.89 (53.51 + 8.38) on 0.18.2, 0.19.2")."""
-    from harness.audit.grid import RELEASE_OF_TREE
-
     said: Dict[str, List[str]] = {}
     for r in records:
         text = theory_text(r)
         if text != "-":
-            rel = RELEASE_OF_TREE.get(r["tree"], r["tree"])
+            rel = grid.RELEASE_OF_TREE.get(r["tree"], r["tree"])
             said.setdefault(text, [])
             if rel not in said[text]:
                 said[text].append(rel)
@@ -320,13 +298,12 @@ def forced_table(cells: List[dict], trees: List[str]) -> str:
         c["model"] for c in cells)).index(k[0]), k[1]))  # fmt: skip
     head = ["model", "DP", "megatron's step estimate GiB (weights + optimizer, activations)"] + [
         f"{t}: forced peak / estimate GiB" for t in trees]  # fmt: skip
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    rows = []
     for model, dp in keys:
         recs = [by.get((model, dp, t)) for t in trees]
-        estimate = _estimates_text([r for r in recs if r])
-        lines.append("| " + " | ".join([model, str(dp), estimate] + [
-            forced_against_step(r) if r else "-" for r in recs]) + " |")  # fmt: skip
-    return "\n".join(lines)
+        rows.append([model, str(dp), _estimates_text([r for r in recs if r])] + [
+            forced_against_step(r) if r else "-" for r in recs])  # fmt: skip
+    return "\n".join(md_table(head, rows))
 
 
 def write_markdown(data: dict, path: Path, plot_name: str = "real_shapes.png") -> None:
@@ -369,13 +346,13 @@ def write_markdown(data: dict, path: Path, plot_name: str = "real_shapes.png") -
     out += reproduce_section(meta)
     if any(theory_bytes(c) is not None for c in cells):
         forced_trees = [t for t in trees if any("forced" in c.get("paths", {}) for c in cells if c["tree"] == t)]
-        out += ["## Forced syncs against the step's peak", "", FORCED_NOTE, ""]
+        out += ["## Forced syncs against the step's peak", "", TEXTS["forced_note"], ""]
         if meta.get("theory_added"):
             out += [meta["theory_added"], ""]
         out += [forced_table(cells, forced_trees), ""]
     if layout:
         out += ["## Memory: the layout path's padding against the legacy transients", "", meta["memory_note"], ""]
-        out += [memory_table(memory_rows(cells, layout[0], legacy), legacy, layout[0]), ""]
+        out += [memory_table(cells, layout[0], legacy), ""]
     out += [f"![param-sync memory and launches vs DP]({plot_name})", ""]
     Path(path).write_text("\n".join(out))
 
@@ -384,11 +361,7 @@ def reproduce_section(meta: dict) -> List[str]:
     """Markdown lines: how to audit each built-in model of ``meta["models"]`` from
     ``pretrain_gpt.py`` flags (``grid.MODEL_FLAGS``), at the run's DP sizes; none for
     a flag run (``meta["flags"]``)."""
-    import shlex
-
-    from harness.audit.grid import MODEL_FLAGS, MODELS
-
-    models = [m for m in meta["models"] if m in MODEL_FLAGS]
+    models = [m for m in meta["models"] if m in grid.MODEL_FLAGS]
     if not models or "flags" in meta:
         return []
     dps = ",".join(map(str, meta.get("dp_sizes", [])))
@@ -399,10 +372,10 @@ def reproduce_section(meta: dict) -> List[str]:
         "",
     ]
     for m in models:
-        stage = MODELS[m].pp_stage if m in MODELS else 0
+        stage = grid.MODELS[m].pp_stage if m in grid.MODELS else 0
         cmd = [".venv/bin/python", "scripts/audit_param_sync.py", "--label", m, "--dp-sizes", dps]
         cmd += ["--pp-stage", str(stage)] if stage else []
-        out += [f"- {meta['models'][m]['title']}: `{shlex.join([*cmd, '--', *MODEL_FLAGS[m]])}`"]
+        out += [f"- {meta['models'][m]['title']}: `{shlex.join([*cmd, '--', *grid.MODEL_FLAGS[m]])}`"]
     return out + [""]
 
 
@@ -527,8 +500,7 @@ def series_claims(cells: List[dict], pairs: Optional[Dict[str, str]] = None) -> 
         ``why`` names each failed claim, or says what was not compared (pristine crashed
         there, or is not in the run).
     """
-    if pairs is None:
-        from harness.audit.grid import SERIES_PAIRS as pairs
+    pairs = grid.SERIES_PAIRS if pairs is None else pairs
     by = {(c["tree"], c["model"], c["dp"]): c for c in cells}
     out = []
     for c in cells:
