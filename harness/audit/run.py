@@ -105,7 +105,7 @@ def build_cells(models, dp_sizes, tree: str) -> str:
 
 def worker_command(label: str, cells: str, out: Path, theory_only: bool = False):
     """(argv, env) of the worker for tree ``label`` (harness.trees.env_for_tree of its tree).
-    ``cells``: the worker's --cells, or a Path: its --flags job file (``flags_job``);
+    ``cells``: the worker's --cells, or a Path: its --flags job file (``main_flags``);
     ``theory_only``: megatron's step estimate per cell only (the worker's --theory-only)."""
     spec = grid.TREES[label]
     env = env_for_tree(grid.tree_dir(spec))
