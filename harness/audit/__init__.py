@@ -10,5 +10,5 @@ shapes at real DP (8 to 1024), storage-free, on a fake process group
 | ``report`` | JSON, tables and plot from the workers' records |
 | ``run`` | the driver: one worker per tree, checks, outputs (``scripts/audit_param_sync.py``) |
 
-Hand-written text of the published page: docs/bench/real_shapes_findings.md.
+Hand-written text of the published page (findings, method, legends): docs/bench/real_shapes_findings.md.
 """

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from types import MappingProxyType
 from typing import Dict, Optional, Tuple
 
 from harness import trees as _trees
@@ -40,7 +41,7 @@ class ModelSpec:
         label: short name used in tables and JSON keys.
         title: what it models, for the report.
         config: ``TransformerConfig`` keyword arguments (JSON-ready; the worker adds dtype,
-            init and activation flags). ``mla`` keys go to ``MLATransformerConfig``.
+            init and activation flags).
         vocab_size: the tokenizer's vocabulary; megatron pads it
             (``megatron.core.tokenizers.utils.build_tokenizer.vocab_size_with_padding``,
             ``make_vocab_size_divisible_by`` 128 x TP).
@@ -57,8 +58,11 @@ class ModelSpec:
         bucket_size: DDP bucket size in elements; None: megatron's default
             (``default_bucket_size``). Only the small check models set it.
         notes: caveats for the report.
-        grad_reduce_in_fp32: fp32 ``grad_data`` (``--accumulate-allreduce-grads-in-fp32``);
-            False: ``grad_data`` in the params' dtype (bf16).
+
+    As the worker's ``FlagsSpec`` (the flag path's model) has them, and the same for every
+    built-in model: fp32 ``grad_data`` (``grad_reduce_in_fp32``), no more
+    ``DistributedDataParallelConfig`` keywords (``ddp_extra``), megatron's default expert
+    tensor-parallel size (``etp`` None: TP).
     """
 
     label: str
@@ -76,17 +80,9 @@ class ModelSpec:
     pp_stage: int = 0
     bucket_size: Optional[int] = None
     notes: str = ""
-    grad_reduce_in_fp32: bool = True
-
-    @property
-    def ddp_extra(self) -> Dict:
-        """More ``DistributedDataParallelConfig`` keywords (none: its defaults)."""
-        return {}
-
-    @property
-    def etp(self) -> Optional[int]:
-        """Expert tensor-parallel size; None: megatron's default (TP)."""
-        return None
+    grad_reduce_in_fp32 = True
+    ddp_extra = MappingProxyType({})
+    etp = None
 
     @property
     def model_parallel(self) -> int:

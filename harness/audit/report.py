@@ -21,11 +21,14 @@ Units: bytes in the records; GiB (2^30 bytes) in tables and plot; counts per ran
 
 from __future__ import annotations
 
+import shlex
 import statistics
 import textwrap
 from collections import Counter
 from pathlib import Path
 from typing import Dict, Iterable, List, Optional
+
+from harness.audit import grid
 
 GIB = float(1 << 30)
 #: Short names of the collective model's forms (harness/cpu_runtime/collectives.py FORM_*).
@@ -36,25 +39,26 @@ FORM_NAMES = {
     "broadcast": "bcast",
 }
 PATHS = ("async", "forced", "optimizer")
-#: Where ``--publish`` copies the outputs, and the audit's hand-written prose:
-#: real_shapes_findings.md (the reading of the tables, ``FINDINGS``) and real_shapes_text.md
-#: (method, column legend, notes).
+#: Where ``--publish`` copies the outputs, and the audit's hand-written prose
+#: (real_shapes_findings.md: the reading of the tables, method, column legend and notes).
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "bench"
-TEXT_FILE = DOCS / "real_shapes_text.md"
+TEXT_FILE = DOCS / "real_shapes_findings.md"
 
 
 def load_texts(path: Path = TEXT_FILE) -> Dict[str, str]:
-    """{heading: text} of ``path``: each "## KEY" section's lines, stripped and joined by one
-    space (blank lines, and the comment before the first heading, left out)."""
-    texts: Dict[str, List[str]] = {}
+    """{heading: text} of ``path``'s "## KEY" sections (the comment before the first heading
+    left out): ``findings`` as written (Markdown); every other one a paragraph, its lines
+    stripped and joined by one space."""
+    sections: Dict[str, List[str]] = {}
     key = None
     for line in path.read_text().splitlines():
         if line.startswith("## "):
             key = line[3:].strip()
-            texts[key] = []
-        elif key is not None and line.strip():
-            texts[key].append(line.strip())
-    return {k: " ".join(v) for k, v in texts.items()}
+            sections[key] = []
+        elif key is not None:
+            sections[key].append(line)
+    return {k: "\n".join(v).strip() if k == "findings" else " ".join(ln.strip() for ln in v if ln.strip())
+            for k, v in sections.items()}  # fmt: skip
 
 
 TEXTS = load_texts()
@@ -67,23 +71,20 @@ def gib(nbytes: Optional[float]) -> str:
     return "0" if nbytes == 0 else f"{nbytes / GIB:.2f}"
 
 
-def bucket_summary(b: dict) -> dict:
-    """One bucket of a worker record without its per-rank lists."""
-    shares = b.get("shares")
-    out = {k: b[k] for k in ("expert", "layerwise", "numel", "param_numel", "params", "max_param_numel")}
-    if shares is not None:
-        out.update(ranks=len(shares), nonempty_shares=sum(1 for s in shares if s), max_share=max(shares),
-                   shares_equal=len(set(shares)) == 1)  # fmt: skip
-    return out
-
-
 def slim(record: dict) -> dict:
-    """The published form of a worker record (see the module docstring)."""
-    out = {k: v for k, v in record.items() if k not in ("buckets", "paths", "traceback", "megatron_layout_log")}
+    """The published form of a worker record (see the module docstring); an empty
+    ``megatron_layout_log`` (the legacy trees') is left out."""
+    out = {k: v for k, v in record.items() if k not in ("buckets", "paths", "traceback")
+           and (k != "megatron_layout_log" or v)}  # fmt: skip
     if "buckets" in record:
-        out["buckets"] = [bucket_summary(b) for b in record["buckets"]]
-    if record.get("megatron_layout_log"):
-        out["megatron_layout_log"] = [{k: v for k, v in e.items()} for e in record["megatron_layout_log"]]
+        out["buckets"] = []
+        for b in record["buckets"]:
+            out["buckets"].append({k: b[k] for k in ("expert", "layerwise", "numel", "param_numel", "params",
+                                                     "max_param_numel")})  # fmt: skip
+            shares = b.get("shares")
+            if shares is not None:  # the per-rank list, summed up
+                out["buckets"][-1].update(ranks=len(shares), nonempty_shares=sum(1 for x in shares if x),
+                                          max_share=max(shares), shares_equal=len(set(shares)) == 1)  # fmt: skip
     out["paths"] = {p: {k: v for k, v in r.items() if k != "traceback"} for p, r in record.get("paths", {}).items()}
     return out
 
@@ -214,12 +215,16 @@ def _ordered(records: Iterable[dict], trees: List[str]) -> List[dict]:
     return sorted(records, key=lambda r: (r["dp"], order.get(r["tree"], 99)))
 
 
+def md_table(head: List[str], rows: Iterable[List[str]]) -> List[str]:
+    """Markdown table lines: the header, its rule, one line per row of cells."""
+    return ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)] + ["| " + " | ".join(r) + " |" for r in rows]
+
+
 def model_table(records: List[dict], trees: List[str]) -> str:
     """The markdown table of one model's records, then one line per crash."""
-    lines = ["| " + " | ".join(TABLE_HEADER) + " |", "|" + "---|" * len(TABLE_HEADER)]
-    for r in _ordered(records, trees):
-        lines.append("| " + " | ".join([_dp_text(r), r["tree"]] + cell_cells(r)) + " |")
-    notes = crash_notes(_ordered(records, trees))
+    records = _ordered(records, trees)
+    notes = crash_notes(records)
+    lines = md_table(TABLE_HEADER, ([_dp_text(r), r["tree"]] + cell_cells(r) for r in records))
     return "\n".join(lines + ([""] + notes if notes else []))
 
 
@@ -241,68 +246,42 @@ def transient_peak(record: dict, path: str) -> Optional[int]:
     return rec["megatron_peak_bytes"] + nccl_peak(rec)
 
 
-def memory_rows(records: List[dict], layout_tree: str, legacy_trees: List[str]) -> List[dict]:
-    """Per model and DP: the layout tree's persistent padding against each legacy tree's
-    transient peaks (async path, optimizer path), in bytes."""
-    by = {(r["model"], r["dp"], r["tree"]): r for r in records}
+def memory_table(cells: List[dict], layout_tree: str, legacy_trees: List[str]) -> str:
+    """Markdown: per model and DP, the persistent padding of the layout tree against each legacy
+    tree's transient peaks (async path / optimizer path), GiB, and padding minus peak
+    (negative: the layout path needs less memory than that tree; '-' where a peak is unknown,
+    'crash' where the legacy cell crashed)."""
+    by = {(c["model"], c["dp"], c["tree"]): c for c in cells}
+    head = ["model", "DP", "params GiB/rank", f"{layout_tree} padding GiB (persistent)"] + [
+        f"{t} peak GiB: async / optimizer" for t in legacy_trees] + [
+        f"padding − {t} peak GiB: async / optimizer" for t in legacy_trees]  # fmt: skip
     rows = []
     for (model, dp, tree), r in sorted(by.items()):
         if tree != layout_tree or "error" in r:
             continue
-        row = dict(model=model, dp=dp, layout_padding_bytes=r.get("padding_bytes"), param_bytes=r.get("param_bytes"))
+        pad = r.get("padding_bytes")
+        row, deltas = [model, str(dp), gib(r.get("param_bytes")), gib(pad)], []
         for t in legacy_trees:
             other = by.get((model, dp, t))
-            row[t] = None if other is None or "error" in other else {
-                p: transient_peak(other, p) for p in ("async", "optimizer")}  # fmt: skip
-        rows.append(row)
-    return rows
-
-
-def _delta(padding: Optional[int], peak: Optional[int]) -> str:
-    """Padding minus a transient peak, GiB with sign ('-' when unknown)."""
-    if padding is None or peak is None:
-        return "-"
-    d = (padding - peak) / GIB
-    return f"{d:+.2f}"
-
-
-def memory_table(rows: List[dict], legacy_trees: List[str], layout_tree: str) -> str:
-    """Markdown: padding of the layout tree vs the legacy trees' transient peaks (GiB),
-    and padding minus peak (negative: the layout path needs less memory than that tree)."""
-    head = ["model", "DP", "params GiB/rank", f"{layout_tree} padding GiB (persistent)"] + [
-        f"{t} peak GiB: async / optimizer" for t in legacy_trees] + [
-        f"padding − {t} peak GiB: async / optimizer" for t in legacy_trees]  # fmt: skip
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for row in rows:
-        cells = [row["model"], str(row["dp"]), gib(row["param_bytes"]), gib(row["layout_padding_bytes"])]
-        deltas = []
-        for t in legacy_trees:
-            v = row.get(t)
-            if v is None:
-                cells.append("crash")
+            if other is None or "error" in other:
+                row.append("crash")
                 deltas.append("crash")
                 continue
-            cells.append(f"{gib(v['async'])} / {gib(v['optimizer'])}")
-            pad = row["layout_padding_bytes"]
-            deltas.append(f"{_delta(pad, v['async'])} / {_delta(pad, v['optimizer'])}")
-        lines.append("| " + " | ".join(cells + deltas) + " |")
-    return "\n".join(lines)
-
-
-#: What real_shapes.md says of the forced sync against the step's peak (``forced_table``).
-FORCED_NOTE = TEXTS["forced_note"]
+            peaks = [transient_peak(other, p) for p in ("async", "optimizer")]
+            row.append(" / ".join(gib(x) for x in peaks))
+            deltas.append(" / ".join("-" if pad is None or x is None else f"{(pad - x) / GIB:+.2f}" for x in peaks))
+        rows.append(row + deltas)
+    return "\n".join(md_table(head, rows))
 
 
 def _estimates_text(records: List[dict]) -> str:
     """megatron's step estimate (``theory_text``) of ``records``, once if they agree, else per
     release ("272.98 (264.61 + 8.38) on 0.17.1; 61.89 (53.51 + 8.38) on 0.18.2, 0.19.2")."""
-    from harness.audit.grid import RELEASE_OF_TREE
-
     said: Dict[str, List[str]] = {}
     for r in records:
         text = theory_text(r)
         if text != "-":
-            rel = RELEASE_OF_TREE.get(r["tree"], r["tree"])
+            rel = grid.RELEASE_OF_TREE.get(r["tree"], r["tree"])
             said.setdefault(text, [])
             if rel not in said[text]:
                 said[text].append(rel)
@@ -319,28 +298,19 @@ def forced_table(cells: List[dict], trees: List[str]) -> str:
         c["model"] for c in cells)).index(k[0]), k[1]))  # fmt: skip
     head = ["model", "DP", "megatron's step estimate GiB (weights + optimizer, activations)"] + [
         f"{t}: forced peak / estimate GiB" for t in trees]  # fmt: skip
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    rows = []
     for model, dp in keys:
         recs = [by.get((model, dp, t)) for t in trees]
-        estimate = _estimates_text([r for r in recs if r])
-        lines.append("| " + " | ".join([model, str(dp), estimate] + [
-            forced_against_step(r) if r else "-" for r in recs]) + " |")  # fmt: skip
-    return "\n".join(lines)
-
-
-#: Hand-written reading of the tables (who should use which release and path, with the
-#: figures that decide it), placed after the column legend of real_shapes.md.
-FINDINGS = DOCS / "real_shapes_findings.md"
+        rows.append([model, str(dp), _estimates_text([r for r in recs if r])] + [
+            forced_against_step(r) if r else "-" for r in recs])  # fmt: skip
+    return "\n".join(md_table(head, rows))
 
 
 def write_markdown(data: dict, path: Path, plot_name: str = "real_shapes.png") -> None:
     """docs/bench/real_shapes.md from the published JSON ``data`` ({"meta", "cells"}) and
-    ``FINDINGS``; ``scripts/audit_param_sync.py`` calls it, and so can anyone with the JSON:
+    ``TEXTS``; ``scripts/audit_param_sync.py`` calls it, and so can anyone with the JSON:
     the Markdown needs no new audit run. A flag run's (``meta["flags"]``) leaves out
-    ``FINDINGS`` and the flags of the built-in models.
-
-    Raises:
-        OSError: ``FINDINGS`` is missing."""
+    the findings and the flags of the built-in models."""
     meta, cells = data["meta"], data["cells"]
     trees = list(meta["trees"])
     layout = [t for t, m in meta["trees"].items() if m.get("layout")]
@@ -364,7 +334,7 @@ def write_markdown(data: dict, path: Path, plot_name: str = "real_shapes.png") -
     out += [f"- `{t}`: {m['title']} (`{m['dir']}`)" for t, m in meta["trees"].items()]
     out += ["", "Columns: " + meta["columns"], ""]
     if "flags" not in meta:  # the reading of the built-in models' tables; not of a flag run's
-        out += ["## What the tables show, by release", "", FINDINGS.read_text().rstrip(), ""]
+        out += ["## What the tables show, by release", "", TEXTS["findings"], ""]
     for label, spec in meta["models"].items():
         recs = [c for c in cells if c["model"] == label]
         if not recs:
@@ -376,13 +346,13 @@ def write_markdown(data: dict, path: Path, plot_name: str = "real_shapes.png") -
     out += reproduce_section(meta)
     if any(theory_bytes(c) is not None for c in cells):
         forced_trees = [t for t in trees if any("forced" in c.get("paths", {}) for c in cells if c["tree"] == t)]
-        out += ["## Forced syncs against the step's peak", "", FORCED_NOTE, ""]
+        out += ["## Forced syncs against the step's peak", "", TEXTS["forced_note"], ""]
         if meta.get("theory_added"):
             out += [meta["theory_added"], ""]
         out += [forced_table(cells, forced_trees), ""]
     if layout:
         out += ["## Memory: the layout path's padding against the legacy transients", "", meta["memory_note"], ""]
-        out += [memory_table(memory_rows(cells, layout[0], legacy), legacy, layout[0]), ""]
+        out += [memory_table(cells, layout[0], legacy), ""]
     out += [f"![param-sync memory and launches vs DP]({plot_name})", ""]
     Path(path).write_text("\n".join(out))
 
@@ -391,35 +361,21 @@ def reproduce_section(meta: dict) -> List[str]:
     """Markdown lines: how to audit each built-in model of ``meta["models"]`` from
     ``pretrain_gpt.py`` flags (``grid.MODEL_FLAGS``), at the run's DP sizes; none for
     a flag run (``meta["flags"]``)."""
-    import shlex
-
-    from harness.audit.grid import MODEL_FLAGS, MODELS
-
-    models = [m for m in meta["models"] if m in MODEL_FLAGS]
+    models = [m for m in meta["models"] if m in grid.MODEL_FLAGS]
     if not models or "flags" in meta:
         return []
     dps = ",".join(map(str, meta.get("dp_sizes", [])))
     out = [
         "## Reproduce a built-in model from pretrain_gpt.py flags",
         "",
-        "`scripts/audit_param_sync.py ... -- FLAGS` audits the model that `pretrain_gpt.py` FLAGS describe: "
-        "each tree's own argument parser, `validate_args`, `core_transformer_config_from_args` and "
-        "`gpt_builder` make it (docs/harness.md, \"Your model\"), on the trees the run names (`--trees`; "
-        "by default pristine and the series of each base, and 0.19.2's layout path, which does not audit "
-        "VPP). These flags give the models above: all seven on pristine 0.17.1 at DP 8 gave their built-in "
-        "cells key for key when they were written, and `tests/unit_tests/test_audit.py` checks "
-        "Llama-3-8B TP 1 at DP 8 and 64 on 0.17.1, pristine and the series, and the DeepSeek-V2-Lite-like "
-        "MoE at DP 64 on pristine 0.19.2. They "
-        "name `--transformer-impl local`, the layer spec of these tables; left out, megatron's default "
-        "Transformer Engine spec gives other buckets (Llama-3-8B TP 1 at DP 8 on 0.17.1: 630 zero-size "
-        "operations against 629).",
+        TEXTS["reproduce"],
         "",
     ]
     for m in models:
-        stage = MODELS[m].pp_stage if m in MODELS else 0
+        stage = grid.MODELS[m].pp_stage if m in grid.MODELS else 0
         cmd = [".venv/bin/python", "scripts/audit_param_sync.py", "--label", m, "--dp-sizes", dps]
         cmd += ["--pp-stage", str(stage)] if stage else []
-        out += [f"- {meta['models'][m]['title']}: `{shlex.join([*cmd, '--', *MODEL_FLAGS[m]])}`"]
+        out += [f"- {meta['models'][m]['title']}: `{shlex.join([*cmd, '--', *grid.MODEL_FLAGS[m]])}`"]
     return out + [""]
 
 
@@ -544,8 +500,7 @@ def series_claims(cells: List[dict], pairs: Optional[Dict[str, str]] = None) -> 
         ``why`` names each failed claim, or says what was not compared (pristine crashed
         there, or is not in the run).
     """
-    if pairs is None:
-        from harness.audit.grid import SERIES_PAIRS as pairs
+    pairs = grid.SERIES_PAIRS if pairs is None else pairs
     by = {(c["tree"], c["model"], c["dp"]): c for c in cells}
     out = []
     for c in cells:

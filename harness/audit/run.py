@@ -9,26 +9,14 @@ The driver behind ``scripts/audit_param_sync.py`` (its command line: ``main``). 
     .venv/bin/python scripts/audit_param_sync.py --dp-sizes 8,64 --label mine -- <pretrain_gpt.py flags> --vocab-size N
     .venv/bin/python scripts/audit_param_sync.py --render-from docs/bench/real_shapes.json --publish  # no audit run
 
-Your model: after ``--``, the flags of your ``pretrain_gpt.py`` run. Each tree's own
-``megatron.training.arguments`` parses and validates them and ``core_transformer_config_from_args``
-makes the config; the model is what that tree's ``gpt_builder`` builds from them (the layer
-spec the flags choose; Transformer Engine's parameters through harness/audit/te_standin.py
-where TE is not installed). TP, PP, VPP and EP come from the flags; the DP sizes from
-``--dp-sizes``, or from ``--world-size`` (DP = world / (TP x PP x CP), megatron's own
-derivation). ``--label`` names the model in the outputs; ``--pp-stage`` picks the pipeline
-stage audited (default 0). Trees: those of the user's release, ``--base`` (``TREES_OF_BASE``;
-default ``DEFAULT_BASE``, 0.19: pristine 0.19.2's legacy path, the series on it, and 0.19.2's
-layout path unless the flags say ``--no-use-layer-wise-param-layout``; ``--base all``: both
-bases, ``FLAGS_TREES``), or ``--trees``. Flags one tree refuses and another accepts are
-reported per tree; flags that every tree refuses exit 2 with megatron's message and write
-nothing. Besides the outputs below, a short table goes to stdout
-(``report.flags_text``): a legend of the paths (what each is, when
-``megatron.training`` takes it) and the trees, which path the flags take (their rows marked
-*); per DP, path and tree, the temporaries, NCCL operations and launches, zeroing, the path's
-peak temporaries next to megatron's own estimate of the step's peak (the tree's
-``theoretical_memory_usage.report_theoretical_memory`` for the same flags), and padding; then
-the series' claim of each path in the README's words, with "holds" or "does not hold" and why
-(``report.series_claims`` and ``claims_lines``).
+Your model (after ``--``, the flags of your ``pretrain_gpt.py`` run; docs/harness.md, "The
+benchmarks", says what is audited and printed): each tree's own ``megatron.training`` parses the
+flags and its ``gpt_builder`` builds the model (harness/audit/worker.py ``FlagsSpec``). DP sizes
+come from ``--dp-sizes`` or ``--world-size``; ``--label`` names the model, ``--pp-stage`` the
+stage audited (default 0). Trees: ``--trees``, or those of ``--base`` (``TREES_OF_BASE``; default
+``DEFAULT_BASE``; ``all``: ``FLAGS_TREES``), less the layout path with
+``--no-use-layer-wise-param-layout``. Flags one tree refuses and another accepts are reported per
+tree. A short table goes to stdout (``report.flags_text``).
 
 ``--render-from JSON``: no audit run; the outputs again from a published JSON, each cell that
 lacks megatron's step estimate given it by its tree's worker (``--theory-only``), the cells of
@@ -76,7 +64,7 @@ from harness.trees import REPO_ROOT, env_for_tree
 WORKER = REPO_ROOT / "harness" / "audit" / "worker.py"
 WORKER_TIMEOUT_S = 1800
 
-#: The fixed texts of the JSON's meta (docs/bench/real_shapes_text.md): the method, with the
+#: The fixed texts of the JSON's meta (docs/bench/real_shapes_findings.md): the method, with the
 #: built-in models' sentence (``_BUILTIN_MODEL``; the flag path puts ``_FLAGS_MODEL`` there), the
 #: column legend and the memory note.
 _BUILTIN_MODEL = report.TEXTS["builtin_model"]
@@ -117,7 +105,7 @@ def build_cells(models, dp_sizes, tree: str) -> str:
 
 def worker_command(label: str, cells: str, out: Path, theory_only: bool = False):
     """(argv, env) of the worker for tree ``label`` (harness.trees.env_for_tree of its tree).
-    ``cells``: the worker's --cells, or a Path: its --flags job file (``flags_job``);
+    ``cells``: the worker's --cells, or a Path: its --flags job file (``main_flags``);
     ``theory_only``: megatron's step estimate per cell only (the worker's --theory-only)."""
     spec = grid.TREES[label]
     env = env_for_tree(grid.tree_dir(spec))
@@ -181,6 +169,13 @@ def exact_receive_bytes(record: dict, itemsize: int = 2) -> int:
     return total
 
 
+def published_cells(records) -> list:
+    """The workers' records as the JSON publishes them: ``exact_receive_bytes`` added, ``slim``."""
+    for rec in records:
+        rec["exact_receive_bytes"] = exact_receive_bytes(rec)
+    return [report.slim(rec) for rec in records]
+
+
 def checks(cells: list, want: set) -> list:
     """Structural checks of the run; returns failure messages (empty: all hold).
 
@@ -218,12 +213,21 @@ def model_summary(spec, records: list) -> str:
     ok = [r for r in records if "param_bytes" in r and not grid.TREES[r["tree"]].layout]
     if not ok:
         return ""
-    r = ok[0]
     layers = spec.config["num_layers"] // spec.pp
-    vpp = f", VPP {spec.vpp} (one DDP per model chunk)" if spec.vpp > 1 else ""
-    return (f"TP {spec.tp}, PP {spec.pp}{vpp}, EP {spec.ep}; {layers} layers on this rank; "
-            f"{r['param_numel'] / 1e9:.2f} B params per rank ({report.gib(r['param_bytes'])} GiB bf16, "
-            f"fp32 grad_data {report.gib(2 * r['param_bytes'])} GiB); padded vocab {r.get('padded_vocab_size')}.")  # fmt: skip
+    return _layout_text(ok[0]) + f"{layers} layers on this rank; " + _params_text(ok[0], fp32_grad=True)
+
+
+def _layout_text(r: dict) -> str:
+    vpp = f", VPP {r['vpp']} (one DDP per model chunk)" if r.get("vpp", 1) > 1 else ""
+    return f"TP {r['tp']}, PP {r['pp']}{vpp}, EP {r['ep']}; "
+
+
+def _params_text(r: dict, fp32_grad: bool) -> str:
+    """'8.03 B params per rank (14.96 GiB bf16, fp32 grad_data 29.92 GiB); padded vocab 128256.'"""
+    grad = 4 if fp32_grad else 2
+    return (f"{r['param_numel'] / 1e9:.2f} B params per rank ({report.gib(r['param_bytes'])} GiB bf16, "
+            f"{'fp32' if fp32_grad else 'bf16'} grad_data {report.gib(r['param_bytes'] // 2 * grad)} GiB); "
+            f"padded vocab {r.get('padded_vocab_size')}.")  # fmt: skip
 
 
 def split_flags(argv):
@@ -244,12 +248,6 @@ def positive_ints(text: str):
     if not values or min(values) < 1:
         raise argparse.ArgumentTypeError(f"{text!r}: expected integers >= 1")
     return values
-
-
-def flags_job(label: str, flags, dp_sizes, world_sizes, pp_stage: int) -> dict:
-    """The workers' --flags job (harness/audit/worker.py ``run_flags``)."""
-    return dict(label=label, flags=list(flags), dp_sizes=list(dp_sizes or []),
-                world_sizes=list(world_sizes or []), pp_stage=pp_stage)  # fmt: skip
 
 
 def sort_flags_results(results: dict, sizes) -> tuple:
@@ -301,14 +299,9 @@ def flags_model_meta(label: str, flags, records: list) -> dict:
         r for r in records if "param_bytes" in r]  # fmt: skip
     summary = ""
     if ok:
-        r = ok[0]
-        f = r.get("flags", {})
-        vpp = f", VPP {r['vpp']} (one DDP per model chunk)" if r.get("vpp", 1) > 1 else ""
-        grad = 4 if f.get("grad_reduce_in_fp32", True) else 2
-        summary = (f"TP {r['tp']}, PP {r['pp']}{vpp}, EP {r['ep']}; stage {r['pp_stage']}; {f.get('num_layers')} layers "
-                   f"in all; {r['param_numel'] / 1e9:.2f} B params per rank ({report.gib(r['param_bytes'])} GiB bf16, "
-                   f"{'fp32' if grad == 4 else 'bf16'} grad_data {report.gib(r['param_bytes'] // 2 * grad)} GiB); "
-                   f"padded vocab {r.get('padded_vocab_size')}.")  # fmt: skip
+        f = ok[0].get("flags", {})
+        summary = (_layout_text(ok[0]) + f"stage {ok[0]['pp_stage']}; {f.get('num_layers')} layers in all; "
+                   + _params_text(ok[0], f.get("grad_reduce_in_fp32", True)))  # fmt: skip
     return dict(title=f"{label} (pretrain_gpt.py flags)", notes=notes, summary=summary)
 
 
@@ -338,12 +331,19 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     # SIGTERM ends the run like Ctrl-C: run_workers' cleanup kills the worker sessions.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    if flags is not None:
-        return main_flags(ap, args, flags, argv)
-    if args.world_size or args.label != "my_model" or args.pp_stage or args.base:
+    if flags is None and (args.world_size or args.label != "my_model" or args.pp_stage or args.base):
         ap.error("--world-size, --label, --pp-stage and --base go with pretrain_gpt.py flags after --")
-    if args.render_from:
-        return main_render(ap, args, argv)
+    try:
+        if flags is not None:
+            return main_flags(ap, args, flags, argv)
+        return main_render(ap, args, argv) if args.render_from else main_grid(ap, args, argv)
+    except WorkerError as exc:
+        print(f"[audit] {exc}", file=sys.stderr)
+        return 2
+
+
+def main_grid(ap, args, argv) -> int:
+    """The built-in models' run of ``main`` (module docstring): 0, or 1 (a check failed)."""
     trees = [t for t in args.trees.split(",") if t] or list(grid.TREES)
     unknown = [t for t in trees if t not in grid.TREES]
     if unknown:
@@ -357,18 +357,9 @@ def main(argv=None) -> int:
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
-    try:
-        cells_by_tree = {t: build_cells(models, dps, t) for t in trees}
-        results = run_workers(trees, cells_by_tree, out_dir / "raw", max(1, args.jobs))
-    except WorkerError as exc:
-        print(f"[audit] {exc}", file=sys.stderr)
-        return 2
+    results = run_workers(trees, {t: build_cells(models, dps, t) for t in trees}, out_dir / "raw", max(1, args.jobs))
     wall = time.monotonic() - t0
-    cells = []
-    for label in trees:
-        for rec in results[label]:
-            rec["exact_receive_bytes"] = exact_receive_bytes(rec)
-            cells.append(report.slim(rec))
+    cells = published_cells([rec for label in trees for rec in results[label]])
     command = shlex.join([".venv/bin/python", "scripts/audit_param_sync.py", *argv])
     meta = run_meta(command, wall, trees, results)
     meta.update(
@@ -401,12 +392,15 @@ def run_meta(command: str, wall: float, trees, results: dict) -> dict:
         method=METHOD,
         columns=COLUMNS,
         memory_note=MEMORY_NOTE,
-        trees={t: dict(title=grid.TREES[t].title, layout=grid.TREES[t].layout,
-                       dir=str(Path(results[t][0].get("tree_dir", "")).relative_to(REPO_ROOT))
-                       if results[t] and results[t][0].get("tree_dir", "").startswith(str(REPO_ROOT))
-                       else results[t][0].get("tree_dir", "") if results[t] else "")
+        trees={t: dict(title=grid.TREES[t].title, layout=grid.TREES[t].layout, dir=_tree_dir(results[t]))
                for t in trees},  # fmt: skip
     )
+
+
+def _tree_dir(records: list) -> str:
+    """The tree directory the worker ran (``tree_dir`` of its records), relative to the repo."""
+    d = records[0].get("tree_dir", "") if records else ""
+    return str(Path(d).relative_to(REPO_ROOT)) if d.startswith(str(REPO_ROOT)) else d
 
 
 def write_outputs(data: dict, out_dir: Path, publish: bool = False) -> None:
@@ -449,12 +443,8 @@ def main_render(ap, args, argv) -> int:
     t0 = time.monotonic()
     if trees:
         cells_by_tree = {t: ",".join(f"{c['model']}:{c['dp']}" for c in todo if c["tree"] == t) for t in trees}
-        try:
-            results = run_workers(trees, cells_by_tree, Path(args.out_dir) / "raw-theory", max(1, args.jobs),
-                                  theory_only=True)  # fmt: skip
-        except WorkerError as exc:
-            print(f"[audit] {exc}", file=sys.stderr)
-            return 2
+        results = run_workers(trees, cells_by_tree, Path(args.out_dir) / "raw-theory", max(1, args.jobs),
+                              theory_only=True)  # fmt: skip
         got = {(r["tree"], r["model"], r["dp"]): r["theoretical_memory"] for rs in results.values() for r in rs}
         for c in todo:
             c["theoretical_memory"] = got[(c["tree"], c["model"], c["dp"])]
@@ -495,7 +485,9 @@ def main_flags(ap, args, flags, argv) -> int:
     if unknown:
         ap.error(f"unknown trees {unknown}; known: {sorted(grid.TREES)}")
     sizes = [("dp", n) for n in args.dp_sizes or []] + [("world", n) for n in args.world_size or []]
-    job = flags_job(args.label, flags, args.dp_sizes, args.world_size, args.pp_stage)
+    # the worker's --flags job (harness/audit/worker.py run_flags)
+    job = dict(label=args.label, flags=list(flags), dp_sizes=args.dp_sizes or [], world_sizes=args.world_size or [],
+               pp_stage=args.pp_stage)  # fmt: skip
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="audit-flags-") as tmp:
         job_file = Path(tmp) / "job.json"
@@ -508,17 +500,11 @@ def main_flags(ap, args, flags, argv) -> int:
             print(f"[audit] {exc}" + (f"\n[audit] megatron-core {base}'s trees only (--base {base}); for "
                   f"another release: --base {other[0]}" if other else ""), file=sys.stderr)  # fmt: skip
             return 2
-        except WorkerError as exc:
-            print(f"[audit] {exc}", file=sys.stderr)
-            return 2
         wall = time.monotonic() - t0
         out_dir = Path(args.out_dir)
         out_dir.mkdir(parents=True, exist_ok=True)
         shutil.copytree(Path(tmp) / "raw", out_dir / "raw", dirs_exist_ok=True)
-    cells = []
-    for rec in ran:
-        rec["exact_receive_bytes"] = exact_receive_bytes(rec)
-        cells.append(report.slim(rec))
+    cells = published_cells(ran)
     trees_ran = [t for t in trees if any(c["tree"] == t for c in cells)]
     command = shlex.join([".venv/bin/python", "scripts/audit_param_sync.py", *argv, "--", *flags])
     meta = run_meta(command, wall, trees_ran, {t: results[t] for t in trees_ran})

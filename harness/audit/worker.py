@@ -225,13 +225,11 @@ def _mc():
     from megatron.core.optimizer import OptimizerConfig
     from megatron.core.tokenizers.utils.build_tokenizer import vocab_size_with_padding
     from megatron.core.transformer import TransformerConfig
-    from megatron.core.transformer.transformer_config import MLATransformerConfig
 
     return SimpleNamespace(
         ps=parallel_state, DDP=DistributedDataParallel, DDPConfig=DistributedDataParallelConfig,
         block_spec=get_gpt_decoder_block_spec, GPTModel=GPTModel, OptimizerConfig=OptimizerConfig,
         vocab_size_with_padding=vocab_size_with_padding, TransformerConfig=TransformerConfig,
-        MLATransformerConfig=MLATransformerConfig,
     )  # fmt: skip
 
 
@@ -248,13 +246,9 @@ def build_module(mc, spec: grid.ModelSpec, vp_stage=None):
     if isinstance(spec, FlagsSpec):
         return spec.build_module(mc, vp_stage)
     cfg = dict(spec.config)
-    mla = cfg.pop("mla", None)
-    cls = mc.MLATransformerConfig if mla else mc.TransformerConfig
-    if mla:
-        cfg.update(mla)
     if spec.swiglu:
         cfg.update(gated_linear_unit=True, activation_func=torch.nn.functional.silu, bias_activation_fusion=False)
-    config = cls(
+    config = mc.TransformerConfig(
         **cfg,
         tensor_model_parallel_size=spec.tp,
         pipeline_model_parallel_size=spec.pp,
@@ -869,21 +863,17 @@ def _member_groups_only() -> None:
 
 
 def parse_cells(text: str) -> list:
-    """``model:dp[:rank],...`` -> [(ModelSpec, dp, dp_rank)].
+    """``model:dp,...`` -> [(ModelSpec, dp)].
 
     Raises:
-        ValueError: an unknown model, or a DP rank outside 0..dp-1.
+        ValueError: an unknown model.
     """
     cells = []
     for item in filter(None, text.split(",")):
-        parts = item.split(":")
-        if parts[0] not in grid.ALL_MODELS:
-            raise ValueError(f"unknown model {parts[0]!r}; known: {sorted(grid.ALL_MODELS)}")
-        dp = int(parts[1])
-        rank = int(parts[2]) if len(parts) > 2 else 0
-        if not 0 <= rank < dp:
-            raise ValueError(f"{item}: DP rank {rank} outside 0..{dp - 1}")
-        cells.append((grid.ALL_MODELS[parts[0]], dp, rank))
+        name, dp = item.split(":")
+        if name not in grid.ALL_MODELS:
+            raise ValueError(f"unknown model {name!r}; known: {sorted(grid.ALL_MODELS)}")
+        cells.append((grid.ALL_MODELS[name], int(dp)))
     return cells
 
 
@@ -934,7 +924,7 @@ def builtin_theoretical_memory(spec, dp: int) -> dict:
     return theoretical_memory(args)
 
 
-def run_flags(mc, tree: grid.TreeSpec, job: dict, paths, detail: bool = False) -> list:
+def run_flags(mc, tree: grid.TreeSpec, job: dict, paths) -> list:
     """The cells of the flags' model (``job``: see ``--flags``) on ``tree``, DP rank 0 each:
     per DP size (or world size) a ``run_cell`` record with ``size`` (["dp" | "world", n], as
     requested), ``flags`` (``FlagsSpec.describe``) and ``layer_spec``, or ``{"tree", "model",
@@ -958,7 +948,7 @@ def run_flags(mc, tree: grid.TreeSpec, job: dict, paths, detail: bool = False) -
             records.append(dict(base, size=[kind, n], flags_error=str(exc)))
             continue
         theory = theoretical_memory(spec.args)
-        rec = run_cell(mc, tree, spec, spec.dp, 0, paths, detail)
+        rec = run_cell(mc, tree, spec, spec.dp, 0, paths)
         rec.update(size=[kind, n], flags=spec.describe(), layer_spec=layer_spec, theoretical_memory=theory)
         records.append(rec)
         print(f"[audit worker] {tree.label} {label} dp={spec.dp} {time.perf_counter() - t0:.1f} s"
@@ -970,7 +960,7 @@ def run_flags(mc, tree: grid.TreeSpec, job: dict, paths, detail: bool = False) -
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tree", required=True, choices=sorted(grid.TREES))
-    ap.add_argument("--cells", default="", help="model:dp[:dp_rank],... (harness/audit/grid.py MODELS)")
+    ap.add_argument("--cells", default="", help="model:dp,... (harness/audit/grid.py MODELS; DP rank 0)")
     ap.add_argument("--paths", default=",".join(PATHS))
     ap.add_argument("--out", required=True, help="JSON list of cell records")
     ap.add_argument("--bucket-detail", action="store_true",
@@ -988,23 +978,21 @@ def main(argv=None) -> int:
     _member_groups_only()
     mc = _mc()
     if args.flags:
-        records = run_flags(mc, tree, json.loads(Path(args.flags).read_text()), args.paths.split(","), args.bucket_detail)
-        for rec in records:
-            rec["tree_dir"] = tree_dir
-        Path(args.out).write_text(json.dumps(records, indent=1))
-        return 0
-    records = []
-    for spec, dp, rank in parse_cells(args.cells):
-        if args.theory_only:
-            records.append(dict(tree=tree.label, model=spec.label, dp=dp, dp_rank=rank, tree_dir=tree_dir,
-                                theoretical_memory=builtin_theoretical_memory(spec, dp)))  # fmt: skip
-            continue
-        rec = run_cell(mc, tree, spec, dp, rank, args.paths.split(","), args.bucket_detail)
-        rec["theoretical_memory"] = builtin_theoretical_memory(spec, dp)
+        records = run_flags(mc, tree, json.loads(Path(args.flags).read_text()), args.paths.split(","))
+    else:
+        records = []
+        for spec, dp in parse_cells(args.cells):
+            if args.theory_only:  # no sync run
+                rec = dict(tree=tree.label, model=spec.label, dp=dp, dp_rank=0)
+            else:
+                rec = run_cell(mc, tree, spec, dp, 0, args.paths.split(","), args.bucket_detail)
+            rec["theoretical_memory"] = builtin_theoretical_memory(spec, dp)
+            records.append(rec)
+            if "wall_s" in rec:
+                print(f"[audit worker] {tree.label} {spec.label} dp={dp} {rec['wall_s']:.1f} s"
+                      + (f" ERROR {rec['error'][:200]}" if "error" in rec else ""), flush=True)  # fmt: skip
+    for rec in records:
         rec["tree_dir"] = tree_dir
-        records.append(rec)
-        print(f"[audit worker] {tree.label} {spec.label} dp={dp} {rec['wall_s']:.1f} s"
-              + (f" ERROR {rec['error'][:200]}" if "error" in rec else ""), flush=True)  # fmt: skip
     Path(args.out).write_text(json.dumps(records, indent=1))
     return 0
 

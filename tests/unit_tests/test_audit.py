@@ -11,11 +11,12 @@
    the collective counts of the pristine tree follow from the shares the optimizer made (two
    sources of one run), 0.18.2's layout padding equals what megatron itself logs, and the
    report has a table per model and a plot.
-3. The README's claims for the series hold on every series cell of that run, on every path
-   (async, forced, optimizer): 0 bytes of megatron temporaries and of NCCL temporaries, no
-   zero-size NCCL call, no more NCCL calls and group launches than 0.17.1 wherever 0.17.1
-   runs, and exactly the other ranks' shares on the wire (``series_claim_failures``). The
-   same check on a tree with a deliberate bug (``tests/mutants/``) fails.
+3. The README's claims for the series hold on every cell of that run of each series (0.17.1,
+   0.19), on every path (async, forced, optimizer), against its pristine tree: the audit's own
+   ``series_claims`` (0 bytes of NCCL temporaries, no zero-size NCCL call, launches at most
+   pristine's, ...), and exactly the other ranks' shares on the wire
+   (``series_claim_failures``); 0.19's trees count what their 0.17.1 and 0.18.2 counterparts do.
+   The same check on a tree with a deliberate bug (``tests/mutants/``) fails.
 
 4. Your model (``audit_param_sync.py ... -- <pretrain_gpt.py flags>``): the flags of Llama-3-8B
    TP 1 (0.17.1, pristine and the series, DP 8 and 64) and of the MoE model (pristine 0.19.2,
@@ -67,16 +68,24 @@ PING_PONG_REVERSED = "dp_cp_loop = list(range(dp_cp_size))[::-1] + list(range(dp
 pytestmark = [pytest.mark.gloo]
 
 
+def run_python(args, tree=None, ok=(0,)) -> subprocess.CompletedProcess:
+    """``python ARGS`` from the repo root: on ``tree`` (a tree label or directory, first on
+    PYTHONPATH, the CPU runtime layer forced) or in this checkout's environment. Asserts an
+    exit status in ``ok`` (None: any), showing the output's tail."""
+    env = None
+    if tree is not None:
+        env = env_for_tree(tree)
+        env.update(MEGATRON_CPU_RUNTIME="force", OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    proc = subprocess.run([sys.executable, *map(str, args)], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
+                          timeout=TIMEOUT_S)  # fmt: skip
+    assert ok is None or proc.returncode in ok, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
 def audit_cell(tree_label: str, tree_dir, out: Path) -> dict:
     """The audit worker's record of the check model at DP 4 (bucket detail on) on ``tree_dir``."""
-    env = env_for_tree(tree_dir)
-    env.update(MEGATRON_CPU_RUNTIME="force", OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    proc = subprocess.run(
-        [sys.executable, str(WORKER), "--tree", tree_label, "--cells", f"{CHECK_MODEL}:{CHECK_DP}",
-         "--paths", "async", "--bucket-detail", "--out", str(out)],
-        cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT_S,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run_python([WORKER, "--tree", tree_label, "--cells", f"{CHECK_MODEL}:{CHECK_DP}", "--paths", "async",
+                "--bucket-detail", "--out", out], tree=tree_dir)  # fmt: skip
     (rec,) = json.loads(out.read_text())
     assert "error" not in rec, rec.get("traceback", rec["error"])
     return rec
@@ -152,9 +161,7 @@ def test_comparison_fails_with_reversed_ping_pong(allocated, tmp_path):
 def audit(tmp_path_factory):
     """``audit_param_sync.py --quick`` into a temporary directory: (out_dir, rc, data)."""
     out = tmp_path_factory.mktemp("audit")
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--out-dir", str(out)],
-                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=TIMEOUT_S)  # fmt: skip
-    assert proc.returncode in (0, 1), proc.stdout[-3000:] + proc.stderr[-3000:]
+    proc = run_python([SCRIPT, "--quick", "--out-dir", out], ok=(0, 1))
     return out, proc.returncode, json.loads((out / "real_shapes.json").read_text())
 
 
@@ -223,22 +230,19 @@ def test_layout_padding_is_megatrons_own(audit):
     assert layout_trees == ["pristine-0.18.2-layout", "pristine-0.19-layout"]
     for tree in layout_trees:
         for model in grid.QUICK_MODELS:
-            _layout_padding_is_megatrons_own(sorted(_cells(data, tree=tree, model=model), key=lambda c: c["dp"]))
+            cells = sorted(_cells(data, tree=tree, model=model), key=lambda c: c["dp"])
+            assert [c["dp"] for c in cells] == sorted(grid.QUICK_DP_SIZES)
+            for c in cells:
+                layerwise_pad = sum(b["numel"] - b["param_numel"] for b in c["buckets"] if b["layerwise"])
+                assert c["megatron_layout_log"], "megatron logged no layout"
+                assert layerwise_pad == sum(e["total_padding"] for e in c["megatron_layout_log"])
+                assert c["padding_elements"] >= layerwise_pad
+                r = c["paths"]["async"]
+                assert set(r["forms"]) == {"all_gather_into_tensor"}
+                assert r["megatron_peak_bytes"] == 0 == r["nccl_temporary_bytes"]
+            assert cells[-1]["padding_bytes"] > cells[0]["padding_bytes"] > 0
     for c in _cells(data, tree="pristine-0.17.1"):
         assert c["padding_elements"] == 0
-
-
-def _layout_padding_is_megatrons_own(cells):
-    assert [c["dp"] for c in cells] == sorted(grid.QUICK_DP_SIZES)
-    for c in cells:
-        layerwise_pad = sum(b["numel"] - b["param_numel"] for b in c["buckets"] if b["layerwise"])
-        assert c["megatron_layout_log"], "megatron logged no layout"
-        assert layerwise_pad == sum(e["total_padding"] for e in c["megatron_layout_log"])
-        assert c["padding_elements"] >= layerwise_pad
-        r = c["paths"]["async"]
-        assert set(r["forms"]) == {"all_gather_into_tensor"}
-        assert r["megatron_peak_bytes"] == 0 == r["nccl_temporary_bytes"]
-    assert cells[-1]["padding_bytes"] > cells[0]["padding_bytes"] > 0
 
 
 def test_markdown_and_plot(audit):
@@ -256,79 +260,46 @@ def test_markdown_and_plot(audit):
 
 # ---------------------------------------------------------------- the series' claims
 def series_claim_failures(cells: list, pristine: list) -> list:
-    """The README's claims for the series, one message per failure (empty: all hold).
+    """The README's claims for the series on ``cells`` (slim records of a series tree) against
+    ``pristine`` (its pristine tree's same cells), one message per failure (empty: all hold):
+    every claim of ``report.series_claims`` (0 bytes in NCCL, no zero-size operation, launches
+    at most pristine's; per path: megatron's temporaries, NCCL operations), every path ran with
+    at least one NCCL operation, and on the async and optimizer paths exactly the params other
+    ranks own are on the wire (the series never pads)."""
+    from harness.audit.report import series_claims
 
-    For every series cell (``cells``) and every path: it ran; NCCL would allocate 0 bytes
-    (temporaries and peaks); no zero-size NCCL call; at least one NCCL call; and wherever
-    0.17.1 ran the same cell and path (``pristine``, same model and DP), at most its group
-    launches. By path:
-
-    - async (the forward's gathers into idle grad_data): megatron allocates 0 bytes, and the
-      NCCL calls are at most 0.17.1's;
-    - forced: a temporary per bucket, one bucket at a time, as 0.17.1 (megatron's peak at
-      most the largest layer-wise bucket's params), and the NCCL calls at most 0.17.1's;
-    - optimizer (each param broadcast in place): megatron allocates 0 bytes, and there is
-      one NCCL call per param of the model on this rank (more than 0.17.1's one per DP
-      rank where DP is below the param count).
-
-    On the async and optimizer paths, exactly the bytes of the params other ranks own are on
-    the wire (the series never pads)."""
-    fails = []
-    up = {(c["model"], c["dp"]): c for c in pristine}
+    fails = [f"{c['tree']}/{c['model']}/dp{c['dp']}/{c['path']}: {why}"
+             for c in series_claims(cells + pristine) if not c["holds"] for why in c["why"].split("; ")]  # fmt: skip
     for c in cells:
         for path in PATHS:
-            where = f"{c['tree']}/{c['model']}/dp{c['dp']}/{path}"
-            r = c.get("paths", {}).get(path)
-            if r is None or "error" in r:
-                fails.append(f"{where}: did not run: {r and r['error']}")
-                continue
-            zero = ["nccl_temporary_bytes", "nccl_peak_bytes", "zero_size_ops"]
-            if path != "forced":
-                zero += ["megatron_temporary_bytes", "megatron_peak_bytes"]
-            for key in zero:
-                if r[key] != 0:
-                    fails.append(f"{where}: {key} {r[key]}, claimed 0")
-            if r["ops"] < 1:
-                fails.append(f"{where}: no NCCL call")
-            layerwise = [b for b in c["buckets"] if b["layerwise"]]
-            if path == "optimizer" and r["ops"] != sum(b["params"] for b in layerwise if b.get("ranks", c["expert_dp"] if b["expert"] else c["dp"]) > 1):
-                fails.append(f"{where}: {r['ops']} NCCL calls, claimed one per sharded param")
-            largest = max(b["param_numel"] for b in layerwise) * c["param_bytes"] // c["param_numel"]
-            if path == "forced" and r["megatron_peak_bytes"] > largest:
-                fails.append(f"{where}: megatron peak {r['megatron_peak_bytes']} B > the largest bucket's {largest} B")
-            u = up.get((c["model"], c["dp"]), {}).get("paths", {}).get(path)
-            if u is not None and "error" not in u:
-                keys = ("launches",) if path == "optimizer" else ("ops", "launches")
-                for key in keys:
-                    if r[key] > u[key]:
-                        fails.append(f"{where}: {key} {r[key]} > 0.17.1's {u[key]}")
-            if path != "forced" and r["wire_bytes"] != c["exact_receive_bytes"]:
+            where, r = f"{c['tree']}/{c['model']}/dp{c['dp']}/{path}", c.get("paths", {}).get(path, {})
+            if "error" in r:
+                continue  # a failed claim above
+            if r.get("ops", 0) < 1:
+                fails.append(f"{where}: did not run, or no NCCL operation")
+            elif path != "forced" and r["wire_bytes"] != c["exact_receive_bytes"]:
                 fails.append(f"{where}: received {r['wire_bytes']} B, others own {c['exact_receive_bytes']} B")
     return fails
 
 
-def test_series_claims_hold_on_every_series_cell(audit):
-    """0 bytes (megatron and NCCL), no zero-size call, NCCL calls and launches at most
-    0.17.1's, on every cell and path of the quick audit; every cell but 0.17.1's known
-    crashes (expert-DP 1, async and forced paths) is compared with 0.17.1."""
+@pytest.mark.parametrize("series", sorted(grid.SERIES_PAIRS))
+def test_series_claims_hold_on_every_series_cell(audit, series):
+    """Every claim on every cell and path of the quick audit, each series against its pristine
+    tree; every cell and path is compared but pristine 0.17.1's known crashes (expert-DP 1,
+    async and forced paths)."""
     _, _, data = audit
-    series, pristine = _cells(data, tree="series-0.17.1"), _cells(data, tree="pristine-0.17.1")
-    assert len(series) == len(grid.QUICK_MODELS) * len(grid.QUICK_DP_SIZES)
-    assert series_claim_failures(series, pristine) == []
-    compared = {(c["model"], c["dp"], p) for c in pristine for p in PATHS if "error" not in c["paths"][p]}
-    crashed = {(c["model"], c["dp"], p) for c in pristine if c["expert_dp"] == 1 for p in ("async", "forced")}
-    assert compared == {(c["model"], c["dp"], p) for c in series for p in PATHS} - crashed
+    pristine = _cells(data, tree=grid.SERIES_PAIRS[series])
+    assert len(_cells(data, tree=series)) == len(grid.QUICK_MODELS) * len(grid.QUICK_DP_SIZES)
+    assert series_claim_failures(_cells(data, tree=series), pristine) == []
+    crashed = {(c["model"], c["dp"], p) for c in pristine for p in PATHS if "error" in c["paths"][p]}
+    known = {(c["model"], c["dp"], p) for c in pristine if c["expert_dp"] == 1 for p in ("async", "forced")}
+    assert crashed == (known if series == "series-0.17.1" else set())
 
 
-def test_019_series_claims_hold_and_equal_the_0171_series(audit):
-    """The 0.19 series (series-0.19) against pristine 0.19.2's legacy path, on every quick
-    cell and path: the same claims (0 bytes, no zero-size call, calls and launches at most
-    0.19.2's, exact wire bytes); and every count equal to the 0.17.1 series' on the same
-    cell. 0.19.2's legacy path is measured too: it equals 0.18.2's on every cell."""
+def test_019_trees_measure_as_their_0171_and_0182_counterparts(audit):
+    """On every quick cell and path, the 0.19 series counts exactly what the 0.17.1 series
+    does, and 0.19.2's legacy path what 0.18.2's does."""
     _, _, data = audit
-    series, pristine = _cells(data, tree="series-0.19"), _cells(data, tree="pristine-0.19")
-    assert len(series) == len(grid.QUICK_MODELS) * len(grid.QUICK_DP_SIZES)
-    assert series_claim_failures(series, pristine) == []
     keys = ("calls", "ops", "zero_size_ops", "launches", "wire_bytes", "zeroed_grad_bytes",
             "nccl_temporary_bytes", "megatron_temporary_bytes")
     for tree, other in (("series-0.19", "series-0.17.1"), ("pristine-0.19", "pristine-0.18.2")):
@@ -343,28 +314,18 @@ def test_series_claims_fail_on_a_mutant(audit, tmp_path):
     """Teeth: the same check on a tree whose forward gathers never receive into grad_data
     (``CLAIM_MUTANT``) fails on megatron's temporaries of the async path, and on nothing
     else."""
-    _, _, data = audit
-    tree = make_mutant_tree(CLAIM_MUTANT, tmp_path / "tree")
-    env = env_for_tree(tree)
-    env.update(MEGATRON_CPU_RUNTIME="force", OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    out = tmp_path / "mutant.json"
-    proc = subprocess.run([sys.executable, str(WORKER), "--tree", "series-0.17.1", "--cells", CLAIM_MUTANT_CELL, "--out", str(out)],
-                          cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    from harness.audit.run import exact_receive_bytes
+    from harness.audit.report import CLAIMS, claims_lines, series_claims
+    from harness.audit.run import published_cells
 
-    cells = []
-    for rec in json.loads(out.read_text()):
-        rec["exact_receive_bytes"] = exact_receive_bytes(rec)
-        cells.append(rec)
+    _, _, data = audit
+    out = tmp_path / "mutant.json"
+    run_python([WORKER, "--tree", "series-0.17.1", "--cells", CLAIM_MUTANT_CELL, "--out", out],
+               tree=make_mutant_tree(CLAIM_MUTANT, tmp_path / "tree"))  # fmt: skip
+    cells = published_cells(json.loads(out.read_text()))
     fails = series_claim_failures(cells, _cells(data, tree="pristine-0.17.1"))
     assert fails and all("/async: megatron_" in f and "claimed 0" in f for f in fails), fails
-    # The audit's own check and its printed claims say the same: the async path's does not hold.
-    from harness.audit.report import CLAIMS, claims_lines, series_claims, slim
-
-    claims = series_claims([slim(c) for c in cells] + _cells(data, tree="pristine-0.17.1"))
-    assert {c["path"] for c in claims if not c["holds"]} == {"async"}, claims
-    printed = claims_lines(claims)
+    # The flag path prints the same verdict: the async path's claim does not hold.
+    printed = claims_lines(series_claims(cells + _cells(data, tree="pristine-0.17.1")))
     assert any(ln.strip().startswith(f"async forward gather: {CLAIMS['async']}: does not hold: DP 64: megatron_")
                for ln in printed), printed  # fmt: skip
 
@@ -378,16 +339,13 @@ def test_series_claims_hold_with_vpp(tmp_path):
     one layer-wise optimizer) on 0.17.1 and the series: the series' claims hold there
     too, and the optimizer path gathers every chunk at once (1 launch, as 0.17.1's one
     list all_gather)."""
-    from harness.audit.run import exact_receive_bytes, worker_command
+    from harness.audit.run import published_cells
 
     cells = {}
     for tree in ("pristine-0.17.1", "series-0.17.1"):
         out = tmp_path / f"{tree}.json"
-        argv, env = worker_command(tree, f"{VPP_MODEL}:64", out)
-        proc = subprocess.run(argv, env=env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=TIMEOUT_S)
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-        (cells[tree],) = json.loads(out.read_text())
-        cells[tree]["exact_receive_bytes"] = exact_receive_bytes(cells[tree])
+        run_python([WORKER, "--tree", tree, "--cells", f"{VPP_MODEL}:64", "--out", out], tree=tree)
+        (cells[tree],) = published_cells(json.loads(out.read_text()))
     up, series = cells["pristine-0.17.1"], cells["series-0.17.1"]
     assert up["vpp"] == 5 and up["num_bucket_groups"] == series["num_bucket_groups"] == 5
     assert series_claim_failures([series], [up]) == []
@@ -444,8 +402,7 @@ PUBLISHED = REPO_ROOT / "docs" / "bench" / "real_shapes.json"
 
 def run_audit_flags(out: Path, flags, *options) -> subprocess.CompletedProcess:
     """``audit_param_sync.py OPTIONS --out-dir OUT -- FLAGS``."""
-    return subprocess.run([sys.executable, str(SCRIPT), *options, "--out-dir", str(out), "--", *flags],
-                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=TIMEOUT_S)  # fmt: skip
+    return run_python([SCRIPT, *options, "--out-dir", out, "--", *flags], ok=None)
 
 
 def cell_differences(got: dict, want: dict) -> list:
@@ -571,12 +528,8 @@ print("RESULT " + json.dumps(out))
 def worker_019():
     """The output of WORKER_019_SCRIPT (one worker process on pristine 0.19.2)."""
     flags_te = _drop(_drop(_LLAMA, "--transformer-impl"), "--optimizer")
-    env = env_for_tree(grid.tree_dir(grid.TREES[WORKER_019_TREE]))
-    env.update(MEGATRON_CPU_RUNTIME="force", OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     job = [{k: f for k, (f, _) in BAD_FLAGS.items()}, AT_WORLD_12, flags_te, AUDIT_MODEL]
-    proc = subprocess.run([sys.executable, "-P", "-c", WORKER_019_SCRIPT, WORKER_019_TREE, json.dumps(job)],
-                          cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    proc = run_python(["-P", "-c", WORKER_019_SCRIPT, WORKER_019_TREE, json.dumps(job)], tree=WORKER_019_TREE)
     return json.loads(proc.stdout.split("RESULT ", 1)[1])
 
 
@@ -611,15 +564,13 @@ def test_te_spec_gives_tes_parameter_layout(worker_019):
 def test_moe_flags_reproduce_the_builtin_cells(audit, worker_019):
     """The MoE model's flags on 0.19.2's own parser and gpt_builder at DP 64 (expert DP 8:
     expert buckets gathered) give exactly the built-in model's cell of the quick audit."""
-    from harness.audit.report import slim
-    from harness.audit.run import exact_receive_bytes
+    from harness.audit.run import published_cells
 
     _, _, data = audit
     rec = worker_019["moe"]
     assert "flags_error" not in rec and rec["layer_spec"] == "local", rec.get("flags_error")
-    rec["exact_receive_bytes"] = exact_receive_bytes(rec)
     (want,) = _cells(data, tree=WORKER_019_TREE, model=AUDIT_MODEL, dp=64)
-    assert cell_differences(slim(rec), want) == []
+    assert cell_differences(published_cells([rec])[0], want) == []
 
 
 def test_bad_flags_exit_2_with_no_traceback_and_nothing_written(tmp_path):
@@ -805,11 +756,7 @@ def test_step_estimate_is_megatrons_theoretical_memory(user_audit):
     from harness.audit.report import forced_against_step, gib, theory_text, transient_peak
 
     data, stdout, out = user_audit
-    env = env_for_tree(grid.tree_dir(grid.TREES["pristine-0.19"]))
-    env.update(MEGATRON_CPU_RUNTIME="force", OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    proc = subprocess.run([sys.executable, "-P", "-c", DIRECT_THEORY, json.dumps([USER_FLAGS, 8])],
-                          cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    proc = run_python(["-P", "-c", DIRECT_THEORY, json.dumps([USER_FLAGS, 8])], tree="pristine-0.19")
     line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("Theoretical memory footprints:"))
     direct = [float(x) for x in __import__("re").findall(r"=([0-9.]+) MB", line)]
     assert len(direct) == 3 and direct[2] > 1000
