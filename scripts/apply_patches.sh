@@ -187,6 +187,11 @@ while IFS= read -r line || [[ -n "$line" ]]; do
 done < "$PD/series"
 [[ ${#PATCHES[@]} -gt 0 ]] || die 1 "$PD/series names no patch; restore patches/ from git (git checkout -- patches) or set PATCHES_DIR to a series directory"
 
+# The tests/unit_tests/ parts of the series (each patch's own tests) apply only to a Megatron-LM
+# checkout: elsewhere (site-packages, a copy of megatron/) every git apply / git am leaves them
+# out (XCL) and their files are not checked.
+XCL=()
+[[ -d "$T/tests/unit_tests" && -f "$T/pretrain_gpt.py" ]] || XCL=(--exclude='tests/*')
 BASE="" ALSO=() MPATCH=() MPSHA=() FILES=() PRI=() PAT=()
 while IFS= read -r line || [[ -n "$line" ]]; do
     [[ "$line" =~ ^[[:space:]]*(#|$) ]] && continue
@@ -195,7 +200,7 @@ while IFS= read -r line || [[ -n "$line" ]]; do
         base)  BASE="$f1" ;;
         also)  read -r -a ALSO <<<"${line#also}" ;;
         patch) MPSHA+=("$f1"); MPATCH+=("$f2") ;;
-        file)  PRI+=("$f1"); PAT+=("$f2"); FILES+=("$f3") ;;
+        file)  [[ ${#XCL[@]} -gt 0 && "$f3" == tests/unit_tests/* ]] || { PRI+=("$f1"); PAT+=("$f2"); FILES+=("$f3"); } ;;
         *)     die 1 "$PD/manifest.sha256 has an unknown line '$line'; restore it from git or run scripts/refresh_patches.sh" ;;
     esac
 done < "$PD/manifest.sha256"
@@ -244,24 +249,11 @@ if [[ "$HAVE" != "$BASE" && $NEXT == 0 ]]; then
     fi
 fi
 
-# The tests/unit_tests/ parts of the series (each patch's own tests) apply only to a Megatron-LM
-# checkout: elsewhere (site-packages, a copy of megatron/) every git apply / git am leaves them
-# out (XCL) and their files are not checked.
-NOTE="" XCL=()
+NOTE=""
 # The state/result line, then NOTE (a three-way --check's note on uncommitted changes), if any.
 report() { echo "$*"; [[ -z "$NOTE" ]] || echo "$NOTE"; }
 # The commits a git mode made: "abc1234..def5678".
 span() { echo "$(git -C "$T" rev-parse --short "$ORIG_HEAD")..$(git -C "$T" rev-parse --short HEAD)"; }
-if [[ ! -d "$T/tests/unit_tests" || ! -f "$T/pretrain_gpt.py" ]]; then
-    XCL=(--exclude='tests/*')
-    kf=() kpri=() kpat=()
-    for i in "${!FILES[@]}"; do
-        [[ "${FILES[$i]}" == tests/unit_tests/* ]] && continue
-        kf+=("${FILES[$i]}"); kpri+=("${PRI[$i]}"); kpat+=("${PAT[$i]}")
-    done
-    FILES=("${kf[@]}") PRI=("${kpri[@]}") PAT=("${kpat[@]}")
-fi
-
 N=${#PATCHES[@]}
 
 # Git mode: TARGET is the top level of a work tree that tracks megatron/.
