@@ -19,21 +19,14 @@
 #   0.16 and older, 0.21 and later: no series here.
 #
 # Your own tree (docs/own_tree.md): a git checkout that is not exactly a base (a fork with its own
-# commits in the touched files, or the minor version after the newest base, which upstream main
-# carries until its release: main at d98e8a64dd says 0.20.0 and gets patches/0.19/) gets the
-# series by a three-way merge (git am -3), one commit per patch. The first stdout line names the
-# series and why. It is worked out in a scratch clone (--shared, sparse: only the touched files);
-# the checkout moves only when every patch went in, by a fast-forward. It refuses with one line,
-# changing nothing, a tree whose touched code lacks what the series builds on (e.g. no grad_data
-# gather, exit 5), a conflict (exit 6: the patch; every file git leaves unmerged, with the
-# patch's hunk and the line of the first conflict marker; how to merge by hand, after which
-# scripts/run_functional_test.sh --checkout TARGET compares the merged tree with its commit
-# before the series), a repository without the base's blobs that the merge starts from (shallow
-# clone, a copy without history: exit 7, with the fetch that gets them), and such a tree that is
-# not a git checkout (exit 5). --check lists per patch "applies", "applies at shifted lines",
-# "merges three-way" or "conflicts in FILE, hunk @@ ... @@ (markers from line N)", one entry per
-# conflicting file. "Applied" there means: every patch's subject is a commit in HEAD's history
-# (newer than any revert of it); --reverse reverts those commits.
+# commits in the touched files, or upstream main: main at d98e8a64dd says 0.20.0 and gets
+# patches/0.19/) gets the series by a three-way merge (git am -3), one commit per patch; the
+# first stdout line names the series and why. It is worked out in a scratch clone (--shared,
+# sparse: only the touched files); the checkout moves only when every patch went in, by a
+# fast-forward. Refusals: exit 5, 6 and 7 below. --check lists per patch "applies", "applies at
+# shifted lines", "merges three-way" or "conflicts in FILE, hunk @@ ... @@ (markers from line
+# N)", one entry per conflicting file. "Applied" there means: every patch's subject is a commit
+# in HEAD's history (newer than any revert of it); --reverse reverts those commits.
 #
 # Usage: scripts/apply_patches.sh TARGET [--check | --reverse]
 #   TARGET   a Megatron-LM git checkout (at tag core_v0.17.1 or core_v0.19.0, a fork of one,
@@ -71,32 +64,31 @@
 #      three-way: some of the series' commits are in HEAD's history, not all
 #   5  wrong base: megatron/core/package_info.py names no version a series is for (manifest.sha256
 #      `base` or `also`: 0.17.1; 0.19.0 to 0.19.2) and is not the minor version after the newest
-#      base (0.20); or a tree the series cannot serve (above)
+#      base (0.20); three-way: the touched code lacks what the series builds on (e.g. no
+#      grad_data gather), or the tree is not a git checkout
 #   6  three-way (a git checkout that is not exactly a base): a patch conflicts. The line names
 #      every conflicting file, the hunk and the line of its first conflict marker, and how to merge
 #      by hand; HEAD, refs, status and files are unchanged (applying stores, as unreferenced
 #      objects, the series' intermediate file states that the hand merge's git am -3 needs)
-#   7  three-way: the repository lacks the base's blobs the merge starts from; nothing changed
+#   7  three-way: the repository (a shallow clone, a copy without history) lacks the base's blobs
+#      the merge starts from; the line names the fetch that gets them; nothing changed
 #   130 interrupted (INT/TERM/HUP) while writing; the touched files (git: HEAD too) were restored
 #
 # How it stays all-or-nothing:
-#   1. Validate everything first: the series file, every patch's sha256 against
-#      manifest.sha256 (a truncated or corrupt patch is caught here), the target's version,
-#      and the state of each touched file (pristine / patched / foreign) by sha256.
-#   2. Dry-run the whole series, in order, on a scratch copy of the touched files with
-#      `git apply -v`, for plain directories and git checkouts alike. Why git apply and not
-#      patch(1): it never fuzzes, applies each patch atomically, understands git's new-file and
-#      mode headers, is what `git am` uses (so the dry run predicts the git path exactly), and
-#      -v reports any hunk that lands at an offset, which we refuse. The result must hash to the manifest's patched (or, reversing, pristine) sha256.
-#      git apply runs outside any repository (GIT_CEILING_DIRECTORIES) with the user's and the
-#      system's git config ignored, so an `apply.whitespace=fix` or a surrounding repo cannot
-#      change or silently skip anything.
-#   3. Check that every touched file and its directory can be written (an explicit probe: for
-#      root, permission bits do not stop writes, but read-only mounts and `chattr +i` do).
+#   1. Validate everything first: the series file, every patch's sha256 against manifest.sha256
+#      (a truncated or corrupt patch is caught here), the target's version, and the state of
+#      each touched file (pristine / patched / foreign) by sha256.
+#   2. Dry-run the whole series on a scratch copy of the touched files with `git apply -v`: what
+#      `git am` uses (so the dry run predicts the git path exactly), never fuzzes, applies each
+#      patch atomically; -v reports a hunk that lands at an offset, which is refused. It runs
+#      outside any repository with the user's and the system's git config ignored (no
+#      `apply.whitespace=fix`). The result must hash to the manifest's patched (or, reversing,
+#      pristine) sha256.
+#   3. Check that every touched file and its directory can be written (a probe file: root
+#      ignores permission bits, but not read-only mounts or `chattr +i`).
 #   4. Apply: plain directory -> stage every new file next to its target, then rename them in;
-#      a failure restores the originals from the scratch copy. Git checkout -> `git am` (on
-#      failure `git am --abort` and a restore of the touched files to the original HEAD);
-#      reverse -> `git apply -R --index` + `git commit` per patch, rolled back on failure.
+#      git checkout -> `git am`; reverse -> `git apply -R --index` + `git commit` per patch. A
+#      failure restores the touched files (and HEAD) from the scratch copy / the original HEAD.
 #   5. Verify the touched files now hash to the expected state.
 set -euo pipefail
 
@@ -110,6 +102,11 @@ usage() { die 2 "usage: scripts/apply_patches.sh TARGET [--check | --reverse]${1
 sha() { sha256sum -- "$1" | cut -d' ' -f1; }
 # git for scratch work: no user/system config, never inside a surrounding repository.
 gscratch() { GIT_CONFIG_NOSYSTEM=1 GIT_CONFIG_GLOBAL=/dev/null GIT_CEILING_DIRECTORIES="$SCRATCH" LC_ALL=C git "$@"; }
+mkscratch() { SCRATCH="$(mktemp -d "${TMPDIR:-/tmp}/apply_patches.XXXXXX")"; trap 'rm -rf "$SCRATCH"' EXIT; }
+# join SEP ITEM...: the items with SEP between them.
+join() { local sep="$1" out; shift; out="$(printf "%s$sep" "$@")"; echo "${out%"$sep"}"; }
+# git_why OUTPUT: git's first error/fatal line, without its prefix.
+git_why() { grep -m1 -E '^(error|fatal):' <<<"$1" | sed -E 's/^(error|fatal): //; s/\.+$//' || true; }
 
 # ---------------------------------------------------------------- arguments
 MODE=apply TARGET=""
@@ -140,45 +137,39 @@ if [[ ! -f "$PINFO" ]]; then
 fi
 
 # ---------------------------------------------------------------- the series
-# patches/<base>/ holds the series of one base (its manifest.sha256 names it). Without
-# PATCHES_DIR, take the folder whose base is the version in TARGET's package_info.py, else
-# the first folder: its checks below refuse TARGET with a line that says what to do.
 # version_field PACKAGE_INFO NAME: MAJOR, MINOR or PATCH of megatron/core/package_info.py.
 version_field() { { sed -nE "s/^$2[[:space:]]*=[[:space:]]*([0-9A-Za-z]+).*/\\1/p" "$1" 2>/dev/null || true; } | head -n1; }
-# NEWEST=1: PD is the series of the newest base here (or PATCHES_DIR's); only that series may
-# serve the next minor version three-way (upstream main after that base, see the header).
-NEWEST=1
+latest() { printf '%s\n' "$@" | sort -V | tail -n1; }
+manifests() { for m in "$ROOT"/patches/*/manifest.sha256; do [[ ! -f "$m" ]] || echo "$m"; done; }
+base_of() { awk '$1 == "base" {print $2; exit}' "$1"; }
+# Without PATCHES_DIR: the patches/<base>/ folder whose manifest names TARGET's version (`base`
+# or `also`), else one of the same minor version (0.19.3: its refusal says which release to
+# take), else the newest base's if TARGET is the minor version after it (upstream main between
+# two releases), else the first folder: its checks below refuse TARGET with a line that says
+# what to do.
 if [[ -z "$PD" ]]; then
     want="$(version_field "$PINFO" MAJOR).$(version_field "$PINFO" MINOR).$(version_field "$PINFO" PATCH)"
-    newest="" newest_v="" matched="" sameminor=""
-    for m in "$ROOT"/patches/*/manifest.sha256; do
-        [[ -f "$m" ]] || continue
-        [[ -n "$PD" ]] || PD="$(dirname "$m")"
-        b="$(awk '$1 == "base" {print $2; exit}' "$m")"
-        if [[ -n "$b" ]] && { [[ -z "$newest_v" ]] || [[ "$(printf '%s\n%s\n' "$newest_v" "$b" | sort -V | tail -n1)" == "$b" ]]; }; then
-            newest="$(dirname "$m")" newest_v="$b"
-        fi
+    first="" newest="" newest_v="" matched="" sameminor=""
+    while read -r m; do
+        d="$(dirname "$m")" b="$(base_of "$m")"
+        first="${first:-$d}"
+        [[ -z "$b" || "$(latest "$newest_v" "$b")" != "$b" ]] || newest="$d" newest_v="$b"
         if [[ -z "$matched" ]] && awk -v v="$want" '($1 == "base" || $1 == "also") { for (i = 2; i <= NF; i++) if ($i == v) f = 1 } END { exit !f }' "$m"; then
-            matched="$(dirname "$m")"
+            matched="$d"
         fi
-        # Another patch release of a base's minor version (0.19.3): that series, whose refusal
-        # says which release to take.
-        [[ -n "$sameminor" || -z "$b" || "${b%.*}" != "${want%.*}" ]] || sameminor="$(dirname "$m")"
-    done
-    [[ -n "$PD" ]] || die 1 "no series under $ROOT/patches/ (patches/<base>/series); restore patches/ (git checkout -- patches) or set PATCHES_DIR to a series directory"
+        [[ -n "$sameminor" || -z "$b" || "${b%.*}" != "${want%.*}" ]] || sameminor="$d"
+    done < <(manifests)
+    [[ -n "$first" ]] || die 1 "no series under $ROOT/patches/ (patches/<base>/series); restore patches/ (git checkout -- patches) or set PATCHES_DIR to a series directory"
+    IFS=. read -r tmaj tmin _ <<<"$want"
+    IFS=. read -r nmaj nmin _ <<<"$newest_v"
     if [[ -n "$matched" ]]; then PD="$matched"
     elif [[ -n "$sameminor" ]]; then PD="$sameminor"
-    elif [[ -n "$newest" ]]; then
-        IFS=. read -r tmaj tmin _ <<<"$want"
-        IFS=. read -r nmaj nmin _ <<<"$newest_v"
-        # The version after the newest base (upstream main says 0.20.0 after 0.19): that series.
-        if [[ "$tmaj" =~ ^[0-9]+$ && "$tmin" =~ ^[0-9]+$ && "$tmaj" == "$nmaj" && "$tmin" == "$((nmin + 1))" ]]; then PD="$newest"; fi
-    fi
-    [[ "$PD" == "$newest" || -z "$newest" ]] || NEWEST=0
+    elif [[ -n "$newest" && "$tmaj" =~ ^[0-9]+$ && "$tmin" =~ ^[0-9]+$ && "$tmaj" == "$nmaj" && "$tmin" == "$((nmin + 1))" ]]; then PD="$newest"
+    else PD="$first"; fi
 fi
 # Every base patches/ has a series for, for a refusal: "0.17.1; 0.19.2 (also 0.19.1, 0.19.0)".
 supported_bases() {
-    for m in "$ROOT"/patches/*/manifest.sha256; do [[ -f "$m" ]] || continue
+    manifests | while read -r m; do
         awk '$1 == "base" {b = $2} $1 == "also" {for (i = 2; i <= NF; i++) a = a (a ? ", " : "") $i}
              END {if (b) printf "%s%s\n", b, (a ? " (also " a ")" : "")}' "$m"; done | paste -sd';' | sed 's/;/; /g'
 }
@@ -196,6 +187,11 @@ while IFS= read -r line || [[ -n "$line" ]]; do
 done < "$PD/series"
 [[ ${#PATCHES[@]} -gt 0 ]] || die 1 "$PD/series names no patch; restore patches/ from git (git checkout -- patches) or set PATCHES_DIR to a series directory"
 
+# The tests/unit_tests/ parts of the series (each patch's own tests) apply only to a Megatron-LM
+# checkout: elsewhere (site-packages, a copy of megatron/) every git apply / git am leaves them
+# out (XCL) and their files are not checked.
+XCL=()
+[[ -d "$T/tests/unit_tests" && -f "$T/pretrain_gpt.py" ]] || XCL=(--exclude='tests/*')
 BASE="" ALSO=() MPATCH=() MPSHA=() FILES=() PRI=() PAT=()
 while IFS= read -r line || [[ -n "$line" ]]; do
     [[ "$line" =~ ^[[:space:]]*(#|$) ]] && continue
@@ -204,7 +200,7 @@ while IFS= read -r line || [[ -n "$line" ]]; do
         base)  BASE="$f1" ;;
         also)  read -r -a ALSO <<<"${line#also}" ;;
         patch) MPSHA+=("$f1"); MPATCH+=("$f2") ;;
-        file)  PRI+=("$f1"); PAT+=("$f2"); FILES+=("$f3") ;;
+        file)  [[ ${#XCL[@]} -gt 0 && "$f3" == tests/unit_tests/* ]] || { PRI+=("$f1"); PAT+=("$f2"); FILES+=("$f3"); } ;;
         *)     die 1 "$PD/manifest.sha256 has an unknown line '$line'; restore it from git or run scripts/refresh_patches.sh" ;;
     esac
 done < "$PD/manifest.sha256"
@@ -230,21 +226,16 @@ for v in "${ALSO[@]}"; do if [[ "$HAVE" == "$v" ]]; then HAVE="$BASE"; fi; done
 # The Megatron-LM tag a refusal names for this series: the oldest of its versions (base, also);
 # for patches/0.19/ that is core_v0.19.0, the tag there is (0.19.1 and 0.19.2 are wheels only).
 TAGV="$(printf '%s\n' "$BASE" "${ALSO[@]}" | sort -V | head -n1)"
-# PATCHES_DIR's series is the newest only if no series under patches/ has a later base.
-# LATEST: the newest base of them all, for the refusal of a version past it.
-LATEST="$BASE"
-for m in "$ROOT"/patches/*/manifest.sha256; do
-    [[ -f "$m" ]] || continue
-    b="$(awk '$1 == "base" {print $2; exit}' "$m")"
-    [[ -n "$b" && "$b" != "$BASE" && "$(printf '%s\n%s\n' "$BASE" "$b" | sort -V | tail -n1)" == "$b" ]] && NEWEST=0
-    [[ -n "$b" && "$(printf '%s\n%s\n' "$LATEST" "$b" | sort -V | tail -n1)" == "$b" ]] && LATEST="$b"
-done
+# LATEST: the newest base here (this series' or one under patches/), for the refusal of a version past it.
+LATEST="$(latest "$BASE" $(manifests | while read -r m; do base_of "$m"; done))"
 IFS=. read -r lmaj lmin _ <<<"$LATEST"
 # NEXT=1: TARGET is the minor version after the newest base (upstream main between two
-# releases says the next one): the series serves it three-way, on a git checkout (decided below).
+# releases says the next one): this series, if it is the newest base's, serves it three-way,
+# on a git checkout (decided below).
 NEXT=0
-if [[ "$HAVE" != "$BASE" && $NEWEST == 1 && "$vmaj" == "$bmaj" && "$vmin" == "$((bmin + 1))" ]]; then NEXT=1; fi
+if [[ "$HAVE" != "$BASE" && "$LATEST" == "$BASE" && "$vmaj" == "$bmaj" && "$vmin" == "$((bmin + 1))" ]]; then NEXT=1; fi
 if [[ "$HAVE" != "$BASE" && $NEXT == 0 ]]; then
+    update="update to $BASE first (git checkout core_v$TAGV in a Megatron-LM clone, or pip install megatron-core==$BASE), then rerun"
     if (( vmaj > lmaj || (vmaj == lmaj && vmin > lmin + 1) )); then
         die 5 "target '$TARGET' has megatron-core $HAVE, past $LATEST, the newest base here, by more than one minor version (the one after it, $lmaj.$((lmin + 1)), is what upstream main carries until its release, and gets the newest base's series three-way): no series here is made or checked for $vmaj.$vmin, so do not apply one. This repository has series for: $(supported_bases). Use a tree at a base (pip install megatron-core==$LATEST, or a Megatron-LM checkout at its tag) or port the series by hand (patches/README.md)"
     elif (( vmaj > bmaj || (vmaj == bmaj && vmin > bmin) )); then
@@ -252,28 +243,17 @@ if [[ "$HAVE" != "$BASE" && $NEXT == 0 ]]; then
         (( vmaj > 0 || vmin >= 19 )) && later=" 0.19 also adds full_param_layout, which gathers in place into param_data with no grad_data reuse."
         die 5 "target '$TARGET' has megatron-core $HAVE, newer than $BASE (patches/$BASE/) and older than the 0.19 series (patches/0.19/): apply neither as it is. $vmaj.$vmin already receives the layer-wise param all-gather into grad_data.view(param_dtype) and zeroes grad_data after the copy-back (upstream #3751 + #4609), and skips the gather at DP size 1.$later What 0.18 still lacks, which this series fixes on $BASE: a forced sync (start_param_sync(force_sync=True)) or free_overlap_buffers() with a gather pending waits but drops the gathered params and leaves grad_data dirty; nothing guards a param sync while the grad buffers are offloaded; the local params are still flattened into a temporary; the optimizer's synchronous all-gather (no --overlap-param-gather) still allocates a receive tensor per rank every step. This repository has series for: $(supported_bases). On 0.18 update to 0.19.2 (pip install megatron-core==0.19.2, or git checkout core_v0.19.0) and apply patches/0.19/ with this script; otherwise keep your version (README.md says what that means for you)"
     elif (( vmaj == bmaj && vmin == bmin )); then
-        die 5 "target '$TARGET' has megatron-core $HAVE, not $BASE, the exact base of this series (made and verified on $BASE's files only): update to $BASE first (git checkout core_v$TAGV in a Megatron-LM clone, or pip install megatron-core==$BASE), then rerun"
+        die 5 "target '$TARGET' has megatron-core $HAVE, not $BASE, the exact base of this series (made and verified on $BASE's files only): $update"
     else
-        die 5 "target '$TARGET' has megatron-core $HAVE, older than $BASE, the exact base of this series: update to $BASE first (git checkout core_v$TAGV in a Megatron-LM clone, or pip install megatron-core==$BASE), then rerun"
+        die 5 "target '$TARGET' has megatron-core $HAVE, older than $BASE, the exact base of this series: $update"
     fi
 fi
 
-# The tests/unit_tests/ parts of the series (each patch's own tests) apply only to a Megatron-LM
-# checkout: elsewhere (site-packages, a copy of megatron/) every git apply / git am leaves them
-# out (XCL) and their files are not checked.
-NOTE="" XCL=()
+NOTE=""
 # The state/result line, then NOTE (a three-way --check's note on uncommitted changes), if any.
 report() { echo "$*"; [[ -z "$NOTE" ]] || echo "$NOTE"; }
-if [[ ! -d "$T/tests/unit_tests" || ! -f "$T/pretrain_gpt.py" ]]; then
-    XCL=(--exclude='tests/*')
-    kf=() kpri=() kpat=()
-    for i in "${!FILES[@]}"; do
-        [[ "${FILES[$i]}" == tests/unit_tests/* ]] && continue
-        kf+=("${FILES[$i]}"); kpri+=("${PRI[$i]}"); kpat+=("${PAT[$i]}")
-    done
-    FILES=("${kf[@]}") PRI=("${kpri[@]}") PAT=("${kpat[@]}")
-fi
-
+# The commits a git mode made: "abc1234..def5678".
+span() { echo "$(git -C "$T" rev-parse --short "$ORIG_HEAD")..$(git -C "$T" rev-parse --short HEAD)"; }
 N=${#PATCHES[@]}
 
 # Git mode: TARGET is the top level of a work tree that tracks megatron/.
@@ -283,14 +263,17 @@ if top="$(git -C "$T" rev-parse --show-toplevel 2>/dev/null)" && [[ "$(cd "$top"
     GIT=1
 fi
 
+set_orig_head() {
+    ORIG_HEAD="$(git -C "$T" rev-parse -q --verify 'HEAD^{commit}')" \
+        || die 1 "git checkout '$TARGET' has no commit yet; commit megatron-core first"
+}
 # git_preconditions: a checkout that git am can work on (sets gd, ORIG_HEAD); dies otherwise.
 git_preconditions() {
     gd="$(git -C "$T" rev-parse --absolute-git-dir)"
     for st in rebase-merge rebase-apply MERGE_HEAD CHERRY_PICK_HEAD REVERT_HEAD; do
         [[ ! -e "$gd/$st" ]] || die 1 "git checkout '$TARGET' is in the middle of an am/rebase/merge ($st); finish or abort it, then rerun"
     done
-    ORIG_HEAD="$(git -C "$T" rev-parse -q --verify 'HEAD^{commit}')" \
-        || die 1 "git checkout '$TARGET' has no commit yet; commit megatron-core first"
+    set_orig_head
     dirty="$(git -C "$T" status --porcelain --untracked-files=all -- "${FILES[@]}")"
     [[ -z "$dirty" ]] || die 1 "git checkout '$TARGET' has uncommitted changes in files the series touches ($(tr '\n' ' ' <<<"$dirty")); commit or stash them, then rerun"
     git -C "$T" var GIT_COMMITTER_IDENT >/dev/null 2>&1 \
@@ -304,27 +287,23 @@ subject_of() { # the Subject of a format-patch file, unfolded, without [PATCH]
 
 # ---------------------------------------------------------------- state of the touched files
 cur_sha() { if [[ -f "$1" && ! -L "$1" ]]; then sha "$1"; elif [[ -e "$1" || -L "$1" ]]; then echo other; else echo -; fi; }
+# (A touched file's pristine and patched sha256 always differ: the manifest lists the files
+# that differ between the two.)
 n_pri=0 n_pat=0 details=()
 for i in "${!FILES[@]}"; do
-    c="$(cur_sha "$T/${FILES[$i]}")"
-    is_pri=0 is_pat=0
-    [[ "$c" == "${PRI[$i]}" ]] && is_pri=1
-    [[ "$c" == "${PAT[$i]}" ]] && is_pat=1
-    n_pri=$((n_pri + is_pri)) n_pat=$((n_pat + is_pat))
-    if [[ $is_pri == 1 && $is_pat == 0 ]]; then details+=("${FILES[$i]}: pristine")
-    elif [[ $is_pat == 1 && $is_pri == 0 ]]; then details+=("${FILES[$i]}: patched")
-    elif [[ $is_pat == 0 && $is_pri == 0 ]]; then
-        [[ "$c" == - ]] && details+=("${FILES[$i]}: missing") || details+=("${FILES[$i]}: foreign changes")
-    fi
+    case "$(cur_sha "$T/${FILES[$i]}")" in
+        "${PRI[$i]}") n_pri=$((n_pri + 1)) st=pristine ;;
+        "${PAT[$i]}") n_pat=$((n_pat + 1)) st=patched ;;
+        -)            st=missing ;;
+        *)            st="foreign changes" ;;
+    esac
+    details+=("${FILES[$i]}: $st")
 done
-NF=${#FILES[@]}
-if [[ $n_pat -eq $NF ]]; then STATE=applied
-elif [[ $n_pri -eq $NF ]]; then STATE=pristine
+if [[ $n_pat -eq ${#FILES[@]} ]]; then STATE=applied
+elif [[ $n_pri -eq ${#FILES[@]} ]]; then STATE=pristine
 else STATE=partial; fi
 partial_msg() {
-    local joined
-    joined="$(printf '%s; ' "${details[@]}")"
-    echo "partly applied or foreign changes in '$TARGET' (${joined%; }); restore those files to megatron-core $BASE (git checkout core_v$TAGV -- <files> / pip install --force-reinstall megatron-core==$BASE) or to the fully patched state, then rerun; a fork of $BASE in a git checkout (whose history holds $BASE's files) gets the series by a three-way merge"
+    echo "partly applied or foreign changes in '$TARGET' ($(join '; ' "${details[@]}")); restore those files to megatron-core $BASE (git checkout core_v$TAGV -- <files> / pip install --force-reinstall megatron-core==$BASE) or to the fully patched state, then rerun; a fork of $BASE in a git checkout (whose history holds $BASE's files) gets the series by a three-way merge"
 }
 
 # ---------------------------------------------------------------- three-way: a tree that is not exactly a base
@@ -332,31 +311,22 @@ partial_msg() {
 # or NEXT: the version after the newest base, upstream main) gets the series by git am -3, one
 # commit per patch, worked out in a scratch clone first; TARGET changes only when every patch
 # went in, by a fast-forward to the scratch clone's commits.
-THREEWAY=0 WHY=""
-if [[ $NEXT == 1 ]]; then
-    WHY="megatron-core $HAVE is the minor version after $BASE, the newest base here, and no release any series is made for: upstream main after $bmaj.$bmin carries it until $vmaj.$vmin is released, so the series of $BASE applies"
-fi
-if [[ $STATE == partial ]] && [[ $NEXT == 1 || $GIT == 1 ]]; then
-    [[ -n "$WHY" ]] || WHY="megatron-core $HAVE, the base of this series, with its own changes in the files the series touches (a fork, or a commit after the release)"
-    if [[ $GIT == 0 ]]; then
-        die 5 "target '$TARGET': $WHY, but only by a three-way merge, which needs a git checkout whose history holds megatron-core $BASE's files, and '$TARGET' is not a git checkout (or not its top level); nothing was changed. Clone Megatron-LM (git clone https://github.com/NVIDIA/Megatron-LM), check out the commit this tree came from, and rerun on the clone"
-    fi
-    THREEWAY=1
-elif [[ $NEXT == 1 ]]; then
+WHY=""
+[[ $NEXT == 0 ]] || WHY="megatron-core $HAVE is the minor version after $BASE, the newest base here, and no release any series is made for: upstream main after $bmaj.$bmin carries it until $vmaj.$vmin is released, so the series of $BASE applies"
+if [[ $NEXT == 1 && $STATE != partial ]]; then
     # The next minor version with the base's touched files byte for byte: the series applies exactly.
     echo "series: $PD ($WHY; its touched files are $BASE's byte for byte)"
-fi
-
-if [[ $THREEWAY == 1 ]]; then
-    [[ $MODE == check ]] || git_preconditions
-    ORIG_HEAD="$(git -C "$T" rev-parse -q --verify 'HEAD^{commit}')" \
-        || die 1 "git checkout '$TARGET' has no commit yet; commit megatron-core first"
+elif [[ $STATE == partial ]] && [[ $NEXT == 1 || $GIT == 1 ]]; then
+    [[ -n "$WHY" ]] || WHY="megatron-core $HAVE, the base of this series, with its own changes in the files the series touches (a fork, or a commit after the release)"
+    [[ $GIT == 1 ]] \
+        || die 5 "target '$TARGET': $WHY, but only by a three-way merge, which needs a git checkout whose history holds megatron-core $BASE's files, and '$TARGET' is not a git checkout (or not its top level); nothing was changed. Clone Megatron-LM (git clone https://github.com/NVIDIA/Megatron-LM), check out the commit this tree came from, and rerun on the clone"
+    if [[ $MODE == check ]]; then set_orig_head; else git_preconditions; fi
     echo "series: $PD ($WHY; three-way merge, git am -3)"
     # Is the series there already? git am keeps each patch's subject as its commit's subject.
-    SUBJ=() FOUND=() MISSING=() FOUND_AT=()
+    FOUND=() MISSING=() FOUND_AT=()
     hist="$(git -C "$T" log --format='%H %s' -n 5000 HEAD -- "${FILES[@]}")"
     for p in "${PATCHES[@]}"; do
-        s="$(subject_of "$PD/$p")"; SUBJ+=("$s")
+        s="$(subject_of "$PD/$p")"
         # the newest commit with that subject, unless a revert of it is newer still
         c="$(awk -v s="$s" 'substr($0, 42) == s {print $1; exit} substr($0, 42) == "Revert \"" s "\"" {exit}' <<<"$hist")"
         if [[ -n "$c" ]]; then FOUND+=("$p"); FOUND_AT+=("$c"); else MISSING+=("$p"); fi
@@ -377,14 +347,11 @@ if [[ $THREEWAY == 1 ]]; then
     # series base minor -> "file|extended regex|what it is" (the series of 0.19 works on the
     # layer-wise gather into grad_data of upstream #3751/#4609; 0.17.1's adds that gather).
     if [[ $MODE != reverse ]]; then
+        NEEDS=("megatron/core/distributed/param_and_grad_buffer.py|layerwise_params_list|layerwise_params_list, the buckets' layer-wise param lists"
+               "megatron/core/optimizer/layer_wise_optimizer.py|def allgather_params\(|allgather_params(), the layer-wise optimizer's gather after the step")
         if (( bmaj == 0 && bmin >= 18 )); then
-            NEEDS=("megatron/core/distributed/param_and_grad_buffer.py|layerwise_params_list|layerwise_params_list, the buckets' layer-wise param lists"
-                   "megatron/core/distributed/param_and_grad_buffer.py|grad_data\.view\(|grad_data gather: the layer-wise param all-gather into bucket.grad_data.view(...) of upstream #3751 + #4609"
-                   "megatron/core/optimizer/layer_wise_optimizer.py|def allgather_params\(|allgather_params(), the layer-wise optimizer's gather after the step"
-                   "megatron/core/optimizer/layer_wise_optimizer.py|def set_bucket_layerwise_params_list\(|set_bucket_layerwise_params_list(), which hands the optimizer's shards to the buckets")
-        else
-            NEEDS=("megatron/core/distributed/param_and_grad_buffer.py|layerwise_params_list|layerwise_params_list, the buckets' layer-wise param lists"
-                   "megatron/core/optimizer/layer_wise_optimizer.py|def allgather_params\(|allgather_params(), the layer-wise optimizer's gather after the step")
+            NEEDS+=("megatron/core/distributed/param_and_grad_buffer.py|grad_data\.view\(|grad_data gather: the layer-wise param all-gather into bucket.grad_data.view(...) of upstream #3751 + #4609"
+                    "megatron/core/optimizer/layer_wise_optimizer.py|def set_bucket_layerwise_params_list\(|set_bucket_layerwise_params_list(), which hands the optimizer's shards to the buckets")
         fi
         for need in "${NEEDS[@]}"; do
             IFS='|' read -r nf nre nwhat <<<"$need"
@@ -397,7 +364,10 @@ if [[ $THREEWAY == 1 ]]; then
     fi
 
     # The blobs a three-way merge starts from: each touched file as the base has it (the first
-    # preimage of each file in the series). A shallow clone or a history-less copy lacks them.
+    # preimage of each file in the series), written to W, where the series' own intermediate
+    # states are made below. A shallow clone or a history-less copy lacks them.
+    mkscratch
+    W="$SCRATCH/states"
     declare -A FIRST=()
     for p in "${PATCHES[@]}"; do
         while read -r f pre; do
@@ -408,19 +378,18 @@ if [[ $THREEWAY == 1 ]]; then
     for f in "${!FIRST[@]}"; do
         pre="${FIRST[$f]}"
         [[ "$pre" =~ ^0+$ ]] && continue
-        git -C "$T" cat-file -e "$pre^{blob}" 2>/dev/null || lacking+=("$f (blob ${pre:0:12})")
+        mkdir -p "$W/$(dirname "$f")"
+        git -C "$T" cat-file blob "$pre" > "$W/$f" 2>/dev/null || lacking+=("$f (blob ${pre:0:12})")
     done
     if [[ ${#lacking[@]} -gt 0 ]]; then
         how="git -C '$TARGET' fetch https://github.com/NVIDIA/Megatron-LM tag core_v$TAGV --no-tags"
         [[ "$(git -C "$T" rev-parse --is-shallow-repository 2>/dev/null)" == true ]] \
             && how="git -C '$TARGET' fetch --unshallow (it is a shallow clone), or $how"
-        die 7 "'$TARGET' lacks the git objects of megatron-core $BASE's files that a three-way merge starts from ($(IFS=,; echo "${lacking[*]}" | sed 's/,/, /g')): a shallow clone or a checkout without history. Fetch them: $how, then rerun; nothing was changed"
+        die 7 "'$TARGET' lacks the git objects of megatron-core $BASE's files that a three-way merge starts from ($(join ', ' "${lacking[@]}")): a shallow clone or a checkout without history. Fetch them: $how, then rerun; nothing was changed"
     fi
 
     # The scratch clone: TARGET's objects borrowed (--shared), only the files the patches touch
     # checked out, at TARGET's HEAD.
-    SCRATCH="$(mktemp -d "${TMPDIR:-/tmp}/apply_patches.XXXXXX")"
-    trap 'rm -rf "$SCRATCH"' EXIT
     S="$SCRATCH/clone"
     ident="$(git -C "$T" var GIT_COMMITTER_IDENT 2>/dev/null || true)"
     if [[ -n "$ident" ]]; then
@@ -435,14 +404,8 @@ if [[ $THREEWAY == 1 ]]; then
         || die 1 "cannot check out HEAD of '$TARGET' in the scratch clone $S; nothing was changed"
     # The series' own intermediate states of each file (base + patches 1..k-1): git am -3 merges
     # patch k from the blob its index line names, which exists nowhere else.
-    W="$SCRATCH/states"; mkdir -p "$W"
-    for f in "${!FIRST[@]}"; do
-        pre="${FIRST[$f]}"; [[ "$pre" =~ ^0+$ ]] && continue
-        mkdir -p "$W/$(dirname "$f")"; git -C "$T" cat-file blob "$pre" > "$W/$f"
-    done
     for p in "${PATCHES[@]}"; do
-        (cd "$W" && GIT_CEILING_DIRECTORIES="$SCRATCH" GIT_CONFIG_NOSYSTEM=1 GIT_CONFIG_GLOBAL=/dev/null \
-            git apply --whitespace=nowarn "${XCL[@]}" -- "$PD/$p") >/dev/null 2>&1 \
+        (cd "$W" && gscratch apply --whitespace=nowarn "${XCL[@]}" -- "$PD/$p") >/dev/null 2>&1 \
             || die 1 "the series does not apply to megatron-core $BASE's own files ($p); restore patches/ from git; nothing was changed"
         while read -r f; do [[ -f "$W/$f" ]] && sg hash-object -w -- "$W/$f" >/dev/null; done \
             < <(sed -n 's#^diff --git a/.* b/\(.*\)$#\1#p' "$PD/$p")
@@ -499,8 +462,8 @@ if [[ $THREEWAY == 1 ]]; then
             echo "  ${FOUND[$i]}: reverted"
         done
     else
-        i=0
-        for p in "${PATCHES[@]}"; do
+        for i in "${!PATCHES[@]}"; do
+            p="${PATCHES[$i]}"
             if out="$(sg apply --check -v "${XCL[@]}" -- "$PD/$p" 2>&1)"; then
                 grep -qi 'offset' <<<"$out" && how="applies at shifted lines" || how="applies"
             else
@@ -517,12 +480,12 @@ if [[ $THREEWAY == 1 ]]; then
                     short+=("$f, hunk ${hk:-?}${mark:+ (markers from line $mark)}")
                     where+=("$f, hunk '${hk:-?}'${mark:+, conflict markers from line $mark}")
                 done < <(unmerged)
-                why="$(grep -m1 -E '^(error|fatal):' <<<"$out" | sed -E 's/^(error|fatal): //; s/\.+$//' || true)"
+                why="$(git_why "$out")"
                 sg am --abort >/dev/null 2>&1 || true
                 if [[ ${#CF[@]} -eq 0 ]]; then short=("its files (git am: ${why:-failed}, no unmerged path)"); where=("${short[@]}"); fi
-                echo "  $p: conflicts in $(printf '%s; ' "${short[@]}" | sed 's/; $//')"
+                echo "  $p: conflicts in $(join '; ' "${short[@]}")"
                 for q in "${PATCHES[@]:$((i + 1))}"; do echo "  $q: not tried (after the conflict)"; done
-                all_list="$(for q in "${PATCHES[@]}"; do printf "'%s' " "$PD/$q"; done)"
+                all_list="$(printf "'%s' " "${PATCHES[@]/#/"$PD"/}")"
                 # git am -3 in TARGET merges each patch from the blobs its index lines name: the
                 # base's files (TARGET has them, checked above) and the series' intermediate states,
                 # which only the scratch clone has. Applying stores the ones TARGET lacks (loose,
@@ -544,12 +507,11 @@ if [[ $THREEWAY == 1 ]]; then
                     done
                     blobs=" (the $nb of the series' intermediate file states it needs, which '$TARGET' lacked, now stored in its objects, unreferenced)"
                 fi
-                if [[ ${#CF[@]} -gt 1 ]]; then files="$(printf '%s, ' "${CF[@]:0:${#CF[@]}-1}" | sed 's/, $//') and ${CF[-1]}, git add them"
+                if [[ ${#CF[@]} -gt 1 ]]; then files="$(join ', ' "${CF[@]:0:${#CF[@]}-1}") and ${CF[-1]}, git add them"
                 else files="${CF[0]:-the conflicting files}, git add it"; fi
-                die 6 "conflict: $p does not merge into '$TARGET': $(printf '%s; ' "${where[@]}" | sed 's/; $//') (lines of the file as git am -3 leaves it, HEAD and the patches before merged)${why:+; git am: $why}. The checkout's own changes touch the lines the patch changes there; nothing was changed (HEAD and status as before). Either move your change off those lines and rerun, or merge by hand: git -C '$TARGET' am -3 ${all_list}(it stops at $p)${blobs}, then in '$TARGET' resolve $files, git am --continue, and resolve likewise any later patch that stops; then check the result with scripts/run_functional_test.sh --checkout '$TARGET', which compares it with the commit before the series"
+                die 6 "conflict: $p does not merge into '$TARGET': $(join '; ' "${where[@]}") (lines of the file as git am -3 leaves it, HEAD and the patches before merged)${why:+; git am: $why}. The checkout's own changes touch the lines the patch changes there; nothing was changed (HEAD and status as before). Either move your change off those lines and rerun, or merge by hand: git -C '$TARGET' am -3 ${all_list}(it stops at $p)${blobs}, then in '$TARGET' resolve $files, git am --continue, and resolve likewise any later patch that stops; then check the result with scripts/run_functional_test.sh --checkout '$TARGET', which compares it with the commit before the series"
             fi
             echo "  $p: $how"
-            i=$((i + 1))
         done
     fi
     NEW="$(sg rev-parse HEAD)"
@@ -568,11 +530,8 @@ if [[ $THREEWAY == 1 ]]; then
         git -C "$T" rev-parse -q --verify HEAD | grep -qx "$ORIG_HEAD" || git -C "$T" reset -q --keep "$ORIG_HEAD" 2>/dev/null || true
         die 1 "cannot fast-forward '$TARGET' to the merged commits ($(head -n1 <<<"$out")); nothing was changed"
     fi
-    if [[ $MODE == apply ]]; then
-        report "applied $N patches three-way to git checkout '$TARGET' as $N commits ($(git -C "$T" rev-parse --short "$ORIG_HEAD")..$(git -C "$T" rev-parse --short HEAD))"
-    else
-        report "reversed $N patches in git checkout '$TARGET' as $N revert commits ($(git -C "$T" rev-parse --short "$ORIG_HEAD")..$(git -C "$T" rev-parse --short HEAD))"
-    fi
+    if [[ $MODE == apply ]]; then report "applied $N patches three-way to git checkout '$TARGET' as $N commits ($(span))"
+    else report "reversed $N patches in git checkout '$TARGET' as $N revert commits ($(span))"; fi
     exit 0
 fi
 
@@ -597,33 +556,34 @@ if [[ $GIT == 1 ]]; then git_preconditions; fi
 [[ $STATE == partial ]] && die 4 "$(partial_msg)"
 
 # ---------------------------------------------------------------- dry run on a scratch copy
-SCRATCH="$(mktemp -d "${TMPDIR:-/tmp}/apply_patches.XXXXXX")"
-trap 'rm -rf "$SCRATCH"' EXIT
-mkdir "$SCRATCH/orig" "$SCRATCH/work"
+mkscratch
+mkdir "$SCRATCH/orig"
 for f in "${FILES[@]}"; do
     [[ -f "$T/$f" ]] || continue
-    mkdir -p "$SCRATCH/orig/$(dirname "$f")" "$SCRATCH/work/$(dirname "$f")"
+    mkdir -p "$SCRATCH/orig/$(dirname "$f")"
     cp -p -- "$T/$f" "$SCRATCH/orig/$f"
-    cp -p -- "$T/$f" "$SCRATCH/work/$f"
 done
+cp -pR -- "$SCRATCH/orig" "$SCRATCH/work"
 ORDER=("${PATCHES[@]}") RFLAG=()
-if [[ $MODE == reverse ]]; then
-    ORDER=() RFLAG=(-R)
-    for ((i = N - 1; i >= 0; i--)); do ORDER+=("${PATCHES[$i]}"); done
-fi
+if [[ $MODE == reverse ]]; then mapfile -t ORDER < <(printf '%s\n' "${PATCHES[@]}" | tac); RFLAG=(-R); fi
 for p in "${ORDER[@]}"; do
     if ! out="$(cd "$SCRATCH/work" && gscratch apply -v --whitespace=nowarn "${RFLAG[@]}" "${XCL[@]}" -- "$PD/$p" 2>&1)"; then
-        why="$(grep -m1 -E '^(error|fatal):' <<<"$out" | sed -E 's/^(error|fatal): //; s/\.+$//' || true)"
+        why="$(git_why "$out")"
         die 1 "dry run: $p does not apply${RFLAG:+ in reverse} to '$TARGET' (git apply: ${why:-failed}); nothing was changed. Restore the patch files from git, or check that TARGET is megatron-core $BASE"
     fi
     if grep -qiE 'offset|fuzz' <<<"$out"; then
         die 1 "dry run: $p applies only at shifted lines ($(grep -m1 -iE 'offset|fuzz' <<<"$out")); refusing, nothing was changed. The series must apply exactly; regenerate it (scripts/refresh_patches.sh)"
     fi
 done
-for i in "${!FILES[@]}"; do
-    [[ "$(cur_sha "$SCRATCH/work/${FILES[$i]}")" == "${WANT[$i]}" ]] \
-        || die 1 "dry run: the series produced ${FILES[$i]} with a sha256 that manifest.sha256 does not expect (series and manifest disagree); nothing was changed. Restore patches/ from git or run scripts/refresh_patches.sh"
-done
+# off_file DIR: the first touched file under DIR without the wanted sha256 (then status 1).
+off_file() {
+    local i
+    for i in "${!FILES[@]}"; do
+        [[ "$(cur_sha "$1/${FILES[$i]}")" == "${WANT[$i]}" ]] || { echo "${FILES[$i]}"; return 1; }
+    done
+}
+off="$(off_file "$SCRATCH/work")" \
+    || die 1 "dry run: the series produced $off with a sha256 that manifest.sha256 does not expect (series and manifest disagree); nothing was changed. Restore patches/ from git or run scripts/refresh_patches.sh"
 
 # ---------------------------------------------------------------- writability
 probe_dir() { # <dir>: can we create a file in it? (nearest existing ancestor for a new dir)
@@ -641,13 +601,6 @@ if [[ $GIT == 1 ]]; then
     { probe_dir "$gd" && probe_dir "$gd/objects"; } \
         || die 1 "git checkout '$TARGET' is not writable ($gd cannot be written); nothing was changed. Run as a user who may write it"
 fi
-
-verify_final() { # every touched file in TARGET has the wanted sha256
-    local i
-    for i in "${!FILES[@]}"; do
-        [[ "$(cur_sha "$T/${FILES[$i]}")" == "${WANT[$i]}" ]] || return 1
-    done
-}
 
 # ---------------------------------------------------------------- plain directory
 if [[ $GIT == 0 ]]; then
@@ -682,15 +635,12 @@ if [[ $GIT == 0 ]]; then
         fi
     done
     for i in "${!FILES[@]}"; do
-        f="${FILES[$i]}"
-        if [[ "${WANT[$i]}" == - ]]; then
-            MOVED+=("$f"); rm -f -- "$T/$f" || fail_plain "cannot remove $f"
-        else
-            MOVED+=("$f"); mv -f -- "$T/$f.apply_patches.tmp" "$T/$f" || fail_plain "cannot replace $f"
-        fi
+        f="${FILES[$i]}"; MOVED+=("$f")
+        if [[ "${WANT[$i]}" == - ]]; then rm -f -- "$T/$f" || fail_plain "cannot remove $f"
+        else mv -f -- "$T/$f.apply_patches.tmp" "$T/$f" || fail_plain "cannot replace $f"; fi
     done
     STAGED=()
-    verify_final || fail_plain "after writing, the touched files do not have the expected sha256"
+    off_file "$T" >/dev/null || fail_plain "after writing, the touched files do not have the expected sha256"
     if [[ $MODE == apply ]]; then
         report "applied $N patches to '$TARGET' (${#FILES[@]} files rewritten in place)"
     else
@@ -717,13 +667,11 @@ fail_git() { restore_git; die 1 "$1; '$TARGET' was reset to $(git -C "$T" rev-pa
 trap 'restore_git; die 130 "interrupted; '"'"'$TARGET'"'"' was reset to its original HEAD"' INT TERM HUP
 
 if [[ $MODE == apply ]]; then
-    paths=()
-    for p in "${PATCHES[@]}"; do paths+=("$PD/$p"); done
-    if ! out="$(git -C "$T" am --quiet --keep-cr --no-3way --no-scissors --whitespace=nowarn "${XCL[@]}" -- "${paths[@]}" 2>&1)"; then
+    if ! out="$(git -C "$T" am --quiet --keep-cr --no-3way --no-scissors --whitespace=nowarn "${XCL[@]}" -- "${PATCHES[@]/#/"$PD"/}" 2>&1)"; then
         fail_git "git am failed ($(grep -m1 -vE '^\s*$' <<<"$out" || echo unknown))"
     fi
-    verify_final || fail_git "after git am the touched files do not have the expected sha256 (a filter or eol setting?)"
-    report "applied $N patches to git checkout '$TARGET' as $N commits ($(git -C "$T" rev-parse --short "$ORIG_HEAD")..$(git -C "$T" rev-parse --short HEAD))"
+    off_file "$T" >/dev/null || fail_git "after git am the touched files do not have the expected sha256 (a filter or eol setting?)"
+    report "applied $N patches to git checkout '$TARGET' as $N commits ($(span))"
 else
     for p in "${ORDER[@]}"; do
         mapfile -t ppaths < <(sed -n 's#^diff --git a/\(.*\) b/.*$#\1#p' "$PD/$p" | { if [[ ${#XCL[@]} -gt 0 ]]; then grep -v '^tests/'; else cat; fi; })
@@ -734,6 +682,6 @@ else
             -m "This reverts patch $p of the series (scripts/apply_patches.sh --reverse)." -- "${ppaths[@]}" 2>&1)" \
             || fail_git "git commit of the revert of $p failed ($(head -n1 <<<"$out"))"
     done
-    verify_final || fail_git "after reversing, the touched files are not pristine"
-    report "reversed $N patches in git checkout '$TARGET' as $N revert commits ($(git -C "$T" rev-parse --short "$ORIG_HEAD")..$(git -C "$T" rev-parse --short HEAD))"
+    off_file "$T" >/dev/null || fail_git "after reversing, the touched files are not pristine"
+    report "reversed $N patches in git checkout '$TARGET' as $N revert commits ($(span))"
 fi

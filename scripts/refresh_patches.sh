@@ -27,35 +27,23 @@
 #                         patch file, and per touched file its pristine and patched sha256
 #                         (`-` = the file does not exist on that side).
 #
-# Editing workflow (the series is a git history; patches/ is its serialized form):
-#   1. scripts/setup.sh             builds build/series-git: commit `pristine` (the 0.17.1 wheel)
-#                                   and one commit per patch (git am patches/0.17.1/series).
-#   2. cd build/series-git, edit megatron/... (a patch's tests: tests/unit_tests/...), then one of
-#        git commit -a --amend                        change the last patch
-#        git commit -a --fixup=<sha>; git rebase -i --autosquash pristine
-#                                                     change an earlier patch
-#        git rebase -i pristine                       reorder, reword, drop, split (`edit`)
-#        git commit -a                                add a patch (message: see STYLE.md section 3)
-#   3. scripts/refresh_patches.sh   rewrites patches/ from the commits; review `git diff patches/`.
-#   4. scripts/setup.sh             rebuilds build/series-git from patches/ and megatron/ from it.
-#                                   It refuses to run while series-git holds commits that are not
-#                                   in patches/ yet (run step 3 first, or rm -rf build/series-git).
-#   5. scripts/test.sh              then commit patches/ in this repo.
+# Editing workflow (the series is a git history; patches/ is its serialized form): patches/README.md,
+# "Editing the series".
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 SG="${SERIES_GIT:-$ROOT/build/series-git}"
 PD="${PATCHES_DIR:-$ROOT/patches/0.17.1}"
+usage() { echo "refresh_patches.sh: usage: scripts/refresh_patches.sh [--check]${1:+ (got '$1')}" >&2; exit 2; }
+die() { echo "refresh_patches.sh: error: $*" >&2; exit 1; }
+[[ $# -le 1 ]] || usage
 CHECK=0
 case "${1:-}" in
     "") ;;
     --check) CHECK=1 ;;
     -h|--help) sed -n '2,/^set -euo/p' "${BASH_SOURCE[0]}" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
-    *) echo "refresh_patches.sh: usage: scripts/refresh_patches.sh [--check] (got '$1')" >&2; exit 2 ;;
+    *) usage "$1" ;;
 esac
-[[ $# -le 1 ]] || { echo "refresh_patches.sh: usage: scripts/refresh_patches.sh [--check]" >&2; exit 2; }
-
-die() { echo "refresh_patches.sh: error: $*" >&2; exit 1; }
 # Only the repository's own config counts; user/system settings must not change the bytes.
 g() { GIT_CONFIG_NOSYSTEM=1 GIT_CONFIG_GLOBAL=/dev/null LC_ALL=C git -C "$SG" "$@"; }
 
@@ -77,9 +65,8 @@ done < <(g rev-list pristine..HEAD)
 
 pinfo="$(g show pristine:megatron/core/package_info.py 2>/dev/null)" \
     || die "tag 'pristine' in $SG has no megatron/core/package_info.py; rebuild it: rm -rf $SG && scripts/setup.sh"
-major="$(sed -nE 's/^MAJOR[[:space:]]*=[[:space:]]*([0-9]+).*/\1/p' <<<"$pinfo" | head -n1)"
-minor="$(sed -nE 's/^MINOR[[:space:]]*=[[:space:]]*([0-9]+).*/\1/p' <<<"$pinfo" | head -n1)"
-patchv="$(sed -nE 's/^PATCH[[:space:]]*=[[:space:]]*([0-9]+).*/\1/p' <<<"$pinfo" | head -n1)"
+field() { sed -nE "s/^$1[[:space:]]*=[[:space:]]*([0-9]+).*/\\1/p" <<<"$pinfo" | head -n1; }
+major="$(field MAJOR)" minor="$(field MINOR)" patchv="$(field PATCH)"
 [[ -n "$major" && -n "$minor" && -n "$patchv" ]] || die "cannot read MAJOR/MINOR/PATCH from megatron/core/package_info.py at tag 'pristine'"
 
 tmp="$(mktemp -d)"
@@ -135,11 +122,11 @@ fi
             printf '%s\n' "$line"
         done < "$PD/series"
     else
-        echo "# Patch series against megatron-core $major.$minor${patchv:+.$patchv}."
+        echo "# Patch series against megatron-core $major.$minor.$patchv."
         echo "# Apply in this order. Every prefix is meant to pass scripts/test.sh."
     fi
     for n in "${names[@]}"; do printf '%s\n' "$n"; done
-} > "$tmp/series"
+} > "$tmp/out/series"
 
 # ---------------------------------------------------------------- manifest
 # `also` (other releases whose touched files are the base's) is a maintainer's statement: kept.
@@ -160,14 +147,13 @@ blobsha() { # <rev> <path>: sha256 of the file at rev, or '-' when it does not e
     while IFS= read -r -d '' p; do
         echo "file $(blobsha pristine "$p") $(blobsha HEAD "$p") $p"
     done < <(g diff -z --name-only --no-renames pristine HEAD | LC_ALL=C sort -z)
-} > "$tmp/manifest.sha256"
+} > "$tmp/out/manifest.sha256"
 
 # ---------------------------------------------------------------- compare / write
 changed=()
 covers=(); [[ -f "$tmp/out/$COVER" ]] && covers=("$COVER")
 for n in "${names[@]}" "${covers[@]}" series manifest.sha256; do
-    src="$tmp/out/$n"; [[ -f "$src" ]] || src="$tmp/$n"
-    cmp -s "$src" "$PD/$n" 2>/dev/null || changed+=("$n")
+    cmp -s "$tmp/out/$n" "$PD/$n" 2>/dev/null || changed+=("$n")
 done
 stale=()
 for f in "$PD"/*.patch; do
@@ -186,8 +172,5 @@ if [[ $CHECK == 1 ]]; then
 fi
 mkdir -p "$PD"
 for b in "${stale[@]}"; do rm -f -- "$PD/$b"; done
-for n in "${changed[@]}"; do
-    src="$tmp/out/$n"; [[ -f "$src" ]] || src="$tmp/$n"
-    cp -- "$src" "$PD/$n.tmp" && mv -f -- "$PD/$n.tmp" "$PD/$n"
-done
+for n in "${changed[@]}"; do cp -- "$tmp/out/$n" "$PD/$n.tmp" && mv -f -- "$PD/$n.tmp" "$PD/$n"; done
 echo "refresh_patches.sh: wrote ${changed[*]:-nothing}${stale[*]:+; removed ${stale[*]}} in $PD (${#names[@]} patches)"

@@ -27,19 +27,18 @@ REVIEW = str(SCRIPTS / "review_diff.sh")
 UPSTREAM = ROOT / "build" / "upstream"
 SERIES_GIT = ROOT / "build" / "series-git"
 REAL_PATCHES = ROOT / "patches" / "0.17.1"
+SERIES_019 = ROOT / "patches" / "0.19"
+UPSTREAM_019 = ROOT / "build" / "upstream-0.19"
+MLM = ROOT / "build" / "megatron-lm"
 
 # Exit codes of apply_patches.sh (see its header).
 OK, ERROR, USAGE, NOT_APPLIED, PARTIAL, WRONG_BASE = 0, 1, 2, 3, 4, 5
 
 GIT_ENV = {
-    "GIT_AUTHOR_NAME": "Patch Tooling Test",
-    "GIT_AUTHOR_EMAIL": "test@invalid",
-    "GIT_COMMITTER_NAME": "Patch Tooling Test",
-    "GIT_COMMITTER_EMAIL": "test@invalid",
-    "GIT_AUTHOR_DATE": "2001-02-03T04:05:06Z",
-    "GIT_COMMITTER_DATE": "2001-02-03T04:05:06Z",
-    "GIT_CONFIG_GLOBAL": "/dev/null",
-    "GIT_CONFIG_NOSYSTEM": "1",
+    "GIT_AUTHOR_NAME": "Patch Tooling Test", "GIT_AUTHOR_EMAIL": "test@invalid",
+    "GIT_COMMITTER_NAME": "Patch Tooling Test", "GIT_COMMITTER_EMAIL": "test@invalid",
+    "GIT_AUTHOR_DATE": "2001-02-03T04:05:06Z", "GIT_COMMITTER_DATE": "2001-02-03T04:05:06Z",
+    "GIT_CONFIG_GLOBAL": "/dev/null", "GIT_CONFIG_NOSYSTEM": "1",
 }
 
 PGB = "megatron/core/distributed/param_and_grad_buffer.py"
@@ -107,12 +106,19 @@ def copy_upstream(dest, pristine=UPSTREAM):
     return dest
 
 
-def make_git_checkout(dest):
+def make_git_checkout(dest, message="megatron-core 0.17.1"):
+    """A git repository of a copy of the 0.17.1 wheel's megatron/, one commit."""
     copy_upstream(dest)
     git(dest, "init", "-q", "-b", "main")
     git(dest, "add", "-A")
-    git(dest, "commit", "-q", "-m", "megatron-core 0.17.1")
+    git(dest, "commit", "-q", "-m", message)
     return dest
+
+
+def set_version(tree, field, value):
+    """Rewrite MAJOR, MINOR or PATCH in tree's megatron/core/package_info.py."""
+    pinfo = Path(tree) / "megatron/core/package_info.py"
+    pinfo.write_text(re.sub(rf"^{field} = \d+$", f"{field} = {value}", pinfo.read_text(), flags=re.M))
 
 
 def one_line_error(proc, *needles):
@@ -139,11 +145,7 @@ def build_synthetic_series(base):
     again, edits layer_wise_optimizer.py and creates a new file, so the series has a
     multi-patch file, a second file and a file that only exists when patched.
     """
-    sg = Path(base) / "series-git"
-    copy_upstream(sg)
-    git(sg, "init", "-q", "-b", "main")
-    git(sg, "add", "-A")
-    git(sg, "commit", "-q", "-m", "megatron-core 0.17.1 pristine")
+    sg = make_git_checkout(Path(base) / "series-git", "megatron-core 0.17.1 pristine")
     git(sg, "tag", "pristine")
 
     p = sg / PGB
@@ -320,6 +322,10 @@ def test_apply_check_reverse_plain_dir(series, tmp_path):
             assert sha256(target / f) == sha256(ROOT / f)
     proc = run(APPLY, target, "--check", env=env)
     assert proc.returncode == OK and proc.stdout.startswith("applied")
+    patched = tree_hashes(target)
+    proc = run(APPLY, target, env=env)
+    assert proc.returncode == OK and "already applied" in proc.stdout and "nothing to do" in proc.stdout
+    assert tree_hashes(target) == patched
     # Mode bits survive the rewrite.
     assert {k: v[1] for k, v in tree_hashes(target).items() if k in pristine} == {
         k: v[1] for k, v in pristine.items()
@@ -330,16 +336,6 @@ def test_apply_check_reverse_plain_dir(series, tmp_path):
     proc = run(APPLY, target, "--reverse", env=env)
     assert proc.returncode == OK and "nothing to reverse" in proc.stdout
     assert tree_hashes(target) == pristine
-
-
-def test_apply_twice_is_a_noop(series, tmp_path):
-    pd, env = series
-    target = copy_upstream(tmp_path / "t")
-    run(APPLY, target, env=env, check=True)
-    before = tree_hashes(target)
-    proc = run(APPLY, target, env=env)
-    assert proc.returncode == OK and "already applied" in proc.stdout and "nothing to do" in proc.stdout
-    assert tree_hashes(target) == before
 
 
 def test_apply_on_git_checkout_makes_one_commit_per_patch(series, tmp_path):
@@ -395,57 +391,39 @@ def test_usage_errors(args, tmp_path):
     one_line_error(proc, "usage: scripts/apply_patches.sh TARGET")
 
 
-def test_missing_target(synthetic, tmp_path):
-    env = {"PATCHES_DIR": str(synthetic[1])}
-    missing = tmp_path / "nope"
-    for mode in ([], ["--check"], ["--reverse"]):
-        expect_refusal(missing, mode, env, ERROR, "does not exist", "pass a Megatron-LM git checkout")
-    assert not missing.exists()
-
-
 @pytest.mark.parametrize("env", [{}, "synthetic"], ids=["patches", "PATCHES_DIR"])
-def test_a_wrong_path_gets_one_line_saying_what_belongs_there(synthetic, tmp_path, env, request):
+def test_a_wrong_path_gets_one_line_saying_what_belongs_there(synthetic, tmp_path, env):
     """Without PATCHES_DIR the series is picked by TARGET's version, which a wrong path lacks:
-    a missing path, an empty directory and a plain file each get one line and exit 1 (the
-    header's code for "TARGET missing or not megatron"), with or without PATCHES_DIR."""
+    a missing path, an empty directory, a plain file, a directory without megatron/core and
+    the megatron package itself each get one line and exit 1 (the header's code for "TARGET
+    missing or not megatron"), in every mode, with or without PATCHES_DIR."""
     env = {"PATCHES_DIR": str(synthetic[1])} if env == "synthetic" else {}
     expected = "pass a Megatron-LM git checkout or the directory that holds megatron/core"
     empty = tmp_path / "empty"
     empty.mkdir()
     plain = tmp_path / "file"
     plain.write_text("x")
-    for target, what in ((tmp_path / "nope", "does not exist"), (empty, "is an empty directory"),
-                         (plain, "is not a directory")):
-        for mode in ([], ["--check"]):
-            msg = expect_refusal(target, mode, env, ERROR, f"TARGET '{target}' {what}", expected)
+    other = tmp_path / "not-megatron"
+    (other / "src").mkdir(parents=True)
+    (other / "src" / "x.py").write_text("print(1)\n")
+    sp = copy_upstream(tmp_path / "sp")
+    for target, needles in (
+        (tmp_path / "nope", ("does not exist", expected)),
+        (empty, ("is an empty directory", expected)),
+        (plain, ("is not a directory", expected)),
+        (other, ("holds no megatron/core/package_info.py, so it is not megatron-core", expected)),
+        (sp / "megatron", (f"is the megatron package itself: pass the directory above it, {sp}",)),
+    ):
+        for mode in ([], ["--check"], ["--reverse"]):
+            msg = expect_refusal(target, mode, env, ERROR, f"TARGET '{target}' {needles[0]}", *needles[1:])
             assert msg.startswith("apply_patches.sh: error: "), msg
-
-
-def test_target_is_not_megatron(synthetic, tmp_path):
-    env = {"PATCHES_DIR": str(synthetic[1])}
-    target = tmp_path / "not-megatron"
-    (target / "src").mkdir(parents=True)
-    (target / "src" / "x.py").write_text("print(1)\n")
-    for mode in ([], ["--check"], ["--reverse"]):
-        expect_refusal(target, mode, env, ERROR, "not megatron-core")
-    f = tmp_path / "file"
-    f.write_text("x")
-    expect_refusal(f, [], env, ERROR, "not a directory")
-
-
-def test_target_is_the_megatron_package_itself(synthetic, tmp_path):
-    env = {"PATCHES_DIR": str(synthetic[1])}
-    target = copy_upstream(tmp_path / "sp")
-    msg = expect_refusal(target / "megatron", [], env, ERROR, "the megatron package itself")
-    assert str(target) in msg
 
 
 @pytest.mark.parametrize("minor", ["16", "18"])
 def test_wrong_base_version(series, tmp_path, minor):
     _, env = series
     target = copy_upstream(tmp_path / "t")
-    pinfo = target / "megatron/core/package_info.py"
-    pinfo.write_text(re.sub(r"^MINOR = 17$", f"MINOR = {minor}", pinfo.read_text(), flags=re.M))
+    set_version(target, "MINOR", minor)
     for mode in ([], ["--check"], ["--reverse"]):
         # 0.16 is older than the 0.17.1 series' exact base; 0.18 lies between the two series.
         words = "exact base" if minor == "16" else "apply neither"
@@ -508,29 +486,6 @@ def test_git_am_failure_is_rolled_back(series, tmp_path):
     assert git(repo, "status", "--porcelain") == ""
 
 
-def test_patch_file_corrupt(series_copy, tmp_path):
-    env = {"PATCHES_DIR": str(series_copy)}
-    target = copy_upstream(tmp_path / "t")
-    p = series_copy / read_series(series_copy)[1]
-    lines = p.read_text().splitlines(keepends=True)
-    i = next(k for k, ln in enumerate(lines) if ln.startswith("@@"))
-    lines[i + 2] = "garbage that is not a diff line\n"
-    p.write_text("".join(lines))
-    for mode in ([], ["--check"], ["--reverse"]):
-        expect_refusal(target, mode, env, ERROR, p.name, "corrupt or truncated", "restore")
-
-
-def test_patch_file_truncated(series_copy, tmp_path):
-    env = {"PATCHES_DIR": str(series_copy)}
-    target = copy_upstream(tmp_path / "t")
-    p = series_copy / read_series(series_copy)[0]
-    data = p.read_bytes()
-    p.write_bytes(data[: len(data) // 2])
-    expect_refusal(target, [], env, ERROR, p.name, "corrupt or truncated")
-    p.write_bytes(b"")
-    expect_refusal(target, [], env, ERROR, p.name, "corrupt or truncated")
-
-
 def _rehash_in_manifest(patches_dir, patch):
     """Make manifest.sha256 vouch for a modified patch (a consistent but broken series)."""
     man = patches_dir / "manifest.sha256"
@@ -543,75 +498,74 @@ def _rehash_in_manifest(patches_dir, patch):
     man.write_text(text)
 
 
-def test_dry_run_catches_a_broken_patch_the_manifest_vouches_for(series_copy, tmp_path):
-    """Corrupt hunk: git apply fails in the dry run; nothing is touched."""
-    env = {"PATCHES_DIR": str(series_copy)}
+def break_series(pd, how):
+    """Break the series copy in ``pd`` as ``how`` says; returns the name of the patch it broke."""
+    p1, p2 = (pd / n for n in read_series(pd))
+    series = pd / "series"
+    lines = p2.read_text().splitlines(keepends=True)
+    if how == "garbage in a hunk":  # the manifest's sha256 catches it
+        i = next(k for k, ln in enumerate(lines) if ln.startswith("@@"))
+        lines[i + 2] = "garbage that is not a diff line\n"
+        p2.write_text("".join(lines))
+    elif how in ("cut in half", "emptied"):
+        data = p1.read_bytes()
+        p1.write_bytes(data[: len(data) // 2] if how == "cut in half" else b"")
+        return p1.name
+    elif how == "context not in the file":  # the manifest vouches for it: git apply fails
+        i = next(k for k, ln in enumerate(lines) if ln.startswith(f"--- a/{LWO}"))
+        assert lines[i + 2].startswith("@@") and lines[i + 3].startswith(" ")
+        lines[i + 3] = " context that is not in the file\n"
+        p2.write_text("".join(lines))
+        _rehash_in_manifest(pd, p2)
+    elif how == "cut after a whole hunk":  # still a valid patch, but the result has the wrong sha256
+        text = p2.read_text()
+        p2.write_text(text[: text.index("\ndiff --git", text.index("\ndiff --git") + 1) + 1])  # drop the 2nd+ file
+        _rehash_in_manifest(pd, p2)
+    elif how == "hunk 3 lines off":  # git apply finds it only at an offset
+        p1.write_text(re.sub(r"^@@ -(\d+),(\d+) \+(\d+),(\d+) @@",
+                             lambda m: f"@@ -{int(m[1]) + 3},{m[2]} +{int(m[3]) + 3},{m[4]} @@",
+                             p1.read_text(), count=1, flags=re.M))
+        _rehash_in_manifest(pd, p1)
+        return p1.name
+    elif how == "series names a missing file":
+        with open(series, "a") as fh:
+            fh.write("0003-not-there.patch\n")
+    elif how == "series reordered":
+        series.write_text(f"# reordered\n{p2.name}\n{p1.name}\n")
+    else:  # each on top of the one before: a series that names no patch, no manifest, no series
+        series.write_text("# a series that names no patch\n")
+        if how != "series names no patch":
+            (pd / "manifest.sha256").unlink()
+        if how == "series file missing":
+            series.unlink()
+    return p2.name
+
+
+ALL_MODES = ([], ["--check"], ["--reverse"])
+
+
+@pytest.mark.parametrize("how, modes, needles", [pytest.param(*row, id=row[0]) for row in [
+    ("garbage in a hunk", ALL_MODES, ("{patch}", "corrupt or truncated", "restore")),
+    ("cut in half", ([],), ("{patch}", "corrupt or truncated")),
+    ("emptied", ([],), ("{patch}", "corrupt or truncated")),
+    ("context not in the file", ([],), ("dry run", "{patch}", "does not apply", "nothing was changed")),
+    ("cut after a whole hunk", ([],), ("dry run", "does not expect")),
+    ("hunk 3 lines off", ([],), ("shifted lines", "offset")),
+    ("series names a missing file", ALL_MODES, ("0003-not-there.patch", "does not exist")),
+    ("series names no patch", (["--check"],), ("series names no patch",)),
+    ("manifest missing", ([],), ("manifest.sha256 is missing",)),
+    ("series file missing", ([],), ("no series file",)),
+    ("series reordered", ([],), ("list different patches",)),
+]])
+def test_a_broken_series_is_refused_before_anything_is_written(series_copy, tmp_path, how, modes, needles):
+    """A corrupt or truncated patch (its sha256), one the manifest vouches for (the dry run: it
+    does not apply, gives the wrong sha256 or applies only at an offset), a series file or
+    manifest that is missing or disagrees: one line, exit 1, the target unchanged."""
     target = copy_upstream(tmp_path / "t")
-    p = series_copy / read_series(series_copy)[1]
-    lines = p.read_text().splitlines(keepends=True)
-    i = next(k for k, ln in enumerate(lines) if ln.startswith(f"--- a/{LWO}"))
-    assert lines[i + 2].startswith("@@") and lines[i + 3].startswith(" ")
-    lines[i + 3] = " context that is not in the file\n"
-    p.write_text("".join(lines))
-    _rehash_in_manifest(series_copy, p)
-    expect_refusal(target, [], env, ERROR, "dry run", p.name, "does not apply", "nothing was changed")
-
-
-def test_dry_run_catches_a_truncated_patch_the_manifest_vouches_for(series_copy, tmp_path):
-    """Cut after a whole hunk: still a valid patch, but the result has the wrong sha256."""
-    env = {"PATCHES_DIR": str(series_copy)}
-    target = copy_upstream(tmp_path / "t")
-    p = series_copy / read_series(series_copy)[1]
-    text = p.read_text()
-    cut = text.index("\ndiff --git", text.index("\ndiff --git") + 1) + 1  # drop the 2nd+ file
-    p.write_text(text[:cut])
-    _rehash_in_manifest(series_copy, p)
-    expect_refusal(target, [], env, ERROR, "dry run", "does not expect")
-
-
-def test_dry_run_refuses_offsets(series_copy, tmp_path):
-    """A hunk whose line numbers are off applies with git apply only at an offset: refused."""
-    env = {"PATCHES_DIR": str(series_copy)}
-    target = copy_upstream(tmp_path / "t")
-    p = series_copy / read_series(series_copy)[0]
-    text = re.sub(
-        r"^@@ -(\d+),(\d+) \+(\d+),(\d+) @@",
-        lambda m: f"@@ -{int(m[1]) + 3},{m[2]} +{int(m[3]) + 3},{m[4]} @@",
-        p.read_text(),
-        count=1,
-        flags=re.M,
-    )
-    p.write_text(text)
-    _rehash_in_manifest(series_copy, p)
-    expect_refusal(target, [], env, ERROR, "shifted lines", "offset")
-
-
-def test_series_names_a_missing_file(series_copy, tmp_path):
-    env = {"PATCHES_DIR": str(series_copy)}
-    target = copy_upstream(tmp_path / "t")
-    with open(series_copy / "series", "a") as fh:
-        fh.write("0003-not-there.patch\n")
-    for mode in ([], ["--check"], ["--reverse"]):
-        expect_refusal(target, mode, env, ERROR, "0003-not-there.patch", "does not exist")
-
-
-def test_missing_manifest_or_series(series_copy, tmp_path):
-    env = {"PATCHES_DIR": str(series_copy)}
-    target = copy_upstream(tmp_path / "t")
-    (series_copy / "series").write_text("# a series that names no patch\n")
-    expect_refusal(target, ["--check"], env, ERROR, "series names no patch")
-    (series_copy / "manifest.sha256").unlink()
-    expect_refusal(target, [], env, ERROR, "manifest.sha256 is missing")
-    (series_copy / "series").unlink()
-    expect_refusal(target, [], env, ERROR, "no series file")
-
-
-def test_series_and_manifest_disagree(series_copy, tmp_path):
-    env = {"PATCHES_DIR": str(series_copy)}
-    target = copy_upstream(tmp_path / "t")
-    names = read_series(series_copy)
-    (series_copy / "series").write_text(f"# reordered\n{names[1]}\n{names[0]}\n")
-    expect_refusal(target, [], env, ERROR, "list different patches")
+    patch = break_series(series_copy, how)
+    for mode in modes:
+        expect_refusal(target, mode, {"PATCHES_DIR": str(series_copy)}, ERROR,
+                       *(n.format(patch=patch) for n in needles))
 
 
 # ---------------------------------------------------------------------------- read-only targets
@@ -672,6 +626,12 @@ def test_read_only_target(series, tmp_path, how):
         with immutable(touched + dirs):
             proc = run(APPLY, target, env=env)
             assert run(APPLY, target, "--check", env=env).returncode == NOT_APPLIED
+        # Only the last touched file immutable: the earlier ones must not be written either.
+        last = [target / f for f in sorted(read_manifest(pd)) if (target / f).exists()][-1]
+        with immutable([last]):
+            partly = run(APPLY, target, env=env)
+        assert partly.returncode == ERROR
+        one_line_error(partly, "not writable", str(last.relative_to(target)))
     elif how == "ro-mount":
         if run("unshare", "-rm", "true").returncode != 0:
             pytest.skip("unshare -rm (user + mount namespace) is not available")
@@ -688,28 +648,10 @@ def test_read_only_target(series, tmp_path, how):
     assert tree_hashes(target) == before
 
 
-def test_partly_read_only_target_changes_nothing(series, tmp_path):
-    """Only the last touched file is immutable: the earlier ones must not be written either."""
-    pd, env = series
-    if os.geteuid() != 0 or not _immutable_supported(tmp_path):
-        pytest.skip("needs root and chattr +i")
-    target = copy_upstream(tmp_path / "t")
-    last = [target / f for f in sorted(read_manifest(pd)) if (target / f).exists()][-1]
-    before = tree_hashes(target)
-    with immutable([last]):
-        proc = run(APPLY, target, env=env)
-    assert proc.returncode == ERROR
-    one_line_error(proc, "not writable", str(last.relative_to(target)))
-    assert tree_hashes(target) == before
-
-
 # ---------------------------------------------------------------------------- real checkouts
 # scripts/setup.sh builds build/megatron-lm/<tag>: upstream Megatron-LM (tarball or clone,
 # verified) as a git repository with one commit tagged <tag>, so the series is tested on the
 # tree users apply it to, with git am as they run it.
-
-MLM = ROOT / "build" / "megatron-lm"
-
 
 def clone_checkout(tag, dest):
     """A throwaway clone of the checkout setup.sh built for `tag` (skip if there is none)."""
@@ -720,13 +662,16 @@ def clone_checkout(tag, dest):
     return Path(dest)
 
 
-def test_real_checkout_check_apply_reapply_reverse(tmp_path):
-    """The real series on a core_v0.17.1 checkout, as a user runs it."""
-    repo = clone_checkout("core_v0.17.1", tmp_path / "Megatron-LM")
-    names = read_series(REAL_PATCHES)
-    manifest = read_manifest(REAL_PATCHES, checkout=True)
+@pytest.mark.parametrize("tag, pd", [("core_v0.17.1", REAL_PATCHES), ("core_v0.19.0", SERIES_019)])
+def test_real_checkout_check_apply_reapply_reverse(tmp_path, tag, pd):
+    """Each series on its Megatron-LM checkout, picked by version, as a user runs it (core_v0.19.0's
+    package_info.py reads 0.19.1, a manifest 'also' version): one commit per patch with the
+    series' subjects, --check, a no-op re-apply, then --reverse back to the tag."""
+    repo = clone_checkout(tag, tmp_path / "Megatron-LM")
+    names = read_series(pd)
+    manifest = read_manifest(pd, checkout=True)
     base = git(repo, "rev-parse", "HEAD").strip()
-    assert git(repo, "describe", "--tags", "--exact-match").strip() == "core_v0.17.1"
+    assert git(repo, "describe", "--tags", "--exact-match").strip() == tag
 
     proc = run(APPLY, repo, "--check")
     assert proc.returncode == NOT_APPLIED and "not applied" in proc.stdout, proc.stdout + proc.stderr
@@ -735,12 +680,12 @@ def test_real_checkout_check_apply_reapply_reverse(tmp_path):
     subjects = git(repo, "log", "--format=%s", f"{base}..HEAD").splitlines()[::-1]
     assert len(subjects) == len(names)  # one commit per patch
     for name, subj in zip(names, subjects):
-        m = re.search(r"^Subject: \[PATCH[^]]*\] (.*)$", (REAL_PATCHES / name).read_text(), re.M)
+        m = re.search(r"^Subject: \[PATCH[^]]*\] (.*)$", (pd / name).read_text(), re.M)
         assert subj.startswith(m.group(1)), (subj, m.group(1))
     assert git(repo, "status", "--porcelain") == ""
     for f, (_, patched_sha) in manifest.items():
         assert sha256(repo / f) == patched_sha, f
-        if f.startswith("megatron/"):  # byte-identical to the generated tree of the wheel
+        if f.startswith("megatron/") and pd == REAL_PATCHES:  # byte-identical to the generated tree of the wheel
             assert sha256(repo / f) == sha256(ROOT / f), f
     # Nothing outside the manifest's files changed.
     changed = set(git(repo, "diff", "--name-only", base, "HEAD").split())
@@ -757,7 +702,7 @@ def test_real_checkout_check_apply_reapply_reverse(tmp_path):
     assert proc.returncode == OK, proc.stderr
     reverts = git(repo, "log", "--format=%s", f"{head.strip()}..HEAD").splitlines()
     assert len(reverts) == len(names) and all(r.startswith('Revert "') for r in reverts)
-    assert git(repo, "diff", "core_v0.17.1", "HEAD") == ""
+    assert git(repo, "diff", tag, "HEAD") == ""
     assert run(APPLY, repo, "--check").returncode == NOT_APPLIED
 
 
@@ -798,8 +743,7 @@ def test_core_v0_18_2_checkout_is_refused_with_what_it_has_and_lacks(tmp_path, m
 def test_core_v0_17_0_tree_gets_one_line_what_it_has_and_what_to_do(tmp_path, mode):
     """A 0.17.0 tree (a copy of the 0.17.1 checkout with 0.17.0's version): one line."""
     repo = clone_checkout("core_v0.17.1", tmp_path / "Megatron-LM-0.17.0")
-    pinfo = repo / "megatron/core/package_info.py"
-    pinfo.write_text(re.sub(r"^PATCH = 1$", "PATCH = 0", pinfo.read_text(), flags=re.M))
+    set_version(repo, "PATCH", "0")
     git(repo, "commit", "-q", "-a", "-m", "megatron-core 0.17.0")
     msg = expect_refusal(repo, mode, {}, WRONG_BASE, "has megatron-core 0.17.0", "not 0.17.1",
                          "exact base", "update to 0.17.1 first", "git checkout core_v0.17.1",
@@ -807,18 +751,7 @@ def test_core_v0_17_0_tree_gets_one_line_what_it_has_and_what_to_do(tmp_path, mo
     assert "#3751" not in msg  # the 0.18 story is not told to a 0.17.0 user
 
 
-def test_the_minor_version_after_the_newest_base_outside_git_hears_about_the_three_way_merge(tmp_path):
-    """0.20.x (upstream main's version after 0.19) gets patches/0.19 three-way, on a git
-    checkout only (tests/unit_tests/test_own_tree.py); a plain directory: one line, exit 5."""
-    target = copy_upstream(tmp_path / "t")
-    pinfo = target / "megatron/core/package_info.py"
-    pinfo.write_text(re.sub(r"^MINOR = 17$", "MINOR = 20", pinfo.read_text(), flags=re.M))
-    expect_refusal(target, ["--check"], {}, WRONG_BASE, "0.20.1", "the series of 0.19.2", "three-way merge",
-                   "not a git checkout")
-
-
 # ------------------------------------------------------------------ the 0.19 base material
-UPSTREAM_019 = ROOT / "build" / "upstream-0.19"
 #: The files a layer-wise series touches on 0.19 (UPSTREAM_NOTES: "megatron-core 0.19.x for a port").
 TOUCHED_019 = ("megatron/core/distributed/param_and_grad_buffer.py",
                "megatron/core/distributed/distributed_data_parallel.py",
@@ -839,48 +772,18 @@ def test_019_wheel_carries_core_v0_19_0s_touched_files():
     assert (version(UPSTREAM_019), version(ckpt)) == ("0.19.2", "0.19.1")
 
 
-SERIES_019 = ROOT / "patches" / "0.19"
-
-
 def _019_wheel_copy(dest):
     if not (UPSTREAM_019 / "megatron").is_dir():
         pytest.skip("build/upstream-0.19 is missing; run scripts/setup.sh")
     return copy_upstream(dest, UPSTREAM_019)
 
 
-def test_019_series_applies_checks_and_reverses_on_a_fresh_019_wheel_tree(tmp_path):
-    """A fresh extraction of the 0.19.2 wheel: --check says not applied (3), apply gives
-    the manifest's patched files, --check says applied (0), --reverse restores every byte."""
-    target = _019_wheel_copy(tmp_path / "t")
-    before = tree_hashes(target)
-    assert run(APPLY, target, "--check").returncode == NOT_APPLIED
-    proc = run(APPLY, target)
-    n = len(read_series(SERIES_019))
-    assert proc.returncode == OK and f"applied {n} patches" in proc.stdout, proc.stdout + proc.stderr
-    for f, (_, patched_sha) in read_manifest(SERIES_019).items():
-        assert sha256(target / f) == patched_sha, f
-    assert run(APPLY, target, "--check").returncode == OK
-    assert run(APPLY, target, "--reverse").returncode == OK
-    assert tree_hashes(target) == before
-
-
-def test_019_series_git_am_on_a_core_v0_19_0_checkout(tmp_path):
-    """core_v0.19.0 (its package_info.py reads 0.19.1, a manifest 'also' version): one
-    commit per patch with the series' subjects, --check, then --reverse back to the tag."""
-    repo = clone_checkout("core_v0.19.0", tmp_path / "Megatron-LM-0.19.0")
-    assert run(APPLY, repo).returncode == OK
-    subjects = git(repo, "log", "--format=%s", "core_v0.19.0..HEAD").splitlines()
-    assert len(subjects) == len(read_series(SERIES_019))
-    assert run(APPLY, repo, "--check").returncode == OK
-    assert run(APPLY, repo, "--reverse").returncode == OK
-    assert git(repo, "diff", "core_v0.19.0", "HEAD") == ""
-
-
 def test_the_series_is_picked_by_the_targets_version(tmp_path):
     """Without PATCHES_DIR, apply_patches.sh takes the patches/<base>/ folder whose manifest
-    names TARGET's version: the 0.17.1 tree gets the patches of patches/0.17.1/, the 0.19.2
-    tree those of patches/0.19/; with patches/0.19/ gone, 0.19.2 is refused (exit 5)
-    with the bases that remain."""
+    names TARGET's version: the 0.17.1 tree gets the patches of patches/0.17.1/, a fresh
+    0.19.2 wheel tree those of patches/0.19/ (--check 3, apply gives the manifest's patched
+    files, --check 0, --reverse restores every byte); with patches/0.19/ gone, 0.19.2 is
+    refused (exit 5) with the bases that remain."""
     repo = tmp_path / "repo"
     shutil.copytree(ROOT / "scripts", repo / "scripts")
     shutil.copytree(ROOT / "patches", repo / "patches")
@@ -892,8 +795,17 @@ def test_the_series_is_picked_by_the_targets_version(tmp_path):
     assert run(apply, t17).returncode == OK
     assert run(apply, t17, "--check").stdout.startswith(f"applied: all {n17} patches")
     t19 = _019_wheel_copy(tmp_path / "t19")
+    before = tree_hashes(t19)
     proc = run(apply, t19, "--check")
     assert proc.returncode == NOT_APPLIED and "megatron-core 0.19.2" in proc.stdout, proc.stdout + proc.stderr
+    proc = run(apply, t19)
+    n19 = len(read_series(SERIES_019))
+    assert proc.returncode == OK and f"applied {n19} patches" in proc.stdout, proc.stdout + proc.stderr
+    for f, (_, patched_sha) in read_manifest(SERIES_019).items():
+        assert sha256(t19 / f) == patched_sha, f
+    assert run(apply, t19, "--check").returncode == OK
+    assert run(apply, t19, "--reverse").returncode == OK
+    assert tree_hashes(t19) == before
     shutil.rmtree(repo / "patches" / "0.19")
     proc = run(apply, t19, "--check")
     assert proc.returncode == WRONG_BASE and "series for: 0.17.1." in proc.stderr, proc.stderr
@@ -1027,22 +939,21 @@ def test_help_names_every_base_of_patches_and_the_tags_the_refusals_name():
     assert "core_v0.19.2" not in text
 
 
-@pytest.mark.parametrize("patch", ["3"])
-def test_a_019_tree_of_another_patch_release_is_sent_to_the_tag_that_exists(tmp_path, patch):
-    """0.19.3 (not a version of patches/0.19's manifest): update to 0.19.2, by pip or by the
-    Megatron-LM tag that exists, core_v0.19.0 (the exit-7 fetch names the same tag)."""
-    target = _019_wheel_copy(tmp_path / "t")
-    pinfo = target / "megatron/core/package_info.py"
-    pinfo.write_text(re.sub(r"^PATCH = 2$", f"PATCH = {patch}", pinfo.read_text(), flags=re.M))
-    msg = expect_refusal(target, ["--check"], {}, WRONG_BASE, f"0.19.{patch}", "update to 0.19.2 first",
-                         "git checkout core_v0.19.0", "pip install megatron-core==0.19.2")
-    assert "core_v0.19.2" not in msg
-
-
-def test_two_minors_past_the_newest_base_hears_there_is_no_series(tmp_path):
-    target = _019_wheel_copy(tmp_path / "t")
-    pinfo = target / "megatron/core/package_info.py"
-    pinfo.write_text(re.sub(r"^MINOR = 19$", "MINOR = 21", pinfo.read_text(), flags=re.M))
-    msg = expect_refusal(target, ["--check"], {}, WRONG_BASE, "megatron-core 0.21", "no series here",
-                         "series for: 0.17.1; 0.19.2")
-    assert "#3751" not in msg and "What 0.18 still lacks" not in msg
+@pytest.mark.parametrize("tree, field, value, needles, absent", [
+    pytest.param("0.17.1", "MINOR", "20", ("0.20.1", "the series of 0.19.2", "three-way merge", "not a git checkout"),
+                 (), id="0.20-not-git"),
+    pytest.param("0.19", "PATCH", "3", ("0.19.3", "update to 0.19.2 first", "git checkout core_v0.19.0",
+                                        "pip install megatron-core==0.19.2"), ("core_v0.19.2",), id="0.19.3"),
+    pytest.param("0.19", "MINOR", "21", ("megatron-core 0.21", "no series here", "series for: 0.17.1; 0.19.2"),
+                 ("#3751", "What 0.18 still lacks"), id="0.21"),
+])
+def test_a_version_no_series_is_for_gets_one_line_exit_5(tmp_path, tree, field, value, needles, absent):
+    """Picked by version, --check. 0.20.x (upstream main's version after 0.19) gets patches/0.19
+    three-way, on a git checkout only (test_own_tree.py): a plain directory hears so. 0.19.3
+    (not a version of patches/0.19's manifest) is sent to 0.19.2, by pip or by the Megatron-LM
+    tag that exists, core_v0.19.0 (the exit-7 fetch names the same tag). 0.21, two minors past
+    the newest base, hears there is no series, without the 0.18 story."""
+    target = copy_upstream(tmp_path / "t") if tree == "0.17.1" else _019_wheel_copy(tmp_path / "t")
+    set_version(target, field, value)
+    msg = expect_refusal(target, ["--check"], {}, WRONG_BASE, *needles)
+    assert not [a for a in absent if a in msg], msg
