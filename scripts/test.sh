@@ -3,11 +3,11 @@
 # on 2 pytest-xdist workers that each take whole test files (--dist loadfile: a file's
 # module-scoped runs stay on one worker). On 2 cores that fills the core a single pytest
 # leaves idle while a rank launcher imports or a test parses and plots: 1078 s -> 791 s.
-# Two tiers (pytest.ini's `extended` marker):
-#   scripts/test.sh          every test but the sweeps: what CI runs, about 9 min on 2 idle cores
+# Two tiers (pytest.ini's `extended` marker; what each runs and takes: tests/README.md):
+#   scripts/test.sh          every test but the sweeps: what CI runs
 #   scripts/test.sh --all    the sweeps too: every prefix of each series, every mutant, every
-#                            functional case, ... (about 30 min on 2 idle cores)
-#   scripts/test.sh -m extended   the sweeps alone (about 18 min)
+#                            functional case, ...
+#   scripts/test.sh -m extended   the sweeps alone
 # A run of all of either that passes writes docs/full_run.json (tests/tiers.py); the default
 # run fails while that record's series or mutants differ from the commit's (test_tiers.py).
 # Usage: scripts/test.sh [--all] [PYTEST_ARGS...]   e.g. scripts/test.sh tests/unit_tests -k patch
