@@ -37,14 +37,6 @@ class UsageError(Exception):
     """Bad arguments or a machine that cannot run the check; exit code 2."""
 
 
-def detect_gpus() -> tuple:
-    """(count, name of cuda:0 or None) as torch sees them."""
-    import torch
-
-    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    return n, (torch.cuda.get_device_name(0) if n else None)
-
-
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="scripts/gpu_check.sh",
                                  description="The series on CUDA: pristine vs series trees, functional and memory.",
@@ -191,8 +183,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = ap.parse_args(argv)
     try:
         _check_args(args)
-        # torch is imported (seconds) only when the GPUs present matter.
-        gpus, name = (None, None) if args.dry_run and args.assume_gpus and args.assume_gpu_name else detect_gpus()
+        gpus, name = None, None
+        if not (args.dry_run and args.assume_gpus and args.assume_gpu_name):  # torch takes seconds to import
+            import torch
+
+            gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+            name = torch.cuda.get_device_name(0) if gpus else None
         if args.dry_run:
             plan_gpus = args.assume_gpus or max(gpus, 1)
             plan_name = args.assume_gpu_name or name or DEFAULT_GPU_NAME

@@ -3,7 +3,7 @@
     python -m harness.gpu_check.functional --backend gloo --shared-gpu \
         --golden-file golden_values_h200_gloo.json --out OUT/functional_gloo_shared_gpu
 
-``tests/functional_tests/python_test_utils/run_case.run_case`` trains upstream and patched,
+``tests/functional_tests/python_test_utils/run_case.run_case`` trains pristine and series,
 compares them bit for bit and with the golden file, and writes
 ``OUT/<case>/comparison.json``, the metrics and ``loss_curves.png``. What differs from
 ``scripts/run_functional_test.sh --device cuda``: the backend may be gloo, ranks may share
@@ -13,8 +13,8 @@ with a ``NCCL_HOSTID`` per rank), and the golden file is per GPU type and backen
 
 Golden values are never written into the checkout (in ``docker run --rm`` it is gone when the
 container exits). When the case folder has no golden file for this GPU type and backend, or
-with ``--update-golden``, the run is compared with no golden file, and if patched equals
-upstream bit for bit (``golden_update.update_golden`` refuses otherwise) the values are
+with ``--update-golden``, the run is compared with no golden file, and if series equals
+pristine bit for bit (``golden_update.update_golden`` refuses otherwise) the values are
 recorded in ``OUT/golden/<golden file>``; ``comparison.json`` then names that file
 (``golden_recorded``) and the command that commits it (``golden_commit_command``), and the
 run passes. Exit code 0 for the verdict "identical", or "no_golden" with values recorded.
@@ -33,8 +33,8 @@ from harness.gpu_check import plan
 
 
 def passed(comparison: dict) -> bool:
-    """Whether a functional run's comparison passes: "identical", or "no_golden" (patched
-    equal to upstream, no golden file yet) with golden values recorded in OUT."""
+    """Whether a functional run's comparison passes: "identical", or "no_golden" (series
+    equal to pristine, no golden file yet) with golden values recorded in OUT."""
     return comparison.get("verdict") == "identical" or (
         comparison.get("verdict") == "no_golden" and bool(comparison.get("golden_recorded")))
 
@@ -78,7 +78,7 @@ def record_golden(comparison: dict, case_out: Path, golden_out: Path, rules) -> 
         comparison["failures"] = [*comparison.get("failures", []), f"golden values not recorded: {exc}"]
         return comparison
     comparison["golden_recorded"] = str(golden_out)
-    comparison["verdict_line"] = (f"patched == upstream exactly; no golden values for this GPU type yet: "
+    comparison["verdict_line"] = (f"series == pristine exactly; no golden values for this GPU type yet: "
                                   f"golden values recorded in OUT ({golden_out})")
     return comparison
 
@@ -95,7 +95,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--timeout", type=float, default=100, help="seconds per training run")
     ap.add_argument("--update-golden", action="store_true",
                     help="record golden values in OUT/golden even where the case folder has some")
-    ap.add_argument("--model-args", default="{}", help="JSON object of MODEL_ARGS entries to add or replace")
     ap.add_argument("--megatron-defaults", action="store_true",
                     help="no harness runtime flags: Transformer Engine, fused wgrad into main_grad, fused kernels")
     ap.add_argument("--case", default=plan.CASE, help="functional test case (default: %(default)s)")
@@ -104,12 +103,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = ap.parse_args(argv)
     if Path(args.golden_file).name != args.golden_file:
         ap.error(f"--golden-file is a file name in the case folder, got {args.golden_file!r}")
-    try:
-        extra_args = json.loads(args.model_args)
-    except ValueError:
-        extra_args = None
-    if not isinstance(extra_args, dict):
-        ap.error(f"--model-args must be a JSON object, got {args.model_args!r}")
 
     from harness import own_tree
     from tests.functional_tests.python_test_utils import run_case, tolerances
@@ -118,11 +111,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     repo_golden = folder / args.golden_file
     golden_out = args.out / "golden" / args.golden_file
     # With --update-golden the run is compared with no golden file (the one in OUT does not
-    # exist yet), so that the verdict is "no_golden" exactly when patched == upstream.
+    # exist yet), so that the verdict is "no_golden" exactly when series == pristine.
     comparison = run_case.run_case(
         args.case, device="cuda", timeout_s=args.timeout, out_root=args.out,
         golden_path=golden_out if args.update_golden else repo_golden,
-        model_args={**plan.functional_overrides(args.backend), **extra_args},
+        model_args=plan.functional_overrides(args.backend),
         extra_env=plan.shared_gpu_env(args.backend) if args.shared_gpu else None,
         runtime_flags=not args.megatron_defaults,
         own=own_tree.prepare(args.checkout) if args.checkout is not None else None,

@@ -52,7 +52,6 @@ import hashlib
 import inspect
 import json
 import os
-import socket
 import statistics
 import sys
 import textwrap
@@ -87,10 +86,7 @@ OPTIMIZER_FILE = Path("megatron") / "core" / "optimizer" / "layer_wise_optimizer
 #: model); ``llama_tiny``: the same code at a size for CPU tests.
 CONFIGS = {
     "llama3_8b": real_shapes.worker_config(32),
-    "llama_tiny": dict(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=160,
-                       num_query_groups=2, kv_channels=16, vocab=512, seq=32, micro_batch=1, bucket_size=None,
-                       add_bias_linear=False, position_embedding_type="rope", swiglu=True,
-                       normalization="RMSNorm"),
+    "llama_tiny": real_shapes.LLAMA_TINY,
 }
 
 
@@ -101,18 +97,6 @@ def _on_gpu() -> bool:
 def _sync() -> None:
     if _on_gpu():
         torch.cuda.synchronize()
-
-
-def share_gpu_if_requested() -> bool:
-    """Ranks sharing GPUs on NCCL (``MEGATRON_SHARED_GPU=1``): ``LOCAL_RANK`` modulo the
-    device count and a ``NCCL_HOSTID`` of the rank's own, as ``shared_gpu.install`` sets them,
-    without its collective model (which would wrap every timed call)."""
-    if os.environ.get(shared_gpu.ENV_VAR) != "1":
-        return False
-    local = int(os.environ.get("LOCAL_RANK", "0"))
-    os.environ["LOCAL_RANK"] = str(shared_gpu.shared_local_rank(local, torch.cuda.device_count()))
-    os.environ["NCCL_HOSTID"] = shared_gpu.nccl_host_id(local, os.environ.get("NCCL_HOSTID") or socket.gethostname())
-    return True
 
 
 def method_source(path: Path, cls: str = "LayerWiseDistributedOptimizer", name: str = "allgather_params") -> str:
@@ -144,14 +128,13 @@ class Setup:
 
     def __init__(self, cfg: dict, pristine_tree: str, seed: int = 1234):
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
-        from megatron.core.models.gpt.gpt_model import GPTModel
         from megatron.core.optimizer import OptimizerConfig
         from megatron.core.optimizer import layer_wise_optimizer as lwo
         from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
         from megatron.core.transformer import TransformerConfig
 
         from harness.layerwise_optimizer import layerwise_muon_optimizer
+        from harness.model import gpt_model
 
         torch.manual_seed(seed)
         model_parallel_cuda_manual_seed(seed)
@@ -163,10 +146,8 @@ class Setup:
             bias_activation_fusion=False, add_bias_linear=False, params_dtype=PARAM_DTYPE, bf16=True,
             use_cpu_initialization=not _on_gpu(), hidden_dropout=0.0, attention_dropout=0.0,
         )
-        spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization=cfg["normalization"])
-        module = GPTModel(config, spec, vocab_size=cfg["vocab"], max_sequence_length=cfg["seq"],
-                          share_embeddings_and_output_weights=False, position_embedding_type="rope")
-        module = module.to(dtype=PARAM_DTYPE)
+        module = gpt_model(config, cfg["vocab"], cfg["seq"], block_spec=True, normalization=cfg["normalization"],
+                           share_embeddings_and_output_weights=False, position_embedding_type="rope")
         if _on_gpu():
             module = module.cuda()
         ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=False, overlap_grad_reduce=False,
@@ -313,7 +294,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     if args.backend == "nccl":
-        share_gpu_if_requested()
+        if os.environ.get(shared_gpu.ENV_VAR) == "1":
+            shared_gpu.share_device()  # not its collective model, which would wrap every timed call
     else:
         shared_gpu.install_collectives()  # gloo: the collective model runs the uneven list all_gather
     local = int(os.environ.get("LOCAL_RANK", "0"))

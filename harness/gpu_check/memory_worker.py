@@ -111,9 +111,7 @@ CONFIGS = {
                         vocab=1024, seq=64, micro_batch=1, bucket_size=None, add_bias_linear=True,
                         position_embedding_type="learned_absolute"),
     "llama3_8b_layers": real_shapes.worker_config(),
-    "llama_tiny": dict(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=160, num_query_groups=2,
-                       kv_channels=16, vocab=512, seq=32, micro_batch=2, bucket_size=None, add_bias_linear=False,
-                       position_embedding_type="rope", swiglu=True, normalization="RMSNorm"),
+    "llama_tiny": real_shapes.LLAMA_TINY,
 }
 PARAM_DTYPE = torch.bfloat16
 PHASES = ("forward", "backward", "optimizer step", "optimizer gather")

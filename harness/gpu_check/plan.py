@@ -94,9 +94,6 @@ BUDGET_S = {1: 480, 2: 1800}
 LANES = 6
 #: Timeout = time x HEADROOM (runs share the GPU and the CPU cores with the other lanes).
 HEADROOM = 1.5
-#: Environment for ranks that share a GPU (harness.gpu_check.shared_gpu), by backend.
-SHARED_GPU_ENV = {"MEGATRON_SHARED_GPU": "1"}
-SHARED_GPU_NCCL_ENV = {**SHARED_GPU_ENV, "NCCL_SOCKET_IFNAME": "lo"}
 #: At most this many NCCL ranks in memory_nccl (one node).
 MAX_NCCL_RANKS = 8
 #: What a Transformer Engine run reports where transformer_engine does not import.
@@ -156,7 +153,7 @@ class Launch:
 
     def shell(self) -> str:
         """``env VAR=... argv`` for the variables that select tree, runtime and GPU sharing."""
-        keys = [*launch.SHOWN_ENV, *SHARED_GPU_NCCL_ENV, "MEGATRON_LM_CHECKOUT"]
+        keys = [*launch.SHOWN_ENV, *shared_gpu_env("nccl"), "MEGATRON_LM_CHECKOUT"]
         assigns = [f"{k}={shlex.quote(self.env[k])}" for k in keys if k in self.env]
         return " ".join(["env", *assigns, shlex.join(self.argv)])
 
@@ -271,8 +268,9 @@ def golden_file(gpu_name: str, backend: str, variant: str = "") -> str:
 
 
 def shared_gpu_env(backend: str) -> Dict[str, str]:
-    """Environment of ranks that share GPUs: ``SHARED_GPU_ENV``, for NCCL ``SHARED_GPU_NCCL_ENV``."""
-    return dict(SHARED_GPU_NCCL_ENV if backend == "nccl" else SHARED_GPU_ENV)
+    """Environment of ranks that share GPUs (``harness.gpu_check.shared_gpu``); NCCL's ranks also
+    get the loopback interface for its socket transport."""
+    return {"MEGATRON_SHARED_GPU": "1", **({"NCCL_SOCKET_IFNAME": "lo"} if backend == "nccl" else {})}
 
 
 def functional_launches(run_dir: Path, backend: str, nproc: int, extra_env: Dict[str, str],
@@ -352,10 +350,6 @@ def assign_lanes(runs: List[Run], lanes: int = LANES) -> None:
             r.lane = -1
 
 
-def _devices(nproc: int, gpus: int) -> List[str]:
-    return [f"cuda:{i % gpus}" for i in range(nproc)]
-
-
 def make_plan(gpus: int, gpu_name: str, out: Path, update_golden: bool = False,
               with_te: Optional[bool] = None, own=None) -> Plan:
     """The runs for a machine with ``gpus`` CUDA GPUs named ``gpu_name``.
@@ -382,63 +376,52 @@ def make_plan(gpus: int, gpu_name: str, out: Path, update_golden: bool = False,
     with_te = te_available() if with_te is None else with_te
     out = Path(out).resolve()
 
-    def nccl_run(name: str, kind: str, nproc: int, **kw) -> Run:
-        """An NCCL run of ``nproc`` ranks: one per GPU, or sharing GPUs where there are fewer."""
-        shared = nproc > gpus
-        env = shared_gpu_env("nccl") if shared else {}
-        if kind == "functional":
-            case = kw.pop("case")
-            variant = "1gpu" if gpus == 1 else ""
-            variant = "_".join(v for v in (variant, kw.pop("golden_variant", "")) if v)
-            # The 0.19 base may be absent (an image built for one base): its runs are then
-            # skipped. The 0.17.1 base is the check's own: its absence fails the run.
-            if own is not None:
-                missing = own_skip(own, kind, kw.get("base", "0.17.1"))
-            else:
-                missing = base_missing(case) if kw.get("base", "0.17.1") != "0.17.1" else None
-            launches = [] if missing else functional_launches(out / name, "nccl", nproc, env, case,
-                                                              kw.get("runtime_flags", True), own)
-            kw.update(case=case, golden_file=golden_file(gpu_name, "nccl", variant))
-            kw["skip_reason"] = missing or kw.get("skip_reason")
+    def make_run(name: str, kind: str, backend: str, nproc: int, base: str = "0.17.1", case: Optional[str] = None,
+                 config: Optional[str] = None, golden_variant: str = "", runtime_flags: bool = True,
+                 skip_reason: Optional[str] = None, **kw) -> Run:
+        """A run of ``nproc`` ranks: on NCCL one per GPU, sharing GPUs where there are fewer; on
+        gloo all on cuda:0. A run of a base that is not set up here (an image built for one
+        base: 0.19) or that does not apply to ``own`` is planned as skipped, without launches;
+        the 0.17.1 base is the check's own: its absence fails the run."""
+        spread = gpus if backend == "nccl" else 1
+        shared = nproc > spread
+        env = shared_gpu_env(backend) if shared else {}
+        why = own_skip(own, kind, base) if own is not None else base_missing(case) if base != "0.17.1" else None
+        if why:
+            launches = []
+        elif kind == "functional":
+            launches = functional_launches(out / name, backend, nproc, env, case, runtime_flags, own)
         elif kind == "timing":
             launches = gather_timing_launches(out / name, nproc, gpus == 1, env)
-            if own is not None:
-                launches, kw["skip_reason"] = [], own_skip(own, "timing", "0.17.1")
         else:
-            launches = memory_launches(out / name, "nccl", nproc, kw["config"], env)
-            if own is not None:
-                launches, kw["skip_reason"] = [], own_skip(own, kind, "0.17.1")
-        return Run(name, kind, "nccl", nproc, _devices(nproc, gpus), timeout_for(name), launches,
-                   shared_gpu=shared, **kw)
+            launches = memory_launches(out / name, backend, nproc, config, env)
+        if kind == "functional":
+            variant = "_".join(v for v in ("1gpu" if backend == "nccl" and gpus == 1 else "", golden_variant) if v)
+            kw["golden_file"] = golden_file(gpu_name, backend, variant)
+        time_s, time_kind, time_basis = RUN_TIMES[name]
+        return Run(name, kind, backend, nproc, [f"cuda:{i % spread}" for i in range(nproc)], timeout_for(name),
+                   launches, config=config, case=case, runtime_flags=runtime_flags, base=base, time_s=time_s,
+                   time_kind=time_kind, time_basis=time_basis, skip_reason=why or skip_reason, shared_gpu=shared, **kw)
 
-    gloo_skip = own_skip(own, "functional", "0.17.1") if own is not None else None
-    mem_skip = own_skip(own, "memory", "0.17.1") if own is not None else None
+    nccl_ranks = min(max(gpus, 2), MAX_NCCL_RANKS)
     runs = [
-        Run("functional_gloo_shared_gpu", "functional", "gloo", 2, ["cuda:0", "cuda:0"],
-            timeout_for("functional_gloo_shared_gpu"),
-            [] if gloo_skip else functional_launches(out / "functional_gloo_shared_gpu", "gloo", 2, shared_gpu_env("gloo")),
-            golden_file=golden_file(gpu_name, "gloo"), case=CASE, shared_gpu=True, skip_reason=gloo_skip),
-        Run("memory_gloo_shared_gpu", "memory", "gloo", 2, ["cuda:0", "cuda:0"], timeout_for("memory_gloo_shared_gpu"),
-            [] if mem_skip else memory_launches(out / "memory_gloo_shared_gpu", "gloo", 2, "param_dominated",
-                                                shared_gpu_env("gloo")),
-            config="param_dominated", shared_gpu=True, skip_reason=mem_skip),
-        nccl_run("functional_nccl", "functional", 2, case=CASE),
-        nccl_run("functional_nccl_te", "functional", 2, case=CASE, runtime_flags=False, golden_variant="te",
+        make_run("functional_gloo_shared_gpu", "functional", "gloo", 2, case=CASE),
+        make_run("memory_gloo_shared_gpu", "memory", "gloo", 2, config="param_dominated"),
+        make_run("functional_nccl", "functional", "nccl", 2, case=CASE),
+        make_run("functional_nccl_te", "functional", "nccl", 2, case=CASE, runtime_flags=False, golden_variant="te",
                  skip_reason=None if with_te else TE_MISSING),
-        nccl_run("functional_nccl_sync", "functional", 2, case=SYNC_CASE),
-        nccl_run("functional_nccl_eval", "functional", 2, case=EVAL_CASE),
-        nccl_run("memory_nccl", "memory", min(max(gpus, 2), MAX_NCCL_RANKS), config="param_dominated"),
-        nccl_run("memory_nccl_equal_shares", "memory", 2, config="equal_shares"),
-        nccl_run("memory_nccl_llama3_8b_layers", "memory", 2, config="llama3_8b_layers", exclusive=True,
-                 prediction=real_shapes.load_prediction()),
+        make_run("functional_nccl_sync", "functional", "nccl", 2, case=SYNC_CASE),
+        make_run("functional_nccl_eval", "functional", "nccl", 2, case=EVAL_CASE),
+        make_run("memory_nccl", "memory", "nccl", nccl_ranks, config="param_dominated"),
+        make_run("memory_nccl_equal_shares", "memory", "nccl", 2, config="equal_shares"),
+        make_run("memory_nccl_llama3_8b_layers", "memory", "nccl", 2, config="llama3_8b_layers", exclusive=True,
+                 prediction=real_shapes.load_json(real_shapes.PREDICTION_FILE)),
         # Timed alone where every rank has its GPU; on one GPU the times mean nothing anyway.
-        nccl_run("timing_nccl_optimizer_gather", "timing", min(max(gpus, 2), MAX_NCCL_RANKS), exclusive=gpus > 1),
+        make_run("timing_nccl_optimizer_gather", "timing", "nccl", nccl_ranks, exclusive=gpus > 1),
     ]
     for suffix, case in CASES_019.items():
         nproc = 4 if suffix in ("moe", "vpp") else 2
-        runs.append(nccl_run(f"functional_nccl_019_{suffix}", "functional", nproc, case=case, base="0.19"))
-    for r in runs:
-        r.time_s, r.time_kind, r.time_basis = RUN_TIMES[r.name]
+        runs.append(make_run(f"functional_nccl_019_{suffix}", "functional", "nccl", nproc, base="0.19", case=case))
     assign_lanes(runs)
     plan = Plan(gpus, gpu_name, out, runs, update_golden, own.source if own is not None else None)
     if plan.schedule_s > plan.budget_s:

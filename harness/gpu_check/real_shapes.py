@@ -36,7 +36,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Any, Dict, List, Optional
 
 from harness.trees import REPO_ROOT
 
@@ -128,6 +128,11 @@ def worker_config(layers: int = LAYERS) -> dict:
                 normalization="RMSNorm")
 
 
+#: ``worker_config``'s code at a size for CPU tests (the memory and gather-timing workers' ``llama_tiny``).
+LLAMA_TINY = dict(worker_config(2), hidden_size=64, num_attention_heads=4, ffn_hidden_size=160, num_query_groups=2,
+                  kv_channels=16, vocab=512, seq=32, micro_batch=2)
+
+
 def model_spec(layers: int = LAYERS, cfg: Optional[dict] = None):
     """The audit's ``ModelSpec`` of the memory worker's config ``cfg`` (default
     ``worker_config(layers)``): the same shapes, TP 1, one pipeline stage, DDP's default
@@ -195,8 +200,9 @@ def predicted_window(path_record: dict) -> dict:
     return {"bytes": path_record["megatron_peak_bytes"] + nccl, "tolerance_bytes": ROUNDING_BYTES * allocations}
 
 
-def load_prediction(path: Path = PREDICTION_FILE) -> Optional[dict]:
-    """``PREDICTION_FILE`` as a dict, or None when missing or unreadable."""
+def load_json(path: Path) -> Optional[Any]:
+    """The JSON document in ``path`` (e.g. ``PREDICTION_FILE``, a results folder's files), or
+    None when it is missing or not JSON."""
     try:
         return json.loads(Path(path).read_text())
     except (OSError, ValueError):

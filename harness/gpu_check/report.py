@@ -40,40 +40,24 @@ import json
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
+from harness.gpu_check.real_shapes import load_json
+
 #: The two sides compared: the pristine tree and the series tree (a memory run's sides,
 #: ``plan.TREES``; the timing run's two gathers, ``gather_timing_worker.PATHS``).
 TREES = ("pristine", "series")
-#: Older names -> today's. Results folders written before the sides were named pristine and
-#: series hold upstream.json and patched.json, and use those names as keys of the plan's
-#: prediction and of the timing document; ``_load_renamed`` reads them under today's names.
-OLD_NAMES = {"upstream": "pristine", "patched": "series"}
+#: Results folders written before the sides were named pristine and series hold
+#: upstream.json (pristine) and patched.json (series); ``_load_side`` reads either.
+OLD_FILES = {"pristine": "upstream.json", "series": "patched.json"}
 
 
 class ResultsError(ValueError):
     """The folder is not a GPU check results folder (plan.json missing or unreadable)."""
 
 
-def _load(path: Path) -> Optional[Any]:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-
-
-def _renamed(doc: Any) -> Any:
-    """``doc`` with every dict key of ``OLD_NAMES`` replaced by its name today."""
-    if isinstance(doc, dict):
-        return {OLD_NAMES.get(k, k): _renamed(v) for k, v in doc.items()}
-    return [_renamed(v) for v in doc] if isinstance(doc, list) else doc
-
-
-def _load_renamed(path: Path) -> Optional[Any]:
-    """``_load(path)`` under today's names: where ``path`` is missing, the file of its older
-    name (``OLD_NAMES``: ``upstream.json`` for ``pristine.json``); keys renamed alike."""
-    older = {new: old for old, new in OLD_NAMES.items()}
-    if not path.exists() and path.stem in older:
-        path = path.with_name(older[path.stem] + path.suffix)
-    return _renamed(_load(path))
+def _load_side(run_dir: Path, side: str) -> Optional[Any]:
+    """``run_dir/<side>.json`` (a side of ``TREES``), else its older name (``OLD_FILES``)."""
+    path = run_dir / f"{side}.json"
+    return load_json(path if path.exists() else run_dir / OLD_FILES[side])
 
 
 def fmt_bytes(n: Optional[float]) -> str:
@@ -123,7 +107,7 @@ def memory_tree(doc: Optional[dict]) -> Optional[dict]:
 
 
 def summarize_memory(run: dict, run_dir: Path) -> dict:
-    trees = {t: memory_tree(_load_renamed(run_dir / f"{t}.json")) for t in TREES}
+    trees = {t: memory_tree(_load_side(run_dir, t)) for t in TREES}
     out: Dict[str, Any] = {"trees": trees, "problems": []}
     pr, se = trees["pristine"], trees["series"]
     for t in TREES:
@@ -170,7 +154,7 @@ def summarize_memory(run: dict, run_dir: Path) -> dict:
             if not se["sync_gather_calls"]["into_tensor"]:
                 out["problems"].append("equal_shares: the series param sync made no all_gather_into_tensor")
         if run.get("config") == "llama3_8b_layers":
-            out["prediction"] = compare_prediction(_renamed(run.get("prediction")), trees)
+            out["prediction"] = compare_prediction(run.get("prediction"), trees)
             out["problems"] += out["prediction"]["problems"]
     out["ok"] = not out["problems"]
     return out
@@ -212,7 +196,7 @@ def compare_prediction(prediction: Optional[dict], trees: dict) -> dict:
 
 def summarize_timing(run: dict, run_dir: Path) -> dict:
     """The optimizer-gather timing's entry: the worker's document (``timing``) and problems."""
-    doc = _load_renamed(run_dir / "gather_timing.json")
+    doc = load_json(run_dir / "gather_timing.json")
     if doc is None:
         return {"ok": False, "timing": None, "problems": [f"{run_dir / 'gather_timing.json'} missing"]}
     problems = [f"{path}: a param differs from its owner's after the gather"
@@ -224,15 +208,16 @@ def summarize_timing(run: dict, run_dir: Path) -> dict:
     return {"ok": not problems, "timing": doc, "problems": problems}
 
 
-def summarize_functional(run: dict, run_dir: Path, case: str) -> dict:
+def summarize_functional(run: dict, run_dir: Path) -> dict:
     """A functional run's entry: ok for "identical", or for "no_golden" (series == pristine,
     no golden values for this GPU type yet) with the values recorded under ``run_dir/golden``
     (``functional.passed``); ``golden_recorded`` and ``golden_commit_command`` say where and
     how to commit them."""
     from harness.gpu_check.functional import passed
+    from harness.gpu_check.plan import CASE
 
-    case = run.get("case") or case
-    comparison = _load(run_dir / case / "comparison.json")
+    case = run.get("case") or CASE  # results folders written before runs named their case
+    comparison = load_json(run_dir / case / "comparison.json")
     if comparison is None:
         return {"ok": False, "verdict": "no result", "problems": [f"{run_dir / case / 'comparison.json'} missing"]}
     ok = passed(comparison)
@@ -256,11 +241,10 @@ def summarize(out: Path) -> dict:
         ResultsError: ``out/plan.json`` is missing or not JSON.
     """
     out = Path(out)
-    plan = _load(out / "plan.json")
+    plan = load_json(out / "plan.json")
     if plan is None:
         raise ResultsError(f"{out} holds no readable plan.json: not a GPU check results folder")
-    statuses = {s["name"]: s for s in (_load(out / "runs.json") or [])}
-    from harness.gpu_check.plan import CASE
+    statuses = {s["name"]: s for s in (load_json(out / "runs.json") or [])}
 
     runs = []
     for run in plan["runs"]:
@@ -280,7 +264,7 @@ def summarize(out: Path) -> dict:
         elif run["kind"] == "timing":
             entry.update(summarize_timing(run, out / run["name"]))
         else:
-            entry.update(summarize_functional(run, out / run["name"], CASE))
+            entry.update(summarize_functional(run, out / run["name"]))
         if status["status"] != "ok":
             entry["ok"] = False
             entry["problems"] = [f"run {status['status']}" + (f" (exit {status['returncode']})"
@@ -288,7 +272,7 @@ def summarize(out: Path) -> dict:
                                  *entry.get("problems", [])]
         runs.append(entry)
     return {
-        "environment": _load(out / "environment.json") or {},
+        "environment": load_json(out / "environment.json") or {},
         "gpus": plan["gpus"], "gpu_name": plan["gpu_name"],
         "total_seconds": sum(r["seconds"] or 0 for r in runs),
         "budget_s": plan["budget_s"],

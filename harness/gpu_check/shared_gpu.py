@@ -2,7 +2,7 @@
 
 Several ranks on one GPU need what megatron does not do by itself: for gloo and NCCL alike,
 ``LOCAL_RANK`` modulo the device count (below); for NCCL, a distinct ``NCCL_HOSTID`` per rank
-(``install`` sets ``<host>-rank<LOCAL_RANK>``): NCCL refuses two ranks of one host on one
+(``share_device`` sets ``<host>-rank<LOCAL_RANK>``): NCCL refuses two ranks of one host on one
 device ("Duplicate GPU detected"), and with distinct host ids it connects them through its
 socket transport (``NET/Socket``; the launch sets ``NCCL_SOCKET_IFNAME=lo``), as ranks of
 different hosts. That runs NCCL's own collectives and allocations on real CUDA memory, not
@@ -11,7 +11,7 @@ its intra-node transports (no NVLink, no P2P, no shared memory). For gloo ranks,
 * ``LOCAL_RANK`` modulo the device count. ``training/initialize.py:_initialize_distributed``
   calls ``torch.cuda.set_device(args.local_rank)``, and ``args.local_rank`` defaults to
   ``$LOCAL_RANK`` (``training/config/common_config.py``): rank 1 of two would ask for
-  ``cuda:1``. ``install`` rewrites the variable before megatron parses its arguments.
+  ``cuda:1``. ``share_device`` rewrites the variable before megatron parses its arguments.
 * All-gathers with NCCL's semantics on gloo. Gloo rejects list slots of different sizes
   (CPU and CUDA tensors alike), while ``core/distributed/param_and_grad_buffer.py:
   start_param_sync`` (layer-wise branch) gathers per-rank shares of different sizes. The
@@ -114,40 +114,21 @@ def _wrap_coalescing_manager(real):
     return _coalescing_manager
 
 
-def shared_local_rank(local_rank: int, device_count: int) -> int:
-    """The CUDA device index of ``local_rank`` when ranks share ``device_count`` GPUs.
+def share_device() -> None:
+    """Rewrite ``LOCAL_RANK`` to ``LOCAL_RANK`` modulo the device count and give this rank its own
+    ``NCCL_HOSTID``, ``<base>-rank<LOCAL_RANK>`` (``base``: the inherited ``NCCL_HOSTID``, else
+    the host name; NCCL reads it when the rank's first communicator is created). Call before
+    megatron is imported and parses its arguments.
 
     Raises:
-        RuntimeError: ``device_count`` < 1 (no GPU: this set-up is for CUDA ranks only).
+        RuntimeError: no CUDA GPU (this set-up is for CUDA ranks only).
     """
-    if device_count < 1:
-        raise RuntimeError(
-            f"{ENV_VAR}=1 needs a CUDA GPU (torch.cuda.device_count() is {device_count}); "
-            "for CPU ranks use MEGATRON_CPU_RUNTIME=1 instead")
-    return local_rank % device_count
-
-
-def nccl_host_id(local_rank: int, base: str) -> str:
-    """The ``NCCL_HOSTID`` of ``local_rank`` when ranks share GPUs: ``<base>-rank<N>``, one per
-    rank (``base``: the inherited ``NCCL_HOSTID``, else the host name)."""
-    return f"{base}-rank{local_rank}"
-
-
-def install() -> None:
-    """Rewrite ``LOCAL_RANK`` for a shared GPU and give this rank its own ``NCCL_HOSTID``
-    (``nccl_host_id``; NCCL reads it when the rank's first communicator is created), then
-    ``install_collectives()``.
-
-    Idempotent. Call before megatron is imported and parses its arguments.
-
-    Raises:
-        RuntimeError: no CUDA GPU.
-    """
-    if not _state["installed"]:
-        local = int(os.environ.get("LOCAL_RANK", "0"))
-        os.environ["LOCAL_RANK"] = str(shared_local_rank(local, torch.cuda.device_count()))
-        os.environ["NCCL_HOSTID"] = nccl_host_id(local, os.environ.get("NCCL_HOSTID") or socket.gethostname())
-    install_collectives()
+    local, count = int(os.environ.get("LOCAL_RANK", "0")), torch.cuda.device_count()
+    if count < 1:
+        raise RuntimeError(f"{ENV_VAR}=1 needs a CUDA GPU (torch.cuda.device_count() is {count}); "
+                           "for CPU ranks use MEGATRON_CPU_RUNTIME=1 instead")
+    os.environ["LOCAL_RANK"] = str(local % count)
+    os.environ["NCCL_HOSTID"] = f"{os.environ.get('NCCL_HOSTID') or socket.gethostname()}-rank{local}"
 
 
 def _replace(owner: Any, name: str, value: Any) -> None:
@@ -180,8 +161,11 @@ def uninstall() -> None:
 
 
 def install_if_requested() -> bool:
-    """``install()`` when ``$MEGATRON_SHARED_GPU`` is "1"; returns whether it installed."""
-    if os.environ.get(ENV_VAR) == "1":
-        install()
-        return True
-    return False
+    """When ``$MEGATRON_SHARED_GPU`` is "1": ``share_device()`` (once) and
+    ``install_collectives()``; returns whether it acted. Idempotent."""
+    if os.environ.get(ENV_VAR) != "1":
+        return False
+    if not _state["installed"]:
+        share_device()
+    install_collectives()
+    return True

@@ -84,7 +84,7 @@ def two_gpus(tmp_path_factory):
     return dry_plan(tmp_path_factory.mktemp("two"), "--assume-gpus", "2", *H200)
 
 
-def test_without_a_gpu_the_dry_run_plans_for_one(tmp_path, one_gpu):
+def test_without_a_gpu_the_dry_run_plans_for_one_and_a_real_run_refuses(tmp_path, one_gpu):
     import torch
 
     if torch.cuda.is_available():
@@ -95,6 +95,8 @@ def test_without_a_gpu_the_dry_run_plans_for_one(tmp_path, one_gpu):
     assert "no GPU here; planning for 1 (NVIDIA H200)" in proc.stderr
     plan = json.loads(proc.stdout)
     assert plan["gpus"] == 1 and [r["name"] for r in plan["runs"]] == [r["name"] for r in one_gpu[0]["runs"]]
+    proc = gpu_check(out)
+    assert proc.returncode == 2 and "no CUDA GPU found" in proc.stderr
     assert not out.exists()
 
 
@@ -150,6 +152,7 @@ def test_one_gpu_runs_every_rank_on_cuda0_on_both_bases_within_8_minutes(one_gpu
                 assert ("--use-cpu-initialization" in args) == (base == "0.17.1" and run["runtime_flags"])
     assert sum(r["exclusive"] for r in runs.values()) == 1 and runs["memory_nccl_llama3_8b_layers"]["exclusive"]
     assert runs["functional_nccl"]["golden_file"] == "golden_values_h200_nccl_1gpu.json"
+    assert (runs["functional_nccl_te"]["skip_reason"] is None) == plan_mod.te_available(), "TE as this machine has it"
 
 
 @pytest.mark.extended
@@ -177,19 +180,6 @@ def test_the_te_run_is_planned_and_skipped_where_te_is_missing(tmp_path, with_te
     assert plan.schedule_s <= 480, "with TE the plan still fits"
     text = plan_mod.format_plan(plan)
     assert ("  skipped: Transformer Engine not installed" in text.splitlines()) is not with_te
-
-
-def test_the_dry_run_reports_te_as_this_machine_has_it(one_gpu):
-    plan, lines = one_gpu
-    te = next(r for r in plan["runs"] if r["name"] == "functional_nccl_te")
-    assert (te["skip_reason"] is None) == plan_mod.te_available()
-
-
-def test_one_gpu_nccl_ranks_get_distinct_host_ids():
-    """NCCL refuses two ranks of one host on one GPU; each rank's own NCCL_HOSTID lets it
-    connect them through sockets."""
-    ids = {shared_gpu.nccl_host_id(r, "box") for r in range(4)}
-    assert len(ids) == 4 and all(i.startswith("box-") for i in ids)
 
 
 def test_functional_launch_is_the_default_case_on_gloo_for_megatron(one_gpu, two_gpus):
@@ -262,16 +252,6 @@ def test_bad_input_exits_2_with_a_message_and_writes_nothing(tmp_path, args, mes
     assert sorted(p.name for p in tmp_path.rglob("*")) == before
 
 
-def test_real_run_without_a_gpu_refuses(tmp_path):
-    import torch
-
-    if torch.cuda.is_available():
-        pytest.skip("this machine has a GPU")
-    proc = gpu_check(tmp_path / "out")
-    assert proc.returncode == 2 and "no CUDA GPU found" in proc.stderr
-    assert not (tmp_path / "out").exists()
-
-
 def test_runner_records_ok_failed_and_timed_out_runs(tmp_path):
     """execute() on a plan whose launches are small stand-in commands: each run's status,
     exit code and time land in runs.json, a run past its timeout is killed (with its child
@@ -330,7 +310,7 @@ def test_golden_file_is_per_gpu_type_and_backend(name, slug):
 def results(tmp_path):
     """A copy of FIXTURE. It was written before the memory runs' sides were named pristine and
     series: its memory results are upstream.json (the pristine side) and patched.json (the
-    series side), which the report reads under today's names (``report.OLD_NAMES``)."""
+    series side), which the report reads under today's names (``report.OLD_FILES``)."""
     dst = tmp_path / "results"
     shutil.copytree(FIXTURE, dst)
     return dst
@@ -340,6 +320,15 @@ def edit_json(path: Path, fn):
     doc = json.loads(path.read_text())
     fn(doc)
     path.write_text(json.dumps(doc))
+
+
+def edit_run(results: Path, name: str, **fields):
+    """Set ``fields`` of run ``name`` in ``results/plan.json``."""
+    edit_json(results / "plan.json", lambda d: next(r for r in d["runs"] if r["name"] == name).update(fields))
+
+
+def summary_run(results: Path, name: str) -> dict:
+    return next(r for r in report.summarize(results)["runs"] if r["name"] == name)
 
 
 def test_report_of_a_recorded_run(results):
@@ -377,30 +366,42 @@ def test_report_reads_the_memory_results_under_either_name(results):
     before = report.summarize(results)
     assert before["ok"] and before["runs"][1]["trees"]["pristine"]["forward_peak_extra_bytes"] == 811 * 2**20
     for run in ("memory_nccl", "memory_gloo_shared_gpu"):
-        for old, new in report.OLD_NAMES.items():
-            (results / run / f"{old}.json").rename(results / run / f"{new}.json")
+        for side, old in report.OLD_FILES.items():
+            (results / run / old).rename(results / run / f"{side}.json")
     assert report.summarize(results) == before
 
 
-def test_report_fails_a_run_whose_loss_differs(results):
-    def flip(doc):
-        doc["ranks"][0]["steps"][1]["loss_hex"] = "0x1.3800000000001p+3"
-    edit_json(results / "memory_gloo_shared_gpu" / "patched.json", flip)
+#: Damage to a memory run's series result (patched.json in FIXTURE), by name.
+DAMAGE = {
+    "loss": lambda doc: doc["ranks"][0]["steps"][1].update(loss_hex="0x1.3800000000001p+3"),
+    "sync_allocates": lambda doc: doc["ranks"][1]["sync"].update(peak_extra_bytes=4096),
+    "no_equal_bucket": lambda doc: [b.update(shares_equal=False) for r in doc["ranks"] for b in r["buckets"]],
+    "no_into_tensor": lambda doc: [r["sync"]["gather_calls"].update(into_tensor=0) for r in doc["ranks"]],
+}
+
+
+@pytest.mark.parametrize("run, config, damage, problem", [
+    ("memory_gloo_shared_gpu", None, "loss",
+     "lm loss differs at step 2: pristine 0x1.3800000000000p+3, series 0x1.3800000000001p+3"),
+    ("memory_nccl", None, "sync_allocates", "series param sync allocated on NCCL: ['0 B', '4.00 KiB'] per rank"),
+    ("memory_gloo_shared_gpu", None, "sync_allocates", None),  # on gloo the CUDA bytes are reported, not required
+    # The equal_shares run requires a bucket with equal shares and an all_gather_into_tensor.
+    ("memory_nccl", "equal_shares", None, None),
+    ("memory_nccl", "equal_shares", "no_equal_bucket",
+     "equal_shares: no bucket with equal shares (the model config does not make them at this DP size)"),
+    ("memory_nccl", "equal_shares", "no_into_tensor", "equal_shares: the series param sync made no all_gather_into_tensor"),
+])
+def test_a_damaged_memory_result_fails_its_run_for_its_reason(results, run, config, damage, problem):
+    if config:
+        edit_run(results, run, config=config)
+    if damage:
+        edit_json(results / run / "patched.json", DAMAGE[damage])
     summary = report.summarize(results)
-    mem = next(r for r in summary["runs"] if r["name"] == "memory_gloo_shared_gpu")
-    assert not summary["ok"] and not mem["ok"] and not mem["losses_bitwise_equal"]
-    assert mem["problems"] == ["lm loss differs at step 2: pristine 0x1.3800000000000p+3, series 0x1.3800000000001p+3"]
-    assert "FAIL: 3/4 runs ok" in report.render(summary)
-
-
-def test_report_fails_nccl_when_the_series_sync_allocates(results):
-    def alloc(doc):
-        doc["ranks"][1]["sync"]["peak_extra_bytes"] = 4096
-    for run in ("memory_nccl", "memory_gloo_shared_gpu"):
-        edit_json(results / run / "patched.json", alloc)
-    runs = {r["name"]: r for r in report.summarize(results)["runs"]}
-    assert runs["memory_nccl"]["problems"] == ["series param sync allocated on NCCL: ['0 B', '4.00 KiB'] per rank"]
-    assert runs["memory_gloo_shared_gpu"]["ok"], "on gloo the CUDA bytes are reported, not required"
+    entry = next(r for r in summary["runs"] if r["name"] == run)
+    assert entry["problems"] == ([problem] if problem else [])
+    assert entry["ok"] is summary["ok"] is (problem is None)
+    assert entry["losses_bitwise_equal"] is (damage != "loss")
+    assert report.render(summary).splitlines()[1].startswith("PASS: 4/4 runs ok" if problem is None else "FAIL: 3/4 runs ok")
 
 
 def test_report_of_runs_that_timed_out_or_left_nothing(results):
@@ -523,14 +524,22 @@ def test_both_memory_probes_give_each_phase_its_peak_above_the_steps_start():
     assert cpu.reserved == dict.fromkeys(want)
 
 
-@pytest.mark.parametrize("local, count, want", [(0, 1, 0), (1, 1, 0), (3, 2, 1), (5, 8, 5)])
-def test_shared_local_rank(local, count, want):
-    assert shared_gpu.shared_local_rank(local, count) == want
+@pytest.mark.parametrize("local, count, want", [(0, 1, 0), (1, 1, 0), (3, 2, 1), (5, 8, 5), (1, 0, None)])
+def test_ranks_sharing_gpus_get_a_device_and_a_nccl_host_id_each(monkeypatch, local, count, want):
+    """``LOCAL_RANK`` modulo the GPUs (megatron calls ``set_device(local_rank)``) and, since NCCL
+    refuses two ranks of one host on one GPU, an ``NCCL_HOSTID`` per rank, so that it connects
+    them through sockets. Without a GPU: an error."""
+    import torch
 
-
-def test_shared_gpu_needs_a_gpu():
-    with pytest.raises(RuntimeError, match="needs a CUDA GPU"):
-        shared_gpu.shared_local_rank(1, 0)
+    monkeypatch.setenv("LOCAL_RANK", str(local))
+    monkeypatch.setenv("NCCL_HOSTID", "box")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+    if want is None:
+        with pytest.raises(RuntimeError, match="needs a CUDA GPU"):
+            shared_gpu.share_device()
+        return
+    shared_gpu.share_device()
+    assert (os.environ["LOCAL_RANK"], os.environ["NCCL_HOSTID"]) == (str(want), f"box-rank{local}")
 
 
 def test_recorded_gathers_on_a_one_rank_gloo_group(tmp_path):
@@ -681,7 +690,7 @@ def test_a_run_without_golden_values_records_them_in_out_only_when_bit_identical
 def test_a_no_golden_verdict_without_recorded_values_fails(results):
     run = "functional_nccl"
     (results / run / plan_mod.CASE / "comparison.json").write_text(json.dumps(no_golden_comparison(results, run)))
-    entry = next(r for r in report.summarize(results)["runs"] if r["name"] == run)
+    entry = summary_run(results, run)
     assert not entry["ok"] and entry["problems"], "no golden values and nothing recorded is not a pass"
 
 
@@ -714,30 +723,6 @@ def test_nccl_plan_trains_with_te_fused_wgrad_the_optimizer_path_and_eval(two_gp
     assert plain["overlap_param_gather"] and not by_name["functional_nccl_sync"]["overlap_param_gather"]
     assert by_name["functional_nccl_eval"]["eval_interval"] == 10 and plain["eval_interval"] > 50
     assert plan["schedule_s"] <= plan["budget_s"]
-
-
-@pytest.mark.parametrize("damage, problem", [
-    (None, None),
-    ("no_equal_bucket", "equal_shares: no bucket with equal shares"),
-    ("no_into_tensor", "equal_shares: the series param sync made no all_gather_into_tensor"),
-])
-def test_the_equal_shares_run_requires_an_equal_bucket_and_all_gather_into_tensor(results, damage, problem):
-    edit_json(results / "plan.json", lambda d: next(r for r in d["runs"] if r["name"] == "memory_nccl")
-              .update(config="equal_shares"))
-
-    def hurt(doc):
-        for rank in doc["ranks"]:
-            if damage == "no_equal_bucket":
-                for b in rank["buckets"]:
-                    b["shares_equal"] = False
-            elif damage == "no_into_tensor":
-                rank["sync"]["gather_calls"]["into_tensor"] = 0
-    edit_json(results / "memory_nccl" / "patched.json", hurt)
-    run = next(r for r in report.summarize(results)["runs"] if r["name"] == "memory_nccl")
-    if problem is None:
-        assert run["ok"], run["problems"]
-    else:
-        assert not run["ok"] and problem in " ".join(run["problems"])
 
 
 @pytest.mark.extended
@@ -812,7 +797,7 @@ def llama_results(results: Path, offset=0):
     rundir = results / "memory_nccl"
     # The fixture is a results folder from before the sides were renamed: upstream.json is the
     # pristine side's result, patched.json the series side's.
-    measured = {t: json.loads((rundir / f"{old}.json").read_text()) for old, t in report.OLD_NAMES.items()}
+    measured = {t: json.loads((rundir / old).read_text()) for t, old in report.OLD_FILES.items()}
     pred = {"layers": 8, "dp": 2, "trees": {}}
     for tree, doc in measured.items():
         ranks = []
@@ -822,8 +807,7 @@ def llama_results(results: Path, offset=0):
                           "predicted": {w: {"bytes": r[w]["peak_extra_bytes"] + (offset if tree == "pristine" else 0),
                                             "tolerance_bytes": 512 * 4} for w in ("sync", "sync_optimizer")}})
         pred["trees"][tree] = {"ranks": ranks}
-    edit_json(results / "plan.json", lambda d: next(r for r in d["runs"] if r["name"] == "memory_nccl")
-              .update(config="llama3_8b_layers", prediction=pred))
+    edit_run(results, "memory_nccl", config="llama3_8b_layers", prediction=pred)
     return pred
 
 
@@ -845,9 +829,8 @@ def test_the_real_shape_run_fails_where_measured_and_predicted_disagree_beyond_r
 def test_the_real_shape_comparison_is_void_when_the_buckets_are_not_the_audits(results):
     pred = llama_results(results)
     pred["trees"]["pristine"]["ranks"][0]["buckets"][0]["shares"] = [1, 2]
-    edit_json(results / "plan.json", lambda d: next(r for r in d["runs"] if r["name"] == "memory_nccl")
-              .update(prediction=pred))
-    run = next(r for r in report.summarize(results)["runs"] if r["name"] == "memory_nccl")
+    edit_run(results, "memory_nccl", prediction=pred)
+    run = summary_run(results, "memory_nccl")
     assert not run["ok"] and any("buckets and shares differ from the audit's model" in p for p in run["problems"])
 
 

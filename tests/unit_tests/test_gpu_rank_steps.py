@@ -38,6 +38,17 @@ print("RESULT " + json.dumps({"utils": utils.__file__, "helpers_cpp": helpers_cp
 """
 
 
+def rank_step(tmp_path: Path, parent: Path) -> subprocess.Popen:
+    """``RANK_STEP`` in its own process, ``parent`` (the folder holding megatron/) first on
+    PYTHONPATH and no CPU runtime layer, as a GPU rank imports it; output in ``stdout``."""
+    script = tmp_path / "rank_step.py"
+    script.write_text(RANK_STEP)
+    env = {k: v for k, v in os.environ.items() if k != "MEGATRON_CPU_RUNTIME"}
+    return subprocess.Popen([sys.executable, str(script)], cwd=REPO_ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True,
+                            env=dict(env, PYTHONPATH=f"{parent}{os.pathsep}{REPO_ROOT}", PYTHONWARNINGS="ignore"))
+
+
 def built_trees():
     """(label, directory holding megatron/) of every tree setup.sh built on this machine."""
     out = []
@@ -57,14 +68,7 @@ def test_every_tree_passes_the_dataset_helper_step_of_a_gpu_rank(tmp_path):
     trees = built_trees()
     labels = [label for label, _ in trees]
     assert {"pristine-0.17.1", "series-0.17.1", "megatron-lm/core_v0.17.1", "megatron-lm/patched"} <= set(labels), labels
-    script = tmp_path / "rank_step.py"
-    script.write_text(RANK_STEP)
-    env = {k: v for k, v in os.environ.items() if k != "MEGATRON_CPU_RUNTIME"}
-    procs = {}
-    for label, parent in trees:
-        run_env = dict(env, PYTHONPATH=f"{parent}{os.pathsep}{REPO_ROOT}", PYTHONWARNINGS="ignore")
-        procs[label] = (parent, subprocess.Popen([sys.executable, str(script)], cwd=REPO_ROOT, env=run_env,
-                                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    procs = {label: (parent, rank_step(tmp_path, parent)) for label, parent in trees}
     failures = []
     for label, (parent, proc) in procs.items():
         out, _ = proc.communicate(timeout=300)
@@ -79,8 +83,7 @@ def test_every_tree_passes_the_dataset_helper_step_of_a_gpu_rank(tmp_path):
     assert not failures, "\n".join(failures)
 
 
-@pytest.mark.parametrize("label", ["series-0.19"])
-def test_the_step_still_fails_where_the_helpers_source_changed(tmp_path, label):
+def test_the_step_still_fails_where_the_helpers_source_changed(tmp_path, label="series-0.19"):
     """make is asked for real: a copy of the tree whose helpers.cpp is newer than its
     helpers_cpp and not compilable here makes the step fail (not a stub that always passes)."""
     import shutil
@@ -91,11 +94,7 @@ def test_the_step_still_fails_where_the_helpers_source_changed(tmp_path, label):
                     ignore=shutil.ignore_patterns("__pycache__"))
     cpp = tree / "megatron" / "core" / "datasets" / "helpers.cpp"
     cpp.write_text((src / "helpers.cpp").read_text() + "\n#error changed after the build\n")
-    script = tmp_path / "rank_step.py"
-    script.write_text(RANK_STEP)
-    env = {k: v for k, v in os.environ.items() if k != "MEGATRON_CPU_RUNTIME"}
-    proc = subprocess.run([sys.executable, str(script)], cwd=REPO_ROOT, capture_output=True, text=True,
-                          env=dict(env, PYTHONPATH=f"{tree}{os.pathsep}{REPO_ROOT}", PYTHONWARNINGS="ignore"),
-                          timeout=300)
-    assert proc.returncode == 1, proc.stdout + proc.stderr
-    assert "Failed to compile the C++ dataset helper functions" in proc.stdout + proc.stderr
+    proc = rank_step(tmp_path, tree)
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 1, out
+    assert "Failed to compile the C++ dataset helper functions" in out
