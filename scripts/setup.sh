@@ -238,15 +238,17 @@ touched_ok() { # <tree root>: every touched file is the pristine 0.17.1 one
     done < "$SERIES/manifest.sha256"
 }
 
-# mlm_checkout TAG VERSION COMMIT TARBALL TARBALL_SHA256 SRC REQUIRED
-# Builds $MLM/TAG (a git repo, one commit tagged TAG) from the first source found.
+# mlm_checkout TAG VERSION COMMIT TARBALL TARBALL_SHA256 SRC REQUIRED VAR
+# Builds $MLM/TAG (a git repo, one commit tagged TAG) from the first source found; VAR names the
+# variable that gives SRC. Without SRC or a tarball in ../shared/upstream, a checkout an earlier
+# run built (and verified) is kept rather than cloned again.
 # Returns 1 (after a warning) when REQUIRED=0 and no source is usable.
 mlm_checkout() {
-    local tag="$1" version="$2" commit="$3" tarball="$4" tsha="$5" src="$6" required="$7"
+    local tag="$1" version="$2" commit="$3" tarball="$4" tsha="$5" src="$6" required="$7" var="$8"
     local dest="$MLM/$tag" kind="" ident="" how="" d top got
     local fail; if [[ $required == 1 ]]; then fail=die; else fail=warn_skip; fi
     if [[ -n "$src" ]]; then
-        [[ -e "$src" ]] || $fail "the Megatron-LM source '$src' (MEGATRON_LM_*SRC) does not exist" || return 1
+        [[ -e "$src" ]] || $fail "the Megatron-LM source '$src' ($var) does not exist" || return 1
         src="$(cd "$(dirname "$src")" && pwd -P)/$(basename "$src")"
         if [[ -f "$src" ]]; then kind=tarball; ident="tarball $(sha "$src")"
         elif git -C "$src" rev-parse -q --verify HEAD >/dev/null 2>&1 \
@@ -257,6 +259,9 @@ mlm_checkout() {
         for d in "${shared_dirs[@]}"; do
             if [[ -f "$d/$tarball" ]]; then src="$(cd "$d" && pwd -P)/$tarball"; kind=tarball; ident="tarball $(sha "$src")"; break; fi
         done
+        if [[ -z "$kind" && -d "$dest/.git" && -s "build/stamps/mlm-$tag" ]]; then
+            log "Megatron-LM checkout $dest kept (no $var and no ../shared/upstream/$tarball this time)"; return 0
+        fi
         if [[ -z "$kind" ]]; then
             kind=clone; ident="clone $commit"
         fi
@@ -284,7 +289,7 @@ mlm_checkout() {
             say "cloning Megatron-LM $tag from $MLM_REPO_URL (no local source found)"
             if ! timeout 600 git clone -q --depth 1 --branch "$tag" "$MLM_REPO_URL" "$tmp/clone" 2>"$tmp/clone.err"; then
                 local why; why="$(tail -n1 "$tmp/clone.err")"; rm -rf "$tmp"
-                $fail "could not get Megatron-LM $tag: no ../shared/upstream/$tarball and git clone failed ($why). Set MEGATRON_LM_SRC=/path/to/Megatron-LM (a checkout at $tag or its tarball)" || return 1
+                $fail "could not get Megatron-LM $tag: no ../shared/upstream/$tarball and git clone failed ($why). Set $var=/path/to/Megatron-LM (a checkout at $tag or its tarball)" || return 1
             fi
             got="$(git -C "$tmp/clone" rev-parse HEAD)"
             [[ "$got" == "$commit" ]] || { rm -rf "$tmp"; $fail "git clone --branch $tag gave commit $got, expected $commit (requirements/megatron-lm.lock); the tag moved?" || return 1; }
@@ -321,9 +326,9 @@ mlm_checkout() {
 }
 warn_skip() { echo "[setup] WARNING: $*; the tests that need it are skipped" >&2; return 1; }
 
-mlm_checkout "$MLM_TAG" "$MLM_VERSION" "$MLM_COMMIT" "$MLM_TARBALL" "$MLM_TARBALL_SHA256" "${MEGATRON_LM_SRC:-}" 1
-mlm_checkout "$MLM_NEXT_TAG" "$MLM_NEXT_VERSION" "$MLM_NEXT_COMMIT" "$MLM_NEXT_TARBALL" "$MLM_NEXT_TARBALL_SHA256" "${MEGATRON_LM_NEXT_SRC:-}" 0 || true
-mlm_checkout "$MLM_019_TAG" "$MLM_019_VERSION" "$MLM_019_COMMIT" "$MLM_019_TARBALL" "$MLM_019_TARBALL_SHA256" "${MEGATRON_LM_019_SRC:-}" 0 || true
+mlm_checkout "$MLM_TAG" "$MLM_VERSION" "$MLM_COMMIT" "$MLM_TARBALL" "$MLM_TARBALL_SHA256" "${MEGATRON_LM_SRC:-}" 1 MEGATRON_LM_SRC
+mlm_checkout "$MLM_NEXT_TAG" "$MLM_NEXT_VERSION" "$MLM_NEXT_COMMIT" "$MLM_NEXT_TARBALL" "$MLM_NEXT_TARBALL_SHA256" "${MEGATRON_LM_NEXT_SRC:-}" 0 MEGATRON_LM_NEXT_SRC || true
+mlm_checkout "$MLM_019_TAG" "$MLM_019_VERSION" "$MLM_019_COMMIT" "$MLM_019_TARBALL" "$MLM_019_TARBALL_SHA256" "${MEGATRON_LM_019_SRC:-}" 0 MEGATRON_LM_019_SRC || true
 
 # Upstream main at MLM_MAIN_COMMIT (optional; docs/own_tree.md): $MLM/$MLM_MAIN_NAME, the main
 # tarball committed on top of the core_v0.19.0 checkout (git clone --local, about 4 s), so that
@@ -465,4 +470,4 @@ place_helpers build/patched-0.19 build/upstream-0.19 "$MAKEFILE19"
 for t in "$MLM/$MLM_019_TAG" "$PC19" "$MLM/$MLM_NEXT_TAG" "$MLM/$MLM_MAIN_NAME"; do
     if [[ -d "$t/.git" ]]; then place_helpers "$t" build/upstream-0.19 "$MAKEFILE19"; fi
 done
-log "ready: .venv, build/upstream/megatron (pristine), megatron/ (patched), build/upstream-0.19/megatron (pristine $MCORE19_VERSION), build/patched-0.19/megatron, $MLM/{$MLM_TAG,patched$([[ -d "$MLM/$MLM_NEXT_TAG/.git" ]] && echo ",$MLM_NEXT_TAG")$([[ -d "$MLM/$MLM_019_TAG/.git" ]] && echo ",$MLM_019_TAG,patched-0.19")$([[ -d "$MLM/$MLM_MAIN_NAME/.git" ]] && echo ",$MLM_MAIN_NAME")}"
+log "ready: .venv, build/upstream/megatron (pristine-0.17.1), megatron/ (series-0.17.1), build/upstream-0.19/megatron (pristine-0.19: $MCORE19_VERSION), build/patched-0.19/megatron (series-0.19), $MLM/{$MLM_TAG,patched$([[ -d "$MLM/$MLM_NEXT_TAG/.git" ]] && echo ",$MLM_NEXT_TAG")$([[ -d "$MLM/$MLM_019_TAG/.git" ]] && echo ",$MLM_019_TAG,patched-0.19")$([[ -d "$MLM/$MLM_MAIN_NAME/.git" ]] && echo ",$MLM_MAIN_NAME")}"

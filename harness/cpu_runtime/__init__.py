@@ -1,4 +1,4 @@
-"""CPU runtime layer: run megatron-core 0.17.1 and megatron.training unchanged on CPU ranks.
+"""CPU runtime layer: run megatron-core (0.17.1 and 0.19) and megatron.training unchanged on CPU ranks.
 
 Megatron assumes a CUDA device everywhere: it allocates with ``device='cuda'``, asks
 ``torch.cuda`` for streams, events and RNG states, compares ``Tensor.type()`` strings with
