@@ -102,21 +102,17 @@ def records_memory(name: str) -> bool:
     return name in defaults or name == LAYOUT_CASE_019 or bool(rc.load_case(rc.find_case(name)).expect_param_sync)
 
 
-def skip_without_checkout(name: str) -> None:
-    """Skip a case whose base's Megatron-LM checkout scripts/setup.sh did not build (the
-    0.19 one is optional there, like its upstream tests)."""
-    absent = rc.missing_checkouts([name])
-    if absent:
-        pytest.skip(absent[0])
-
-
 @pytest.fixture(scope="session")
 def case_results():
-    """Run each case at most once per session; {case: comparison dict}."""
+    """Run each case at most once per session; {case: comparison dict}. A case whose base's
+    Megatron-LM checkout scripts/setup.sh did not build (the 0.19 one is optional there, like
+    its upstream tests) is skipped."""
     cache = {}
 
     def get(name):
-        skip_without_checkout(name)
+        absent = rc.missing_checkouts([name])
+        if absent:
+            pytest.skip(absent[0])
         if name not in cache:
             cache[name] = rc.run_case(name, device="cpu", record_memory=records_memory(name))
         return cache[name]

@@ -728,9 +728,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 print(f"  {message}", file=sys.stderr)
             return EXIT_NO_GOLDEN
     t0 = time.monotonic()
-    verdicts = {}
-    for n in names:
-        verdicts[n] = run_case(n, args.device, args.update_golden, args.timeout, own=own)["verdict_line"]
+    verdicts = {n: run_case(n, args.device, args.update_golden, args.timeout, own=own)["verdict_line"] for n in names}
     print(summary_report(verdicts, time.monotonic() - t0))
     return 0 if all(v == "identical" for v in verdicts.values()) else 1
 
