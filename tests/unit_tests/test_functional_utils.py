@@ -8,10 +8,12 @@ the code under test.
 
 import json
 import math
+import shutil
 from pathlib import Path
 
 import numpy
 import pytest
+import yaml
 
 from tests.functional_tests.python_test_utils import (
     checks,
@@ -22,6 +24,7 @@ from tests.functional_tests.python_test_utils import (
     tolerances,
     verdicts,
 )
+from tests.functional_tests.python_test_utils import run_case as rc
 from tests.functional_tests.python_test_utils import tensorboard_reader as tbr
 from tests.functional_tests.python_test_utils.golden_schema import MetricSeries
 
@@ -146,8 +149,7 @@ def test_reader_errors_instead_of_empty_success(tmp_path, setup):
     if setup == "no_requested_tag":
         write_events(folder, {"batch-size": {1: 8.0}})
     with pytest.raises(tbr.TensorboardReadError):
-        tbr.read_run_metrics(folder)
-    assert tbr.main([str(folder), str(tmp_path / "out")]) == 1
+        tbr.write_run_metrics(folder, tmp_path / "out")
     assert not (tmp_path / "out" / tbr.ROUNDED_FILE).exists()
 
 
@@ -185,34 +187,21 @@ def test_schema_round_trips_floats_bit_for_bit(tmp_path):
     assert math.copysign(1, back.values[53]) == -1  # -0.0 kept
 
 
+def one_metric(values: str, end: int = 2, interval: str = ', "step_interval": 1') -> str:
+    """A golden file of metric "m" on steps 1..end: ``interval`` and ``values`` as JSON text."""
+    return f'{{"m": {{"start_step": 1, "end_step": {end}{interval}, "values": {{{values}}}}}}}'
+
+
 @pytest.mark.parametrize(
     "text, match",
     [
-        (
-            '{"m": {"start_step": 1, "end_step": 3, "step_interval": 1, "values": {"1": 1, "3": 2}}}',
-            "missing \\[2\\]",
-        ),
-        (
-            '{"m": {"start_step": 1, "end_step": 2, "step_interval": 1, "values": {"1": 1, "2": NaN}}}',
-            "bare NaN",
-        ),
-        (
-            '{"m": {"start_step": 1, "end_step": 2, "step_interval": 1, "values": {"1": 1, "2": true}}}',
-            "step 2: boolean",
-        ),
-        (
-            '{"m": {"start_step": 1, "end_step": 2, "step_interval": 1, "values": {"1": 1, "2": "n/a"}}}',
-            "step 2: value 'n/a'",
-        ),
-        (
-            '{"m": {"start_step": 1, "end_step": 1, "step_interval": 1, "values": {"1": 1, "1": 2}}}',
-            "duplicate key '1'",
-        ),
-        ('{"m": {"start_step": 1, "end_step": 1, "values": {"1": 1}}}', "keys must be"),
-        (
-            '{"m": {"start_step": 1, "end_step": 4, "step_interval": 2, "values": {"1": 1, "3": 1}}}',
-            "bad step grid",
-        ),
+        (one_metric('"1": 1, "3": 2', end=3), "missing \\[2\\]"),
+        (one_metric('"1": 1, "2": NaN'), "bare NaN"),
+        (one_metric('"1": 1, "2": true'), "step 2: boolean"),
+        (one_metric('"1": 1, "2": "n/a"'), "step 2: value 'n/a'"),
+        (one_metric('"1": 1, "1": 2', end=1), "duplicate key '1'"),
+        (one_metric('"1": 1', end=1, interval=""), "keys must be"),
+        (one_metric('"1": 1, "3": 1', end=4, interval=', "step_interval": 2'), "bad step grid"),
         ("{}", "non-empty"),
     ],
 )
@@ -629,28 +618,23 @@ def test_plot_refuses_curves_without_either_metric(tmp_path):
 
 
 @pytest.fixture
-def one_case_without_gpu_golden(tmp_path, monkeypatch):
+def no_training(monkeypatch):
+    """run_case.main with training refused: the arguments must be turned down before it."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("trained although the arguments were refused")
+
+    monkeypatch.setattr(rc, "run_case", refuse)
+
+
+def test_missing_platform_golden_file_names_file_and_command(no_training, tmp_path, monkeypatch, capsys):
     """A copy of the default case (config and CPU golden file only) as the whole case set."""
-    import shutil
-
-    from tests.functional_tests.python_test_utils import run_case as rc
-
     src = rc.find_case(rc.DEFAULT_CASE)
     dst = tmp_path / "cases" / "gpt" / rc.DEFAULT_CASE
     dst.mkdir(parents=True)
     shutil.copy(src / "model_config.yaml", dst)
     shutil.copy(src / rc.GOLDEN_NAME["cpu"], dst)
     monkeypatch.setattr(rc, "CASES_DIR", tmp_path / "cases")
-
-    def no_training(*args, **kwargs):
-        raise AssertionError("trained although the golden file is missing")
-
-    monkeypatch.setattr(rc, "run_case", no_training)
-    return rc
-
-
-def test_missing_platform_golden_file_names_file_and_command(one_case_without_gpu_golden, capsys):
-    rc = one_case_without_gpu_golden
     case = rc.DEFAULT_CASE
     assert rc.missing_golden([case], "cpu") == []
     assert rc.main(["--device", "cuda", case]) == rc.EXIT_NO_GOLDEN != 1
@@ -663,8 +647,6 @@ def test_missing_platform_golden_file_names_file_and_command(one_case_without_gp
 
 
 def test_update_golden_command_round_trips_through_the_parser():
-    from tests.functional_tests.python_test_utils import run_case as rc
-
     words = rc.update_golden_command(rc.DEFAULT_CASE, "cuda").split()
     assert words[0] == "scripts/run_functional_test.sh"
     assert words[1:] == ["--device", "cuda", "--update-golden", rc.DEFAULT_CASE]
@@ -673,7 +655,6 @@ def test_update_golden_command_round_trips_through_the_parser():
 
 def test_committed_golden_data_records_source_tokenizer_and_dataset():
     from harness import data
-    from tests.functional_tests.python_test_utils import run_case as rc
 
     recorded = json.loads(rc.GOLDEN_DATA.read_text())
     assert recorded["source"]["file"] == data.read_lock()["MCORE_WHEEL"]
@@ -692,8 +673,6 @@ def test_every_split_of_every_case_gets_documents():
         parse_and_normalize_split,
     )
 
-    from tests.functional_tests.python_test_utils import run_case as rc
-
     documents = json.loads(rc.GOLDEN_DATA.read_text())["corpus"]["documents"]
     for name in rc.all_cases():
         split = rc.load_case(rc.find_case(name)).model_args["--split"]
@@ -708,20 +687,7 @@ def test_every_split_of_every_case_gets_documents():
 # --------------------------------------------------------------------------- bases
 
 
-@pytest.fixture
-def no_training(monkeypatch):
-    from tests.functional_tests.python_test_utils import run_case as rc
-
-    def refuse(*args, **kwargs):
-        raise AssertionError("trained although the arguments were refused")
-
-    monkeypatch.setattr(rc, "run_case", refuse)
-    return rc
-
-
 def test_main_job_runs_each_base_default_case_0_19_first():
-    from tests.functional_tests.python_test_utils import run_case as rc
-
     assert rc.default_cases(list(rc.BASES)) == ["gpt019_dp2_bf16_fp32grad_overlap_legacy", rc.DEFAULT_CASE]
     for name in rc.default_cases(list(rc.BASES)):
         case = rc.load_case(rc.find_case(name))
@@ -730,39 +696,27 @@ def test_main_job_runs_each_base_default_case_0_19_first():
 
 
 def test_a_case_of_another_base_is_refused_before_training(no_training, capsys):
-    rc = no_training
     assert rc.main(["--base", "0.17.1", rc.BASES["0.19"].default_case]) == 2
     assert "are not cases of megatron-core 0.17.1" in capsys.readouterr().err
 
 
 def test_a_missing_checkout_is_named_before_training(no_training, monkeypatch, tmp_path, capsys):
-    rc = no_training
     monkeypatch.setitem(rc.BASES, "0.19", rc.replace(rc.BASES["0.19"], checkout=tmp_path / "core_v0.19.0"))
     assert rc.main(["--base", "0.19"]) == 2
     err = capsys.readouterr().err
     assert f"no Megatron-LM checkout at {tmp_path / 'core_v0.19.0'}" in err and "MEGATRON_LM_019_SRC" in err
 
 
-def test_an_unknown_base_in_a_case_is_refused(tmp_path):
-    from tests.functional_tests.python_test_utils import run_case as rc
-
-    src = rc.find_case(rc.DEFAULT_CASE) / "model_config.yaml"
-    (tmp_path / "model_config.yaml").write_text('BASE: "0.18.2"\n' + src.read_text())
-    with pytest.raises(rc.CaseConfigError, match=r"BASE '0.18.2' not in \['0.17.1', '0.19'\]"):
+@pytest.mark.parametrize(
+    "key, bad, match",
+    [
+        ("BASE", "0.18.2", r"BASE '0.18.2' not in \['0.17.1', '0.19'\]"),
+        ("EXPECT_PARAM_SYNC", ["expert"], "must map a kind"),
+        ("EXPECT_PARAM_SYNC", {"experts": {"group_size": 2}}, "not in"),
+    ],
+)
+def test_bad_case_config_is_a_config_error(tmp_path, key, bad, match):
+    doc = yaml.safe_load((rc.find_case(rc.DEFAULT_CASE) / "model_config.yaml").read_text())
+    (tmp_path / "model_config.yaml").write_text(yaml.safe_dump({**doc, key: bad}))
+    with pytest.raises(rc.CaseConfigError, match=match):
         rc.load_case(tmp_path)
-
-
-def test_bad_expect_param_sync_is_a_config_error(tmp_path):
-    import yaml
-
-    from tests.functional_tests.python_test_utils import run_case as rc
-
-    src = rc.find_case(rc.DEFAULT_CASE) / "model_config.yaml"
-    for bad, match in ((["expert"], "must map a kind"), ({"experts": {"group_size": 2}}, "not in")):
-        folder = tmp_path / f"case{len(match)}"
-        folder.mkdir()
-        doc = yaml.safe_load(src.read_text())
-        doc["EXPECT_PARAM_SYNC"] = bad
-        (folder / "model_config.yaml").write_text(yaml.safe_dump(doc))
-        with pytest.raises(rc.CaseConfigError, match=match):
-            rc.load_case(folder)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import struct
-from typing import Mapping, Sequence
+from typing import Mapping
 
 from .formatting import format_exact, format_grid
 from .golden_schema import Metrics, MetricSeries
@@ -99,12 +99,7 @@ class VariantComparison:
         return self.first is None and not self.failures
 
 
-def compare_variants(
-    pristine: Metrics,
-    series: Metrics,
-    required: Sequence[str] = EXACT_REQUIRED,
-    optional: Sequence[str] = EXACT_OPTIONAL,
-) -> VariantComparison:
+def compare_variants(pristine: Metrics, series: Metrics) -> VariantComparison:
     """Exact comparison of two runs' unrounded metrics; see the module docstring.
 
     A required metric missing from either run, an optional one logged by only one run,
@@ -112,9 +107,10 @@ def compare_variants(
     are failures.
     """
     result = VariantComparison()
+    required, compared = EXACT_REQUIRED, (*EXACT_REQUIRED, *EXACT_OPTIONAL)
     for metric in sorted(set(pristine) & set(series), key=lambda m: (m not in required, m)):
         result.max_abs_diff[metric] = max_abs_diff(pristine[metric], series[metric])
-    for metric in (*required, *optional):
+    for metric in compared:
         absent = [v for v, m in zip(VARIANTS, (pristine, series)) if metric not in m]
         if absent:
             if metric in required or len(absent) == 1:
@@ -141,9 +137,8 @@ def compare_variants(
             ]
             if both_nan:
                 result.failures.append(f"{metric}: no value in either run at steps {both_nan[:10]}")
-    order = {m: i for i, m in enumerate((*required, *optional))}
     if result.per_metric:
-        result.first = min(result.per_metric.values(), key=lambda d: (d.step, order[d.metric]))
+        result.first = min(result.per_metric.values(), key=lambda d: (d.step, compared.index(d.metric)))
     return result
 
 

@@ -91,30 +91,14 @@ class MetricSeries:
             )
         object.__setattr__(self, "values", {int(t): float(v) for t, v in self.values.items()})
 
-    @classmethod
-    def from_values(cls, values: Mapping[int, float], step_interval: int = 1) -> "MetricSeries":
-        """Series over ``min(values)..max(values)``; steps absent from ``values`` become nan."""
-        if not values:
-            raise GoldenSchemaError("a metric needs at least one step")
-        s, e = min(values), max(values)
-        grid = range(s, e + 1, step_interval)
-        stray = sorted(set(values) - set(grid))
-        if stray:
-            raise GoldenSchemaError(f"steps {stray[:10]} are off the grid {s}..{e}/{step_interval}")
-        return cls(s, e, step_interval, {t: values.get(t, math.nan) for t in grid})
-
     @property
     def steps(self) -> range:
         return range(self.start_step, self.end_step + 1, self.step_interval)
 
-    def rounded(self, decimals: int = ROUND_DECIMALS) -> "MetricSeries":
+    def rounded(self) -> "MetricSeries":
         """Upstream's golden precision: ``round(value, 5)``; nan/inf stay as they are."""
-        return dataclasses.replace(
-            self,
-            values={
-                t: (round(v, decimals) if math.isfinite(v) else v) for t, v in self.values.items()
-            },
-        )
+        values = {t: (round(v, ROUND_DECIMALS) if math.isfinite(v) else v) for t, v in self.values.items()}
+        return dataclasses.replace(self, values=values)
 
     def to_json_obj(self) -> dict:
         """Schema dict; non-finite values become "nan"/"inf"/"-inf" (strict JSON)."""

@@ -32,6 +32,7 @@ from typing import Mapping, Optional
 
 from .checks import VARIANTS
 from .golden_schema import MetricSeries
+from .memory_report import MIB, series, step_maxima
 from .tolerances import GOLDEN_RULES, Approximate, Exact, MetricRule
 
 PANELS = (("lm loss", "lm loss (nats)"), ("grad-norm", "grad norm"))
@@ -70,7 +71,7 @@ class RunInfo:
         trees: variant -> tree label (``harness.trees`` label, or "mutant <name>").
         ranks: training ranks.
         device: "cpu" (gloo ranks) or "cuda" (GPUs; NCCL, or gloo on one GPU in the GPU check).
-        verdict: one of ``verdicts.VERDICTS``.
+        verdict: a key of ``verdicts.VERDICT_MEANING``.
         verdict_line: ``comparison["verdict_line"]`` (e.g. "diverged at step 6 (...)").
         released: the pristine tree is a release (False: a user's own tree, ``--checkout``).
         golden_note: ``comparison["golden_note"]`` where the golden values are for information.
@@ -110,7 +111,6 @@ def figure_title(info: RunInfo) -> str:
 def build_figure(
     curves: Mapping[str, Mapping[str, MetricSeries] | None],
     first_divergent_step: int | None = None,
-    title: str = "",
     memory: Mapping[str, Mapping | None] | None = None,
     rules: Mapping[str, MetricRule] | None = None,
     info: Optional[RunInfo] = None,
@@ -121,12 +121,12 @@ def build_figure(
         curves: "pristine", "series", "golden" -> that side's metrics, or None when the
             side is absent (e.g. no golden file yet).
         first_divergent_step: marked with a red vertical line, or None.
-        title: figure title; ignored when ``info`` is given (``figure_title(info)``).
         memory: variant -> its ``memory.json`` dict (``memory_report``), or None; the memory
             panels say so where no run has one.
         rules: metric -> golden rule (``tolerances.rules_for``); default ``GOLDEN_RULES``.
             An ``Approximate`` rule draws its band around the golden values.
-        info: what the title and legends name (``RunInfo``); None: bare variant names.
+        info: what the title (``figure_title``) and legends name (``RunInfo``); None: bare
+            variant names, no title.
 
     Raises:
         ValueError: no curve has either panel's metric (an empty plot would hide a bug).
@@ -150,9 +150,8 @@ def build_figure(
     _peak_panel(axes[1][1], memory or {}, colours, names)
     for ax in axes[1]:
         _mark_divergence(ax, first_divergent_step)
-    text = figure_title(info) if info else title
-    if text:
-        fig.suptitle(text, fontsize=11)
+    if info:
+        fig.suptitle(figure_title(info), fontsize=11)
     return fig
 
 
@@ -160,14 +159,13 @@ def plot_loss_curves(
     path: str | Path,
     curves: Mapping[str, Mapping[str, MetricSeries] | None],
     first_divergent_step: int | None = None,
-    title: str = "",
     memory: Mapping[str, Mapping | None] | None = None,
     rules: Mapping[str, MetricRule] | None = None,
     info: Optional[RunInfo] = None,
 ) -> Path:
     """Write ``build_figure(...)`` as a PNG (1500 x 1000 pixels) and return its path; the
     parent folders are created. Arguments and errors as ``build_figure``."""
-    fig = build_figure(curves, first_divergent_step, title, memory, rules, info)
+    fig = build_figure(curves, first_divergent_step, memory, rules, info)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, format="png")
@@ -208,14 +206,19 @@ def _metric_panel(ax, metric, ylabel, curves, rule, colours, names) -> None:
         ax.plot(steps, [series.values[t] for t in steps], label=names[variant], color=colours[variant],
                 **_LINE[variant])  # fmt: skip
         drawn = True
-    if not drawn:
-        ax.text(0.5, 0.5, f"no '{metric}' logged", ha="center", va="center", transform=ax.transAxes)
-    ax.set_xlabel("step")
-    ax.set_ylabel(ylabel)
-    ax.set_title(metric)
-    ax.grid(True, alpha=0.3)
+    _frame(ax, drawn, f"no '{metric}' logged", metric, ylabel)
     if drawn:
         ax.legend(loc="best", fontsize=LEGEND_FONT)
+
+
+def _frame(ax, drawn: bool, empty: str, title: str, ylabel: str, **title_style) -> None:
+    """Axis labels, title and grid of a panel; ``empty`` in its middle when nothing was drawn."""
+    if not drawn:
+        ax.text(0.5, 0.5, empty, ha="center", va="center", transform=ax.transAxes)
+    ax.set_xlabel("step")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, **title_style)
+    ax.grid(True, alpha=0.3)
 
 
 def _mark_divergence(ax, step: int | None) -> None:
@@ -237,8 +240,6 @@ def _mark_divergence(ax, step: int | None) -> None:
 def memory_lines(memory: Mapping[str, Mapping | None]) -> list:
     """The param-sync panel's per-step series: [(variant, field, steps, MiB per step)], per
     run with a ``memory.json`` and per ``SYNC_SERIES`` field, in that order."""
-    from .memory_report import MIB, series
-
     lines = []
     for variant, summary in memory.items():
         if not summary or not summary.get("steps"):
@@ -258,8 +259,6 @@ def _bottom_below_zero(ax) -> None:
 def _sync_panel(ax, memory: Mapping[str, Mapping | None], colours, names) -> None:
     """Param-sync memory per step and per forced sync between steps (MiB), one marker per
     value; the legend gives each series' maximum, as ``memory_report.format_memory``."""
-    from .memory_report import MIB, step_maxima
-
     drawn = False
     for variant, fld, steps, mib in memory_lines(memory):
         text, styles = next((t, s) for f, t, s in SYNC_SERIES if f == fld)
@@ -278,13 +277,9 @@ def _sync_panel(ax, memory: Mapping[str, Mapping | None], colours, names) -> Non
             ax.plot([int(s) + 0.5 for s in between], ys, linestyle="none", marker=marker,
                     markersize=13 if big else 6, fillstyle="none" if big else "full", color=colours.get(variant),
                     label=f"{names.get(variant, variant)}: {text}, forced sync after the step (max {max(ys):.3f})")  # fmt: skip
-    if not drawn:
-        ax.text(0.5, 0.5, "no param-sync records", ha="center", va="center", transform=ax.transAxes)
-    ax.set_xlabel("step")
-    ax.set_ylabel("MiB (max over ranks)")
-    ax.set_title("layer-wise param sync: megatron tensors it allocates, NCCL temporaries (collective model)",
-                 fontsize=10)  # fmt: skip
-    ax.grid(True, alpha=0.3)
+    _frame(ax, drawn, "no param-sync records",
+           "layer-wise param sync: megatron tensors it allocates, NCCL temporaries (collective model)",
+           "MiB (max over ranks)", fontsize=10)  # fmt: skip
     if drawn:
         _bottom_below_zero(ax)
         ax.set_ylim(top=ax.get_ylim()[1] * 1.9)  # room for the legend above the markers
@@ -293,8 +288,6 @@ def _sync_panel(ax, memory: Mapping[str, Mapping | None], colours, names) -> Non
 
 def _peak_panel(ax, memory: Mapping[str, Mapping | None], colours, names) -> None:
     """Step peak per step (MiB above the step's start) and its maximum, per run."""
-    from .memory_report import MIB, series, step_maxima
-
     drawn = False
     for variant, summary in memory.items():
         if not summary or not summary.get("steps"):
@@ -305,12 +298,8 @@ def _peak_panel(ax, memory: Mapping[str, Mapping | None], colours, names) -> Non
                 label=f"{names.get(variant, variant)} (max {top:.3f})", **_LINE.get(variant, {}))  # fmt: skip
         ax.axhline(top, color=colours.get(variant), linestyle=":", linewidth=1.0)
         drawn = True
-    if not drawn:
-        ax.text(0.5, 0.5, "no param-sync records", ha="center", va="center", transform=ax.transAxes)
-    ax.set_xlabel("step")
-    ax.set_ylabel("MiB above the step's start (max over ranks)")
-    ax.set_title("step peak: most bytes alive at once inside train_step (dotted: max)")
-    ax.grid(True, alpha=0.3)
+    _frame(ax, drawn, "no param-sync records", "step peak: most bytes alive at once inside train_step (dotted: max)",
+           "MiB above the step's start (max over ranks)")
     if drawn:
         _bottom_below_zero(ax)
         ax.legend(loc="lower right", fontsize=LEGEND_FONT)

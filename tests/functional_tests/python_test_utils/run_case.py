@@ -50,7 +50,7 @@ from typing import Dict, List, Optional, Sequence
 
 import yaml
 
-from harness import launch, param_sync_recorder
+from harness import launch, param_sync_recorder, trees
 from harness.trees import REPO_ROOT
 
 from . import checks, golden_schema, golden_update, memory_report, plot, tolerances, verdicts
@@ -141,8 +141,7 @@ def find_case(name: str) -> Path:
     """
     hits = sorted(p.parent for p in CASES_DIR.glob(f"*/{name}/model_config.yaml"))
     if not hits:
-        known = sorted(p.parent.name for p in CASES_DIR.glob("*/*/model_config.yaml"))
-        raise CaseConfigError(f"unknown test case {name!r}; known cases: {', '.join(known)}")
+        raise CaseConfigError(f"unknown test case {name!r}; known cases: {', '.join(all_cases())}")
     return hits[0]
 
 
@@ -252,8 +251,6 @@ class VariantResult:
     metrics: Optional[golden_schema.Metrics] = None
     wall_s: float = 0.0
     failures: List[str] = field(default_factory=list)
-    # Last "iteration N/M" the run printed: tells a crash during training from one at exit.
-    iterations_completed: Optional[int] = None
     # memory.json of the run (memory_report), None when not recorded.
     memory: Optional[dict] = None
 
@@ -343,17 +340,17 @@ def run_variant(
             except memory_report.MemoryRecordError as e:
                 res.failures.append(f"{label}: {e}")
         if case.test_type == "ckpt-resume":
-            res.failures += resume_check(case, variant, out_dir, variables, cpu, timeout_s, res)
+            res.failures += resume_check(case, variant, label, out_dir, variables, cpu, timeout_s, res)
     except launch.LaunchError as e:
         # One line for the verdict; the command, log paths and stderr tail go to stdout.
         print(f"  [{label}] FAILED:\n{e}", flush=True)
         log_dir = out_dir / "resume" if (out_dir / "resume" / "stderr.log").exists() else out_dir
-        res.iterations_completed = last_iteration(log_dir / "stdout.log")
+        done = last_iteration(log_dir / "stdout.log")  # tells a crash in training from one at exit
         res.failures.append(
-            f"{label} run failed after iteration {res.iterations_completed}: "
+            f"{label} run failed after iteration {done}: "
             f"{failure_cause(log_dir / 'stderr.log')} (logs in {log_dir})"
         )
-        if log_dir == out_dir and res.iterations_completed == case.train_iters:
+        if log_dir == out_dir and done == case.train_iters:
             # Every training step was logged and the failure came after them (e.g. the
             # final evaluation's NaN check in upstream's loss function): compare those steps
             # too, so that a divergence during training is reported as such. The failure
@@ -369,7 +366,7 @@ def run_variant(
     return res
 
 
-def resume_check(case, variant, out_dir, variables, cpu, timeout_s, straight) -> List[str]:
+def resume_check(case, variant, label, out_dir, variables, cpu, timeout_s, straight) -> List[str]:
     """Resume from the checkpoint saved at --save-interval and train to N again.
 
     The straight run saved at save_interval (and at N); the resume run loads the
@@ -379,10 +376,9 @@ def resume_check(case, variant, out_dir, variables, cpu, timeout_s, straight) ->
     k = int(case.model_args["--save-interval"])
     resume_dir = out_dir / "resume"
     resume_vars = dict(variables, TENSORBOARD_PATH=str(resume_dir / "tensorboard"))
-    args = expand_args(case.model_args, resume_vars) + ["--ckpt-step", str(k)]
     # The resumed run must not overwrite the straight run's checkpoints.
-    args = _drop_flag(args, "--save") + ["--save", str(resume_dir / "checkpoints")]
-    label = variant if isinstance(variant, str) else "mutant"
+    model_args = {**case.model_args, "--save": str(resume_dir / "checkpoints")}
+    args = expand_args(model_args, resume_vars) + ["--ckpt-step", str(k)]
     print(f"  [{label}] resuming from iteration {k}", flush=True)
     with Progress(f"{label} (resume)", resume_dir / "stdout.log"):
         straight.wall_s += launch.run_pretrain(
@@ -406,19 +402,6 @@ def resume_check(case, variant, out_dir, variables, cpu, timeout_s, straight) ->
                 )
                 break
     return failures
-
-
-def _drop_flag(argv: List[str], flag: str) -> List[str]:
-    out, skip = [], False
-    for i, a in enumerate(argv):
-        if skip:
-            skip = False
-            continue
-        if a == flag:
-            skip = i + 1 < len(argv) and not argv[i + 1].startswith("--")
-            continue
-        out.append(a)
-    return out
 
 
 def run_case(
@@ -538,11 +521,6 @@ def run_case(
         comparison["verdict"] = "failed"
         comparison["verdict_line"] = f"failed: {data_note}"
     comparison["wall_s"] = {v: round(r.wall_s, 1) for v, r in results.items()}
-    comparison["iterations_completed"] = {
-        v: (max(max(m.steps, default=0) for m in r.metrics.values())
-            if r.metrics and not r.failures else r.iterations_completed)
-        for v, r in results.items()
-    }
     comparison["data"] = {"path": data_path, "provenance": data.provenance(artifacts)}
     memories = {v: r.memory for v, r in results.items()}
     comparison["memory"] = memories if record_memory else None
@@ -553,8 +531,9 @@ def run_case(
         "golden": golden_schema.load(golden_path) if golden_path.exists() else None,
     }
     base = BASES[case.base]
+    version = trees.tree_version(base.trees["pristine"])  # MAJOR, MINOR, PATCH or None
     info = plot.RunInfo(
-        case=case.name, base=case.base, version=tree_version(base.trees["pristine"]),
+        case=case.name, base=case.base, version=".".join(map(str, version)) if version else "?",
         series=f"patches/{case.base}", ranks=case.nproc, device=device,
         verdict=comparison["verdict"], verdict_line=comparison["verdict_line"],
         trees={"pristine": base.trees["pristine"],
@@ -622,19 +601,6 @@ def case_report(comparison: dict) -> str:
 def summary_report(verdict_lines: Dict[str, str], seconds: float) -> str:
     """The main job's closing summary: the wall time of all cases and each case's verdict."""
     return "\n".join([f"\n== summary ({seconds:.0f} s)"] + [f"  {n:55s} {v}" for n, v in verdict_lines.items()])
-
-
-def tree_version(tree) -> str:
-    """MAJOR.MINOR.PATCH of a megatron tree (a ``harness.trees`` label or a Path), read from
-    its ``megatron/core/package_info.py``; "?" when the file has no such fields.
-
-    Raises:
-        FileNotFoundError: the tree was not generated (``harness.trees.tree_parent``).
-    """
-    from harness import trees
-
-    version = trees.tree_version(tree)
-    return ".".join(map(str, version)) if version else "?"
 
 
 def check_golden_data(artifacts) -> Optional[str]:
@@ -762,9 +728,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 print(f"  {message}", file=sys.stderr)
             return EXIT_NO_GOLDEN
     t0 = time.monotonic()
-    verdicts = {}
-    for n in names:
-        verdicts[n] = run_case(n, args.device, args.update_golden, args.timeout, own=own)["verdict_line"]
+    verdicts = {n: run_case(n, args.device, args.update_golden, args.timeout, own=own)["verdict_line"] for n in names}
     print(summary_report(verdicts, time.monotonic() - t0))
     return 0 if all(v == "identical" for v in verdicts.values()) else 1
 

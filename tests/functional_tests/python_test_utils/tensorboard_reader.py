@@ -41,14 +41,12 @@ with no logged value is ``nan`` ("nan" in JSON).
 
 from __future__ import annotations
 
-import argparse
 import math
-import struct
-import sys
 from pathlib import Path
 from typing import Iterable, Sequence
 
 from . import golden_schema
+from .checks import same_bits
 from .golden_schema import Metrics, MetricSeries
 
 DEFAULT_TAGS = (
@@ -69,25 +67,6 @@ EVENT_GLOB = "events.out.tfevents.*"
 
 class TensorboardReadError(RuntimeError):
     """No usable scalars: missing dir, no event file, no requested tag, inconsistent steps."""
-
-
-def event_files(event_dir: str | Path) -> list[Path]:
-    """Event files directly in ``event_dir``, sorted by name (names start with a timestamp).
-
-    Raises:
-        TensorboardReadError: the folder or any event file is missing.
-    """
-    event_dir = Path(event_dir)
-    if not event_dir.is_dir():
-        raise TensorboardReadError(f"tensorboard dir not found: {event_dir}")
-    files = sorted(event_dir.glob(EVENT_GLOB))
-    if not files:
-        raise TensorboardReadError(f"no {EVENT_GLOB} files in {event_dir}")
-    return files
-
-
-def _bits(x: float) -> bytes:
-    return struct.pack("<d", x)
 
 
 def _scalar_events(file: Path, tags: Iterable[str]) -> dict[str, list[tuple[int, float]]]:
@@ -122,27 +101,31 @@ def _scalar_events(file: Path, tags: Iterable[str]) -> dict[str, list[tuple[int,
 def read_scalars(
     event_dir: str | Path, tags: Sequence[str] = DEFAULT_TAGS
 ) -> dict[str, dict[int, float]]:
-    """Raw per-step values of the requested tags that are present, across all event files.
+    """Raw per-step values of the requested tags that are present, across the event files
+    directly in ``event_dir`` (in name order: names start with a timestamp).
 
     Returns:
         tag -> {step: value}, steps sorted; tags in ``tags`` order; absent tags omitted.
 
     Raises:
-        TensorboardReadError: no event files, none of ``tags`` present, or one step logged
-            twice with different values (e.g. two runs writing into one folder).
+        TensorboardReadError: no such folder, no event files, none of ``tags`` present, or
+            one step logged twice with different values (e.g. two runs writing into one folder).
     """
-    files = event_files(event_dir)
+    if not Path(event_dir).is_dir():
+        raise TensorboardReadError(f"tensorboard dir not found: {event_dir}")
+    files = sorted(Path(event_dir).glob(EVENT_GLOB))
+    if not files:
+        raise TensorboardReadError(f"no {EVENT_GLOB} files in {event_dir}")
     merged: dict[str, dict[int, float]] = {}
     for file in files:
         for tag, pairs in _scalar_events(file, tags).items():
             series = merged.setdefault(tag, {})
             for step, value in pairs:
-                if step in series and _bits(series[step]) != _bits(value):
-                    if not (math.isnan(series[step]) and math.isnan(value)):
-                        raise TensorboardReadError(
-                            f"{event_dir}: {tag!r} step {step} logged twice with different "
-                            f"values ({series[step]!r}, then {value!r} in {file.name})"
-                        )
+                if step in series and not same_bits(series[step], value):
+                    raise TensorboardReadError(
+                        f"{event_dir}: {tag!r} step {step} logged twice with different "
+                        f"values ({series[step]!r}, then {value!r} in {file.name})"
+                    )
                 series[step] = value
     if not merged:
         raise TensorboardReadError(
@@ -157,15 +140,13 @@ def read_run_metrics(
     *,
     start_step: int = 1,
     end_step: int | None = None,
-    step_interval: int = 1,
 ) -> Metrics:
-    """Unrounded series on the grid ``start_step..end_step`` every ``step_interval``.
+    """Unrounded series on the grid ``start_step..end_step``, every step.
 
     Args:
         end_step: the last step the run should have logged (``--train-iters``). Missing
             trailing steps become nan, so a run that stopped early cannot pass as a
             shorter complete run. None: the largest step logged by any requested tag.
-        step_interval: > 1 subsamples, as upstream's golden files with interval 5 do.
 
     Raises:
         TensorboardReadError: see :func:`read_scalars`; also a step beyond ``end_step`` or
@@ -173,7 +154,7 @@ def read_run_metrics(
     """
     raw = read_scalars(event_dir, tags)
     last = max(max(values) for values in raw.values()) if end_step is None else end_step
-    grid = range(start_step, last + 1, step_interval)
+    grid = range(start_step, last + 1)
     metrics: Metrics = {}
     for tag, values in raw.items():
         outside = [t for t in values if t < start_step or t > last]
@@ -181,9 +162,7 @@ def read_run_metrics(
             raise TensorboardReadError(
                 f"{event_dir}: {tag!r} has steps {outside[:5]} outside {start_step}..{last}"
             )
-        metrics[tag] = MetricSeries(
-            start_step, grid[-1], step_interval, {t: values.get(t, math.nan) for t in grid}
-        )
+        metrics[tag] = MetricSeries(start_step, last, 1, {t: values.get(t, math.nan) for t in grid})
     return metrics
 
 
@@ -217,23 +196,3 @@ def load_run_metrics(out_dir: str | Path) -> Metrics:
         )
     return exact
 
-
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="tensorboard events -> metrics.json")
-    parser.add_argument("event_dir", type=Path)
-    parser.add_argument("out_dir", type=Path)
-    parser.add_argument("--end-step", type=int, default=None, help="--train-iters of the run")
-    args = parser.parse_args(argv)
-    try:
-        metrics = write_run_metrics(args.event_dir, args.out_dir, end_step=args.end_step)
-    except (TensorboardReadError, golden_schema.GoldenSchemaError) as e:
-        print(f"ERROR: {e}", file=sys.stderr)
-        return 1
-    for tag, series in metrics.items():
-        nan = sum(math.isnan(v) for v in series.values.values())
-        print(f"{tag:>26}: steps {series.start_step}..{series.end_step}, {nan} without value")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

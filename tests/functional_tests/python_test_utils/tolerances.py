@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Mapping, Sequence, Union
+from typing import Sequence, Union
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,16 +121,13 @@ GOLDEN_RULES: dict[str, MetricRule] = {
 }
 
 
-def rules_for(
-    metric_names: Sequence[str], overrides: Mapping[str, MetricRule] | None = None
-) -> dict[str, MetricRule]:
+def rules_for(metric_names: Sequence[str]) -> dict[str, MetricRule]:
     """The rules of a test case's METRICS list, in that order.
 
     Raises:
-        KeyError: a metric has no rule (add one to GOLDEN_RULES or pass an override).
+        KeyError: a metric has no rule (add one to GOLDEN_RULES).
     """
-    table = {**GOLDEN_RULES, **(overrides or {})}
-    unknown = [m for m in metric_names if m not in table]
+    unknown = [m for m in metric_names if m not in GOLDEN_RULES]
     if unknown:
-        raise KeyError(f"no golden rule for metrics {unknown}; known: {sorted(table)}")
-    return {m: table[m] for m in metric_names}
+        raise KeyError(f"no golden rule for metrics {unknown}; known: {sorted(GOLDEN_RULES)}")
+    return {m: GOLDEN_RULES[m] for m in metric_names}

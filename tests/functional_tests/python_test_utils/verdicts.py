@@ -22,7 +22,6 @@ from .checks import VARIANTS, GoldenComparison, compare_to_golden, compare_varia
 from .golden_schema import Metrics
 from .tolerances import MetricRule
 
-VERDICTS = ("identical", "diverged", "failed", "no_golden", "outside_golden")
 #: What each verdict means, in words a reader of the plot or the printed summary needs.
 VERDICT_MEANING = {
     "identical": "series equals pristine bit for bit in every logged metric at every step, "
@@ -145,8 +144,3 @@ def build_comparison(
         # the golden check's own findings (also in failures), for a caller that shows them only
         "golden_failures": ([no_golden] if no_golden else []) + golden_failures,
     }
-
-
-def passed(comparison: Mapping) -> bool:
-    """True only for verdict "identical": exact equality and within golden tolerance."""
-    return comparison["verdict"] == "identical"
