@@ -6,9 +6,9 @@ and the summary and report it makes from a results folder. No GPU needed:
   megatron's own argument parser, so "the last --distributed-backend wins" is megatron's
   behaviour, not ours.
 - Bad arguments and an unusable machine exit with 2 before anything is written.
-- ``report`` turns tests/unit_tests/fixtures/gpu_check_results (a results folder as a
-  2-GPU run writes it, with made-up numbers) into summary.json and report.txt; damaged copies
-  of it must fail the right run for the right reason.
+- ``report`` turns a results folder (``write_results``: a 2-GPU run's four runs, made-up
+  numbers) into summary.json and report.txt; damaged copies of it must fail the right run for
+  the right reason.
 - ``shared_gpu``'s model of what ProcessGroupNCCL allocates per call form, and the memory
   worker end to end on 2 CPU gloo ranks of both trees (slow).
 """
@@ -31,7 +31,6 @@ from megatron_argcheck import validate_megatron_args
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "gpu_check.sh"
-FIXTURE = Path(__file__).resolve().parent / "fixtures" / "gpu_check_results"
 
 
 def gpu_check(*args, timeout=120):
@@ -306,14 +305,110 @@ def test_golden_file_is_per_gpu_type_and_backend(name, slug):
 
 
 # ----------------------------------------------------------------------------- report
+MiB = 2**20
+Mi = 2**20  # elements: the buckets' sizes and shares below count binary millions of elements
+
+#: The report tests' results folder (``write_results``): a made-up run on 2 GPUs of these
+#: runs, (name, kind, backend, devices of its 2 ranks, seconds it took), in a schedule budget.
+RUNS = [("functional_gloo_shared_gpu", "functional", "gloo", ["cuda:0", "cuda:0"], 95.5),
+        ("memory_gloo_shared_gpu", "memory", "gloo", ["cuda:0", "cuda:0"], 120.0),
+        ("functional_nccl", "functional", "nccl", ["cuda:0", "cuda:1"], 80.25),
+        ("memory_nccl", "memory", "nccl", ["cuda:0", "cuda:1"], 100.0)]
+BUDGET_S = 900
+#: Both trees' model in a memory run: its buckets as (numel, share of each DP rank), elements
+#: of bf16 (2 B); bucket 0's shares are equal, bucket 1's are not.
+BUCKETS = [(40 * Mi, [20 * Mi, 20 * Mi]), (41 * Mi, [30 * Mi, 11 * Mi])]
+#: The lm loss at steps 1 and 2 (10.0, 9.75), the same in both trees.
+LOSSES_HEX = ["0x1.4000000000000p+3", "0x1.3800000000000p+3"]
+
+
+def gather_calls(ops, launches, nccl_temporary_bytes=0, **forms):
+    """DP rank 0's calls in one gather of both buckets (``memory_worker.summarize_records``):
+    ``forms`` counts calls per form; rank 0 receives rank 1's shares, (20 + 11) Mi x 2 B."""
+    counts = {**dict.fromkeys(("list_equal", "list_unequal", "into_tensor", "broadcast"), 0), **forms}
+    return {"calls": sum(counts.values()), **counts, "ops": ops, "zero_size_ops": 0, "launches": launches,
+            "wire_bytes": (20 + 11) * Mi * 2, "nccl_temporary_bytes": nccl_temporary_bytes}
+
+
+#: Per tree, bytes over allocated: the forward's peak on DP rank 0's first step (each later step
+#: adds 1 MiB, DP rank 1 adds 10 MiB), the optimizer step's peak, and, alike on both DP ranks,
+#: the param sync's (``sync``) and the optimizer gather's (``sync_optimizer``); with their calls.
+FIGURES = {
+    "pristine": {"forward": 800 * MiB, "step": 3800 * MiB, "sync": 700 * MiB, "sync_optimizer": 1070 * MiB,
+                 # bucket 0: a list all_gather of equal shares, whose flat output NCCL allocates
+                 # (2 ranks x 20 Mi x 2 B); bucket 1: a list all_gather of unequal shares, one
+                 # broadcast per rank. The optimizer: one list all_gather of unequal shares.
+                 "sync_calls": gather_calls(ops=1 + 2, launches=2, nccl_temporary_bytes=2 * 20 * Mi * 2,
+                                            list_equal=1, list_unequal=1),
+                 "sync_optimizer_calls": gather_calls(ops=2, launches=1, list_unequal=1)},
+    "series": {"forward": 100 * MiB, "step": 3100 * MiB, "sync": 0, "sync_optimizer": 0,
+               # bucket 0: all_gather_into_tensor; bucket 1: a broadcast per rank, in one launch.
+               # The optimizer: a broadcast per param (2 here) in one group.
+               "sync_calls": gather_calls(ops=1 + 2, launches=2, into_tensor=1, broadcast=2),
+               "sync_optimizer_calls": gather_calls(ops=2, launches=1, broadcast=2)},
+}
+
+
+def memory_result(tree: str, devices: list) -> dict:
+    """A memory_worker result of ``tree`` (``FIGURES``) on DP ranks on ``devices``: the fields
+    the report reads."""
+    fig, numel = FIGURES[tree], sum(n for n, _ in BUCKETS)
+    ranks = []
+    for rank, device in enumerate(devices):
+        steps = []
+        for i, loss_hex in enumerate(LOSSES_HEX):
+            peak = fig["forward"] + rank * 10 * MiB + i * MiB
+            steps.append({"loss_hex": loss_hex, "step_peak_extra_bytes": fig["step"],
+                          "forward": {"peak_extra_bytes": peak, "reserved_bytes": peak + 2 * MiB}})
+        ranks.append({"rank": rank, "device": device, "param_count": numel, "param_bytes": 2 * numel,
+                      "buckets": [{"numel": n, "shares": s, "shares_equal": s[0] == s[1]} for n, s in BUCKETS],
+                      "sync": {"peak_extra_bytes": fig["sync"], "gather_calls": fig["sync_calls"]},
+                      "sync_optimizer": {"peak_extra_bytes": fig["sync_optimizer"],
+                                         "gather_calls": fig["sync_optimizer_calls"]},
+                      "init_params_checksum": "0x1.0p+9", "params_checksum": "0x1.0p+10", "steps": steps})
+    return {"ranks": ranks}
+
+
+def write_json(path: Path, doc):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(doc))
+
+
+def write_results(out: Path, older: bool = False) -> Path:
+    """Write into ``out`` a results folder of ``RUNS``, all "ok": every functional run
+    "identical", every memory run ``memory_result`` of both trees. ``older``: as written before
+    the memory runs' sides were named pristine and series (``report.OLD_FILES``: upstream.json,
+    patched.json) and before the plan named each run's base and case."""
+    runs = []
+    for name, kind, backend, devices, _ in RUNS:
+        run = {"name": name, "kind": kind, "backend": backend, "nproc": len(devices), "devices": devices,
+               "timeout_s": 300, "shared_gpu": len(set(devices)) < len(devices)}
+        if kind == "memory":
+            run["config"] = "param_dominated"
+            for tree in report.TREES:
+                write_json(out / name / (report.OLD_FILES[tree] if older else f"{tree}.json"),
+                           memory_result(tree, devices))
+        else:
+            golden = f"tests/functional_tests/test_cases/gpt/{plan_mod.CASE}/golden_values_h200_{backend}.json"
+            write_json(out / name / plan_mod.CASE / "comparison.json",
+                       {"verdict": "identical", "verdict_line": "identical", "golden_file": golden, "failures": []})
+            if not older:
+                run["case"] = plan_mod.CASE
+        if not older:
+            run["base"] = "0.17.1"
+        runs.append(run)
+    write_json(out / "plan.json", {"gpus": 2, "gpu_name": "NVIDIA H200", "budget_s": BUDGET_S, "runs": runs})
+    write_json(out / "runs.json", [{"name": name, "status": "ok", "returncode": 0, "seconds": seconds}
+                                   for name, *_, seconds in RUNS])
+    write_json(out / "environment.json", {"date_utc": "2026-12-01T00:00:00Z", "driver": "580.95.05",
+                                          "torch": "2.10.0a0", "megatron_core": "0.17.1"})
+    return out
+
+
 @pytest.fixture
 def results(tmp_path):
-    """A copy of FIXTURE. It was written before the memory runs' sides were named pristine and
-    series: its memory results are upstream.json (the pristine side) and patched.json (the
-    series side), which the report reads under today's names (``report.OLD_FILES``)."""
-    dst = tmp_path / "results"
-    shutil.copytree(FIXTURE, dst)
-    return dst
+    """``write_results`` of today, in tmp_path/results."""
+    return write_results(tmp_path / "results")
 
 
 def edit_json(path: Path, fn):
@@ -333,17 +428,17 @@ def summary_run(results: Path, name: str) -> dict:
 
 def test_report_of_a_recorded_run(results):
     summary = report.write(results)
+    # RUNS' seconds: 95.5 + 120 + 80.25 + 100.
     assert summary["ok"] and summary["gpus"] == 2 and summary["total_seconds"] == pytest.approx(395.75)
     runs = {r["name"]: r for r in summary["runs"]}
     mem = runs["memory_gloo_shared_gpu"]
-    MiB = 2**20
-    # Last step, maximum over ranks: pristine 800 + 10 (rank 1) + 1 (step 2) MiB, series 111 MiB.
+    # Last step, maximum over ranks (FIGURES): pristine 800 + 10 (rank 1) + 1 (step 2) MiB, series 111 MiB.
     assert mem["trees"]["pristine"]["forward_peak_extra_bytes"] == 811 * MiB
     assert mem["trees"]["series"]["forward_peak_extra_bytes"] == 111 * MiB
     assert mem["forward_peak_extra_saved_bytes"] == 700 * MiB
     assert mem["sync_peak_extra_saved_bytes"] == 700 * MiB and mem["losses_bitwise_equal"]
-    assert mem["trees"]["pristine"]["sync_gather_calls"]["nccl_temporary_bytes"] == 80_000_000
-    assert mem["trees"]["pristine"]["buckets_with_equal_shares"] == 1
+    assert mem["trees"]["pristine"]["sync_gather_calls"]["nccl_temporary_bytes"] == 80 * MiB  # 2 x 20 Mi x 2 B
+    assert mem["trees"]["pristine"]["buckets_with_equal_shares"] == 1  # BUCKETS[0]
     assert runs["functional_nccl"]["verdict"] == "identical"
     assert json.loads((results / "summary.json").read_text()) == summary
     text = (results / "report.txt").read_text()
@@ -352,26 +447,27 @@ def test_report_of_a_recorded_run(results):
     assert "memory_gloo_shared_gpu: ok (megatron-core 0.17.1, gloo, 2 ranks on cuda:0,cuda:0; ok, 120 s)" in lines
     row = next(l for l in lines if l.strip().startswith("forward peak over allocated")).split()
     assert row[-6:] == ["811.00", "MiB", "111.00", "MiB", "700.00", "MiB"]
+    # FIGURES' sync_calls: rank 0 receives (20 + 11) Mi x 2 B = 62 MiB.
     pristine_calls = next(l for l in lines if l.strip().startswith("pristine param all-gather"))
-    assert "25 NCCL calls (4 zero-size) in 13 launches, 512.71 MiB received; NCCL would allocate 76.29 MiB" \
-        in pristine_calls
+    assert "1 list (equal shares), 1 list (unequal), 0 into_tensor, 0 broadcast; 3 NCCL calls (0 zero-size) " \
+        "in 2 launches, 62.00 MiB received; NCCL would allocate 80.00 MiB" in pristine_calls
     series_calls = next(l for l in lines if l.strip().startswith("series param all-gather"))
-    assert "1 into_tensor, 20 broadcast; 21 NCCL calls (0 zero-size) in 13 launches" in series_calls
+    assert "1 into_tensor, 2 broadcast; 3 NCCL calls (0 zero-size) in 2 launches" in series_calls
     assert "  lm loss over 2 steps: bitwise equal" in lines
 
 
-def test_report_reads_the_memory_results_under_either_name(results):
-    """A results folder of today (pristine.json, series.json) gives the same summary as the
-    same results under the older names (upstream.json: pristine, patched.json: series)."""
-    before = report.summarize(results)
-    assert before["ok"] and before["runs"][1]["trees"]["pristine"]["forward_peak_extra_bytes"] == 811 * 2**20
-    for run in ("memory_nccl", "memory_gloo_shared_gpu"):
-        for side, old in report.OLD_FILES.items():
-            (results / run / old).rename(results / run / f"{side}.json")
-    assert report.summarize(results) == before
+def test_report_reads_a_results_folder_written_before_the_sides_were_renamed(tmp_path):
+    """A results folder of today (pristine.json, series.json; runs with their base and case)
+    gives the same summary as the same results written by an older check (upstream.json:
+    pristine, patched.json: series; no base or case: 0.17.1 and the default case)."""
+    today = report.summarize(write_results(tmp_path / "today"))
+    assert today["ok"] and today["runs"][1]["trees"]["pristine"]["forward_peak_extra_bytes"] == 811 * MiB
+    older = write_results(tmp_path / "older", older=True)
+    assert sorted(p.name for p in (older / "memory_nccl").iterdir()) == ["patched.json", "upstream.json"]
+    assert report.summarize(older) == today
 
 
-#: Damage to a memory run's series result (patched.json in FIXTURE), by name.
+#: Damage to a memory run's series result (series.json), by name.
 DAMAGE = {
     "loss": lambda doc: doc["ranks"][0]["steps"][1].update(loss_hex="0x1.3800000000001p+3"),
     "sync_allocates": lambda doc: doc["ranks"][1]["sync"].update(peak_extra_bytes=4096),
@@ -395,7 +491,7 @@ def test_a_damaged_memory_result_fails_its_run_for_its_reason(results, run, conf
     if config:
         edit_run(results, run, config=config)
     if damage:
-        edit_json(results / run / "patched.json", DAMAGE[damage])
+        edit_json(results / run / "series.json", DAMAGE[damage])
     summary = report.summarize(results)
     entry = next(r for r in summary["runs"] if r["name"] == run)
     assert entry["problems"] == ([problem] if problem else [])
@@ -408,7 +504,7 @@ def test_report_of_runs_that_timed_out_or_left_nothing(results):
     def timeout(doc):
         doc[3].update(status="timeout", returncode=None)
     edit_json(results / "runs.json", timeout)
-    (results / "memory_gloo_shared_gpu" / "patched.json").unlink()
+    (results / "memory_gloo_shared_gpu" / "series.json").unlink()
     shutil.rmtree(results / "functional_nccl")
     runs = {r["name"]: r for r in report.summarize(results)["runs"]}
     assert runs["memory_nccl"]["problems"][0] == "run timeout" and not runs["memory_nccl"]["ok"]
@@ -792,21 +888,13 @@ def test_the_real_shape_run_carries_the_audits_prediction(one_gpu):
 
 
 def llama_results(results: Path, offset=0):
-    """The fixture's memory_nccl run as the real-shape run, with a prediction that matches its
-    buckets and whose bytes are the measured ones plus ``offset``."""
-    rundir = results / "memory_nccl"
-    # The fixture is a results folder from before the sides were renamed: upstream.json is the
-    # pristine side's result, patched.json the series side's.
-    measured = {t: json.loads((rundir / old).read_text()) for t, old in report.OLD_FILES.items()}
-    pred = {"layers": 8, "dp": 2, "trees": {}}
-    for tree, doc in measured.items():
-        ranks = []
-        for r in doc["ranks"][:2]:
-            ranks.append({"dp_rank": r["rank"], "param_numel": r["param_count"],
-                          "buckets": [{"numel": b["numel"], "shares": b["shares"]} for b in doc["ranks"][0]["buckets"]],
-                          "predicted": {w: {"bytes": r[w]["peak_extra_bytes"] + (offset if tree == "pristine" else 0),
-                                            "tolerance_bytes": 512 * 4} for w in ("sync", "sync_optimizer")}})
-        pred["trees"][tree] = {"ranks": ranks}
+    """``results``' memory_nccl run as the real-shape run, with a prediction whose buckets are
+    the measured ones (``BUCKETS``) and whose bytes are the measured peaks (``FIGURES``' sync and
+    sync_optimizer, alike on both DP ranks) plus ``offset`` for the pristine tree."""
+    pred = {"trees": {tree: {"ranks": [
+        {"dp_rank": rank, "buckets": [{"numel": n, "shares": list(s)} for n, s in BUCKETS],
+         "predicted": {w: {"bytes": fig[w] + (offset if tree == "pristine" else 0), "tolerance_bytes": 512 * 4}
+                       for w in ("sync", "sync_optimizer")}} for rank in (0, 1)]} for tree, fig in FIGURES.items()}}
     edit_run(results, "memory_nccl", config="llama3_8b_layers", prediction=pred)
     return pred
 
