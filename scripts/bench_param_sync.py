@@ -56,8 +56,9 @@ sys.path.insert(0, str(REPO_ROOT))
 
 from harness.bench import stats  # noqa: E402
 from harness.bench.report import write_markdown, write_plot  # noqa: E402
-from harness.bench.theory import nccl_list_all_gather  # noqa: E402
+from harness.cpu_runtime import FORM_LIST_EQUAL, FORM_LIST_UNEQUAL, model_call  # noqa: E402
 from harness.launch import CORE_PRELOAD, torchrun_command  # noqa: E402
+from harness.model import PARAM_DTYPE  # noqa: E402
 
 WORKER = REPO_ROOT / "harness" / "bench" / "sync_worker.py"
 STEP_WORKER = REPO_ROOT / "harness" / "gpu_check" / "memory_worker.py"
@@ -184,9 +185,10 @@ def gathers(rec: dict) -> list:
 
 def expected_nccl(rec: dict) -> tuple:
     """(NCCL ops, NCCL temporary bytes) of one sync if every gather is a list all_gather on
-    ProcessGroupNCCL, as pristine 0.17.1 issues them (theory.py)."""
-    total = [nccl_list_all_gather(s, rec["param_itemsize"]) for s in gathers(rec)]
-    return sum(t[0] for t in total), sum(t[1] for t in total)
+    ProcessGroupNCCL, as pristine 0.17.1 issues them (the collective model's ``model_call``)."""
+    calls = [model_call(FORM_LIST_EQUAL if len(set(s)) == 1 else FORM_LIST_UNEQUAL, s, rec["rank"], PARAM_DTYPE)
+             for s in gathers(rec)]  # fmt: skip
+    return sum(c.ops for c in calls), sum(c.nccl_temporary_bytes for c in calls)
 
 
 def merge(records: list, timing: dict) -> list:

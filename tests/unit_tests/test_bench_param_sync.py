@@ -252,6 +252,7 @@ def _p(*numels):
 def test_theory_pristine_counts_view_for_single_param():
     """Rank 0 owns two params (flattened: a copy), rank 1 one (a view), rank 2 none."""
     by_rank = [_p(3, 5), _p(7), []]
+    assert theory.shares(by_rank) == [8, 7, 0]
     assert theory.theory_upstream_bytes(by_rank, 0, 2) == (8 + 7 + 0) * 2
     assert theory.theory_upstream_bytes(by_rank, 1, 2) == (8 + 0) * 2
     assert theory.theory_upstream_bytes(by_rank, 2, 2) == (8 + 7) * 2
@@ -268,13 +269,6 @@ def test_theory_bucket_and_chain_peak():
     assert theory.async_chain_peak_bytes([5, 1, 9, 2]) == 11
     assert theory.async_chain_peak_bytes([4]) == 4
     assert theory.async_chain_peak_bytes([]) == 0
-
-
-def test_theory_nccl_list_rule_and_shares():
-    assert theory.nccl_list_all_gather([5, 5, 5, 5], 2) == (1, 40)
-    assert theory.nccl_list_all_gather([5, 4, 5], 2) == (3, 0)
-    assert theory.nccl_list_all_gather([], 2) == (0, 0)
-    assert theory.shares([_p(2, 2), _p(3), []]) == [4, 3, 0]
 
 
 def test_stats_abba_and_bootstrap():
