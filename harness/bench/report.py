@@ -262,8 +262,9 @@ def _method(meta) -> List[str]:
         "## Method",
         "",
         "Bytes, NCCL operations and group launches per sync on the rank shown, one sync after a warm-up: "
-        "`harness/bench/counters.py` (a `TorchDispatchMode` that sees every ATen op and every "
-        "`c10d` collective op). NCCL's own allocations follow ProcessGroupNCCL's `allgather`: "
+        "`harness/alloc_counter.py` (a `TorchDispatchMode` that sees every ATen op) and the CPU "
+        "runtime's collective model (`harness/cpu_runtime/collectives.py`: every `c10d` all-gather and "
+        "broadcast). NCCL's own allocations follow ProcessGroupNCCL's `allgather`: "
         "a list `all_gather` with equal slots allocates a flat `world_size x numel` output and "
         "copies out of it (one launch); with unequal slots it issues one broadcast per rank "
         "(no temporary); `all_gather_into_tensor` writes into its output (one launch, nothing "

@@ -20,10 +20,11 @@ Cases: model x path (real megatron-core objects, DDP's default bucket size):
   gather at the end of step() without overlap); "control", every grad buffer's reset(): code
   that no tree changes (its source hash is recorded), the negative control of the timing.
 
-Per case and rank, ONE sync is counted (harness/bench/counters.py): tensor storages the
-ATen ops allocate (dispatch level), the collectives issued (NCCL calls and group launches, bytes received,
-what ProcessGroupNCCL would allocate), every C++ allocation seen by torch.profiler, and
-that every param afterwards holds its owner's value. Shares per bucket come from
+Per case and rank, ONE sync is counted: tensor storages the ATen ops allocate
+(harness/alloc_counter.py, dispatch level), the collectives issued (the CPU runtime's
+record_collectives(): NCCL calls and group launches, bytes received, what ProcessGroupNCCL
+would allocate), every C++ allocation seen by torch.profiler (harness/bench/counters.py),
+and that every param afterwards holds its owner's value. Shares per bucket come from
 bucket.layerwise_params_list. Timing is done in blocks the driver requests (ABBA over trees, harness/bench/stats.py): {"op": "time", "case": i, "n": k}
 answers the k per-sync wall times in seconds, each the slowest rank's.
 """
