@@ -14,7 +14,7 @@ Both trees (``TREES``: pristine-0.17.1, series-0.17.1) are measured in the same 
   in order in even rounds, reversed in odd ones) and forms the series/pristine ratio per
   round (harness/bench/stats.py). The "control" path (every grad buffer's reset(), code
   no tree changes) is the negative control.
-* step memory (--step-memory DPs, "" to skip): peak memory per phase of a real training
+* step memory (DP 2 and 4; not in --quick): peak memory per phase of a real training
   step (harness/gpu_check/memory_worker.py, config ``bench``, the CPU probe), overlap on
   and off.
 
@@ -22,17 +22,17 @@ Large DP sizes and real model shapes are the real-shape audit's (scripts/audit_p
 
 Outputs in --out-dir (default build/bench): param_sync.json ({"meta", "records",
 "timing", "step_memory"}), param_sync.md and param_sync.png (harness/bench/report.py).
-Per record (tree, model, path, dp_size, rank, bucket_size): temporary_bytes,
-alloc_calls, peak_extra_bytes (dispatch level), nccl_model_temporary_bytes,
-collective_ops (NCCL calls), collective_launches (NCCL group launches), zero_size_ops,
-wire_bytes (received by this rank), shares_equal,
-bucket_shares, profiler_alloc_bytes / _calls / _peak_bytes / _caller_thread_bytes
-(torch.profiler, all threads), theory_* and their matches, params_synced. "timing" holds,
-per (dp_size, model, bucket_size, path), the per-round block medians of both trees and
-the series/pristine ratio with its bootstrap CI.
+Per record (tree, model, path, dp_size, rank): temporary_bytes, alloc_calls,
+peak_extra_bytes (dispatch level), nccl_model_temporary_bytes, collective_ops (NCCL calls),
+collective_launches (NCCL group launches), zero_size_ops, wire_bytes (received by this
+rank), shares_equal, bucket_shares, profiler_alloc_bytes / _calls / _peak_bytes /
+_caller_thread_bytes (torch.profiler, all threads), theory_* and their matches,
+params_synced. "timing" holds, per (dp_size, model, path), the per-round block medians of
+both trees and the series/pristine ratio with its bootstrap CI.
 
 Exit status: 0 when the structural checks hold (see checks()); 1 otherwise (outputs are
-written either way); 2 when a worker fails. Timing never decides the exit status.
+written either way); 2 when a worker fails (WorkerError, harness.launch.LaunchError).
+Timing never decides the exit status.
 """
 
 from __future__ import annotations
@@ -49,6 +49,7 @@ import subprocess
 import sys
 import time
 from datetime import datetime, timezone
+from importlib.metadata import version
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -56,8 +57,9 @@ sys.path.insert(0, str(REPO_ROOT))
 
 from harness.bench import stats  # noqa: E402
 from harness.bench.report import write_markdown, write_plot  # noqa: E402
-from harness.bench.theory import nccl_list_all_gather  # noqa: E402
-from harness.launch import CORE_PRELOAD, torchrun_command  # noqa: E402
+from harness.cpu_runtime import FORM_LIST_EQUAL, FORM_LIST_UNEQUAL, model_call  # noqa: E402
+from harness.launch import CORE_PRELOAD, LaunchError, run_command, torchrun_command  # noqa: E402
+from harness.model import CONTROL, PARAM_DTYPE, PATHS  # noqa: E402
 
 WORKER = REPO_ROOT / "harness" / "bench" / "sync_worker.py"
 STEP_WORKER = REPO_ROOT / "harness" / "gpu_check" / "memory_worker.py"
@@ -66,29 +68,18 @@ STEP_MEMORY_STEPS = 2
 #: The trees, in the order tables show them (harness.trees labels).
 TREES = ("pristine-0.17.1", "series-0.17.1")
 PRISTINE, SERIES = TREES
-PATHS = ("async", "forced", "optimizer")
-KEY = ("model", "path", "dp_size", "rank", "bucket_size")
+KEY = ("model", "path", "dp_size", "rank")
 WORKER_TIMEOUT_S = 900
-
-DEFAULTS = dict(
-    real_dp="2,4",
-    models="gpt_equal,gpt_unequal",
-    real_bucket_sizes="default",
-    rounds=20,
-    block=4,
-    step_memory="2,4",
-)
-QUICK = dict(DEFAULTS, real_dp="2", rounds=3, block=2, step_memory="")
+#: Sizes of a run: DP sizes of the gloo ranks, ABBA rounds, syncs per timing block, DP sizes
+#: of the step-memory runs. meta["config"] of the JSON.
+DEFAULTS = dict(real_dp=[2, 4], rounds=20, block=4, step_memory=[2, 4])
+QUICK = dict(DEFAULTS, real_dp=[2], rounds=3, block=2, step_memory=[])
+#: Worker environment: torchrun_command's, with Python warnings off (they flood the logs).
+QUIET = {"PYTHONWARNINGS": "ignore"}
 
 
 class WorkerError(RuntimeError):
     """A worker failed; the message holds its command and output tail."""
-
-
-def _env(env: dict) -> dict:
-    env = dict(env)
-    env["PYTHONWARNINGS"] = "ignore"
-    return env
 
 
 def _tail(proc_out: Path) -> str:
@@ -112,15 +103,11 @@ def run_real(trees, dp: int, cfg: dict, raw: Path):
     procs, logs = {}, {}
     try:
         for label in trees:
-            argv, env = torchrun_command(
-                WORKER,
-                ["--tree", label, "--serve", address, "--models", cfg["models"],
-                 "--bucket-sizes", cfg["real_bucket_sizes"]],
-                nproc=dp, tree=label, cpu=True, preload=CORE_PRELOAD,
-            )  # fmt: skip
+            argv, env = torchrun_command(WORKER, ["--tree", label, "--serve", address], nproc=dp, tree=label,
+                                         cpu=True, preload=CORE_PRELOAD, extra_env=QUIET)  # fmt: skip
             logs[label] = raw / f"{label}-real-dp{dp}.log"
             procs[label] = subprocess.Popen(
-                argv, env=_env(env), cwd=REPO_ROOT, stdout=logs[label].open("w"),
+                argv, env=env, cwd=REPO_ROOT, stdout=logs[label].open("w"),
                 stderr=subprocess.STDOUT, start_new_session=True,
             )  # fmt: skip
         conns, records = {}, []
@@ -142,7 +129,7 @@ def run_real(trees, dp: int, cfg: dict, raw: Path):
             label = hello["records"][0]["tree"]
             conns[label] = (sock, f)
             records += hello["records"]
-        cases = [(r["model"], r["bucket_size"], r["path"]) for r in records if r["tree"] == trees[0]]
+        cases = [(r["model"], r["path"]) for r in records if r["tree"] == trees[0]]
         timing = {c: {label: [] for label in trees} for c in cases}
         for rnd in range(cfg["rounds"]):
             for i, case in enumerate(cases):
@@ -175,7 +162,7 @@ def gathers(rec: dict) -> list:
     """Per-rank shares of each all-gather one sync of this record issues: one per bucket
     with anything to gather, except the pristine tree's optimizer path
     (LayerWiseDistributedOptimizer.allgather_params), which gathers the whole model at once."""
-    if rec["path"] == "control":
+    if rec["path"] == CONTROL:
         return []
     if rec["path"] == "optimizer" and rec["tree"] == PRISTINE:
         return [rec["model_shares"]] if rec["model_shares"] and max(rec["model_shares"]) else []
@@ -184,9 +171,10 @@ def gathers(rec: dict) -> list:
 
 def expected_nccl(rec: dict) -> tuple:
     """(NCCL ops, NCCL temporary bytes) of one sync if every gather is a list all_gather on
-    ProcessGroupNCCL, as pristine 0.17.1 issues them (theory.py)."""
-    total = [nccl_list_all_gather(s, rec["param_itemsize"]) for s in gathers(rec)]
-    return sum(t[0] for t in total), sum(t[1] for t in total)
+    ProcessGroupNCCL, as pristine 0.17.1 issues them (the collective model's ``model_call``)."""
+    calls = [model_call(FORM_LIST_EQUAL if len(set(s)) == 1 else FORM_LIST_UNEQUAL, s, rec["rank"], PARAM_DTYPE)
+             for s in gathers(rec)]  # fmt: skip
+    return sum(c.ops for c in calls), sum(c.nccl_temporary_bytes for c in calls)
 
 
 def merge(records: list, timing: dict) -> list:
@@ -206,7 +194,7 @@ def merge(records: list, timing: dict) -> list:
         r["num_gathers"] = len(g)
         r["shares_equal"] = bool(g) and all(len(set(x)) == 1 for x in g)
         r["ops_per_gather"] = r["collective_ops"] / max(1, len(g))
-        blocks = timing.get((r["dp_size"], r["model"], r["bucket_size"], r["path"]), {})
+        blocks = timing.get((r["dp_size"], r["model"], r["path"]), {})
         mine = blocks.get(r["tree"], [])
         r["block_median_s"] = mine
         r["median_s"] = statistics.median(mine) if mine else None
@@ -214,11 +202,8 @@ def merge(records: list, timing: dict) -> list:
             stats.ratio_summary(blocks, r["tree"], PRISTINE) if r["tree"] != PRISTINE else None
         )
     order = {t: i for i, t in enumerate(TREES)}
-    paths = {p: i for i, p in enumerate(PATHS + ("control",))}
-    return sorted(records, key=lambda r: (
-        r["model"], r["dp_size"], r["rank"],
-        -1 if r["bucket_size"] is None else r["bucket_size"], paths[r["path"]], order[r["tree"]],
-    ))  # fmt: skip
+    paths = {p: i for i, p in enumerate(PATHS + (CONTROL,))}
+    return sorted(records, key=lambda r: (r["model"], r["dp_size"], r["rank"], paths[r["path"]], order[r["tree"]]))
 
 
 def checks(records: list) -> dict:
@@ -227,7 +212,7 @@ def checks(records: list) -> dict:
     def key(r):
         return {k: r[k] for k in ("tree",) + KEY}
 
-    sync = [r for r in records if r["path"] != "control"]
+    sync = [r for r in records if r["path"] != CONTROL]
     shas = {r["control_code_sha"] for r in records}
     return {
         # The forced sync receives into a temporary by design (grad_data may hold grads
@@ -269,10 +254,10 @@ def checks(records: list) -> dict:
 
 
 def timing_table(timing: dict) -> list:
-    """Rows {dp_size, model, bucket_size, path, median_s per tree, series_vs_pristine}."""
+    """Rows {dp_size, model, path, median_s per tree, series_vs_pristine}."""
     rows = []
-    for (dp, model, bucket, path), blocks in timing.items():
-        row = dict(dp_size=dp, model=model, bucket_size=bucket, path=path,
+    for (dp, model, path), blocks in timing.items():
+        row = dict(dp_size=dp, model=model, path=path,
                    median_s={t: statistics.median(v) for t, v in blocks.items() if v},
                    series_vs_pristine=stats.ratio_summary(blocks, SERIES, PRISTINE))  # fmt: skip
         rows.append(row)
@@ -305,84 +290,57 @@ def step_memory_record(doc: dict, tree: str) -> dict:
     )  # fmt: skip
 
 
-def run_step_memory(trees, cfg: dict, raw: Path, timeout_s: float = WORKER_TIMEOUT_S,
-                    small: bool = False) -> list:
-    """The memory worker (``STEP_WORKER``) under torchrun on CPU gloo ranks, for each DP in
-    cfg["step_memory"] (comma list), each tree and overlap on and off (memory does not drift
-    with load, so one after the other); one ``step_memory_record`` per run.
+def run_step_memory(trees, dps, raw: Path, timeout_s: float = WORKER_TIMEOUT_S, small: bool = False) -> list:
+    """The memory worker (``STEP_WORKER``) on CPU gloo ranks for each DP size in ``dps``, each
+    tree and overlap on and off (memory does not drift with load, so one after the other),
+    through ``harness.launch.run_command`` (logs in ``raw/<run>/``); one
+    ``step_memory_record`` per run.
 
     ``small``: the worker's ``bench_small`` config (a quick check; the bench's figures use
-    ``bench``). Each run gets ``timeout_s`` seconds; its ranks
-    print every thread's stack and exit 10 s before that (``--watchdog-s``), and the whole
-    process group is killed at the deadline, so that no rank outlives a failed run.
+    ``bench``). Each run gets ``timeout_s`` seconds; its ranks print every thread's stack
+    (to stderr) and exit 10 s before that (``--watchdog-s``), and run_command kills the
+    whole process group at the deadline, so that no rank outlives a failed run.
 
     Raises:
-        WorkerError: a run exited non-zero or ran out of time (its command and output tail).
+        LaunchError: a run exited non-zero or ran out of time (its command and stderr tail).
     """
     records = []
-    runs = ((int(d), t, o) for d in cfg["step_memory"].split(",") for t in trees for o in ("on", "off"))
-    for dp, label, overlap in runs:
-        name = f"{label}-step-memory-dp{dp}-overlap-{overlap}"
-        out, log = raw / f"{name}.json", raw / f"{name}.log"
-        argv, env = torchrun_command(STEP_WORKER, ["--out", str(out), "--backend", "gloo",
+    for dp, label, overlap in ((d, t, o) for d in dps for t in trees for o in ("on", "off")):
+        run_dir = raw / f"{label}-step-memory-dp{dp}-overlap-{overlap}"
+        argv, env = torchrun_command(STEP_WORKER, ["--out", str(run_dir / "result.json"), "--backend", "gloo",
                                                    "--config", "bench_small" if small else "bench",
                                                    "--steps", str(STEP_MEMORY_STEPS), "--overlap", overlap,
                                                    "--watchdog-s", str(max(timeout_s - 10, 1))],
-                                     nproc=dp, tree=label, cpu=True, preload=CORE_PRELOAD)  # fmt: skip
+                                     nproc=dp, tree=label, cpu=True, preload=CORE_PRELOAD, extra_env=QUIET)  # fmt: skip
         print(f"[bench] {label}: step memory, DP={dp}, overlap {overlap}", flush=True)
-        t0 = time.perf_counter()
-        with log.open("w") as sink:
-            proc = subprocess.Popen(argv, env=_env(env), cwd=REPO_ROOT, stdout=sink,
-                                    stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
-            try:
-                rc = proc.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                rc = None
-                os.killpg(proc.pid, 9)  # the ranks are forks in the same process group
-                proc.wait()
-        if rc != 0:
-            why = f"no result in {timeout_s:.0f} s" if rc is None else f"rc={rc}"
-            raise WorkerError(f"{label} step memory DP={dp} overlap {overlap} failed "
-                              f"({why}, {time.perf_counter() - t0:.0f} s): {shlex.join(argv)}\n{_tail(log)}")  # fmt: skip
-        records.append(step_memory_record(json.loads(out.read_text()), label))
+        run_command(argv, env, run_dir=run_dir, timeout_s=timeout_s,
+                    what=f"{label} step memory DP={dp} overlap {overlap}")  # fmt: skip
+        records.append(step_memory_record(json.loads((run_dir / "result.json").read_text()), label))
     return records
 
 
 # ---------------------------------------------------------------- main
-def parse_args(argv):
-    ap = argparse.ArgumentParser(
-        description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    ap.add_argument("--quick", action="store_true", help="smoke-test sizes (for tests)")
-    ap.add_argument("--out-dir", type=Path, default=REPO_ROOT / "build" / "bench")
-    ap.add_argument("--publish", action="store_true",
-                    help="copy param_sync.png and param_sync.md to docs/bench/")  # fmt: skip
-    for name, value in DEFAULTS.items():
-        ap.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=None,
-                        help=f"default {value!r} (--quick: {QUICK[name]!r})")  # fmt: skip
-    args = ap.parse_args(argv)
-    base = QUICK if args.quick else DEFAULTS
-    cfg = {k: getattr(args, k) if getattr(args, k) is not None else v for k, v in base.items()}
-    return args, cfg
-
-
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    args, cfg = parse_args(argv)
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help=f"smoke-test sizes (for tests): {QUICK}")
+    ap.add_argument("--out-dir", type=Path, default=REPO_ROOT / "build" / "bench")
+    ap.add_argument("--publish", action="store_true", help="copy param_sync.png and param_sync.md to docs/bench/")
+    args = ap.parse_args(argv)
+    cfg = QUICK if args.quick else DEFAULTS
     t0 = time.perf_counter()
     out_dir: Path = args.out_dir
     raw = out_dir / "raw"
     raw.mkdir(parents=True, exist_ok=True)
-    records, timing, step = [], {}, []
+    records, timing = [], {}
     try:
-        for dp in [int(x) for x in cfg["real_dp"].split(",") if x]:
+        for dp in cfg["real_dp"]:
             print(f"[bench] real DP={dp}: {', '.join(TREES)}", flush=True)
             recs, tim = run_real(TREES, dp, cfg, raw)
             records += recs
             timing.update(tim)
-        if cfg["step_memory"]:
-            step = run_step_memory(TREES, cfg, raw)
-    except (WorkerError, subprocess.TimeoutExpired) as exc:
+        step = run_step_memory(TREES, cfg["step_memory"], raw)
+    except (WorkerError, LaunchError, subprocess.TimeoutExpired) as exc:
         print(f"[bench] {exc}", file=sys.stderr)
         return 2
     records = merge(records, timing)
@@ -390,7 +348,7 @@ def main(argv=None) -> int:
     meta = dict(
         command=shlex.join([".venv/bin/python", "scripts/bench_param_sync.py", *argv]),
         date=datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        torch=_torch_version(),
+        torch=version("torch"),
         cpus=os.cpu_count(),
         host=platform.machine(),
         trees=list(TREES),
@@ -411,15 +369,6 @@ def main(argv=None) -> int:
     print(f"[bench] {len(records)} records in {runtime:.0f} s -> {out_dir}; checks "
           + ("hold" if ok else f"FAIL: {json.dumps(meta['checks'])[:2000]}"), flush=True)  # fmt: skip
     return 0 if ok else 1
-
-
-def _torch_version() -> str:
-    try:
-        from importlib.metadata import version
-
-        return version("torch")
-    except Exception:  # pragma: no cover - torch always installed in .venv
-        return "unknown"
 
 
 if __name__ == "__main__":

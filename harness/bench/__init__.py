@@ -5,8 +5,8 @@ memory worker (``harness/gpu_check/memory_worker.py``) on CPU ranks.
 
 | module | job |
 |---|---|
-| ``theory`` | bytes, launches and wire bytes each design should show, from the shares alone |
-| ``counters`` | per-sync counters: collectives at the dispatch level, allocator events |
+| ``theory`` | bytes each design should allocate, from the shares alone (NCCL calls: ``harness.cpu_runtime.collectives.model_call``) |
+| ``counters`` | the collective model's NCCL stand-ins (split off the dispatch-level count), torch.profiler allocator events |
 | ``stats`` | interleaved (ABBA) schedule, median ratio and its bootstrap CI |
 | ``sync_worker`` | one tree's DDP + layer-wise optimizer on gloo ranks; counts, timing server |
 | ``report`` | param_sync.md and param_sync.png from the records |

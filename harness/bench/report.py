@@ -11,7 +11,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import List, Optional
 
-PATHS = ("async", "forced", "optimizer", "control")
 #: Column names of the trees (harness.trees labels; the first in meta["trees"] is the pristine one).
 SHORT = {"pristine-0.17.1": "pristine", "series-0.17.1": "series"}
 
@@ -49,6 +48,12 @@ def _find(records, **want) -> Optional[dict]:
 
 def _trees(result) -> List[str]:
     return list(result["meta"]["trees"])
+
+
+def _peers(result, r) -> List[Optional[dict]]:
+    """The record of each tree for the same sync as ``r`` (model, path, DP size, rank)."""
+    key = {k: r[k] for k in ("model", "path", "dp_size", "rank")}
+    return [_find(result["records"], tree=t, **key) for t in _trees(result)]
 
 
 # ---------------------------------------------------------------- markdown
@@ -131,12 +136,10 @@ def _headline(result) -> List[str]:
             f"equal: {', '.join(f'{x:g}' for x in lpb) or 'n/a'}."
         )
     for row in timing:
-        if row["bucket_size"] is None:
-            r = row.get("series_vs_pristine")
-            lines.append(
-                f"- {row['model']}, DP {row['dp_size']}, {row['path']}: series/pristine wall time {_ratio(r)}"
-                + (" (negative control)" if row["path"] == "control" else "")
-            )
+        lines.append(
+            f"- {row['model']}, DP {row['dp_size']}, {row['path']}: series/pristine wall time "
+            f"{_ratio(row.get('series_vs_pristine'))}" + (" (negative control)" if row["path"] == "control" else "")
+        )
     return lines + [""]
 
 
@@ -183,8 +186,7 @@ def _real_table(result) -> List[str]:
     for r in result["records"]:
         if r["tree"] != trees[0] or r["path"] == "control":
             continue
-        peers = [_find(result["records"], tree=t, **{k: r[k] for k in
-                 ("model", "path", "dp_size", "rank", "bucket_size")}) for t in trees]  # fmt: skip
+        peers = _peers(result, r)
         mem = [f"{_mib(p['temporary_bytes'])} (+{_mib(p['nccl_model_temporary_bytes'])})" if p else "n/a" for p in peers]
         la = [f"{p['collective_ops']} ({p['collective_launches']})" if p else "n/a" for p in peers]
         wire = "/".join(_mib(p["wire_bytes"]) if p else "n/a" for p in peers)
@@ -243,8 +245,7 @@ def _allocator_table(result) -> List[str]:
         "|---|--:|---|" + "--:|" * len(trees),
     ]  # fmt: skip
     for r in recs:
-        peers = [_find(result["records"], tree=t, **{k: r[k] for k in
-                 ("model", "path", "dp_size", "rank", "bucket_size")}) for t in trees]  # fmt: skip
+        peers = _peers(result, r)
         cells = [f"{_mib(p['temporary_bytes'])} / {_mib(p['profiler_alloc_bytes'])} / {_mib(p['profiler_caller_thread_bytes'])}"
                  if p else "n/a" for p in peers]  # fmt: skip
         lines.append(f"| {r['model']} | {r['dp_size']} | {r['path']} | " + " | ".join(cells) + " |")
@@ -261,8 +262,9 @@ def _method(meta) -> List[str]:
         "## Method",
         "",
         "Bytes, NCCL operations and group launches per sync on the rank shown, one sync after a warm-up: "
-        "`harness/bench/counters.py` (a `TorchDispatchMode` that sees every ATen op and every "
-        "`c10d` collective op). NCCL's own allocations follow ProcessGroupNCCL's `allgather`: "
+        "`harness/alloc_counter.py` (a `TorchDispatchMode` that sees every ATen op) and the CPU "
+        "runtime's collective model (`harness/cpu_runtime/collectives.py`: every `c10d` all-gather and "
+        "broadcast). NCCL's own allocations follow ProcessGroupNCCL's `allgather`: "
         "a list `all_gather` with equal slots allocates a flat `world_size x numel` output and "
         "copies out of it (one launch); with unequal slots it issues one broadcast per rank "
         "(no temporary); `all_gather_into_tensor` writes into its output (one launch, nothing "
@@ -295,18 +297,18 @@ def write_plot(path: Path, result: dict) -> None:
     ax1, ax2, ax3 = fig.subplots(1, 3)
     markers = dict(zip(trees, "osD^v"))
 
-    def series(model, path, value, bucket):
+    def series(model, path, value):
         out = {}
         for t in trees:
             pts = sorted(
                 (r["dp_size"], value(r)) for r in records
                 if r["tree"] == t and r["model"] == model and r["path"] == path
-                and r["rank"] == 0 and r["bucket_size"] == bucket
+                and r["rank"] == 0
             )  # fmt: skip
             out[t] = pts
         return out
 
-    for t, pts in series("gpt_equal", "async", lambda r: (r["temporary_bytes"] + r["nccl_model_temporary_bytes"]) / 2**20, None).items():
+    for t, pts in series("gpt_equal", "async", lambda r: (r["temporary_bytes"] + r["nccl_model_temporary_bytes"]) / 2**20).items():
         if pts:
             ax1.plot([p[0] for p in pts], [p[1] for p in pts], marker=markers[t], label=t)
     ax1.set_xscale("log", base=2)
@@ -317,7 +319,7 @@ def write_plot(path: Path, result: dict) -> None:
     ax1.set_title("(a) temporaries, gpt_equal, async path")
     ax1.legend(fontsize=8)
 
-    for t, pts in series("gpt_unequal", "optimizer", lambda r: r["collective_ops"], None).items():
+    for t, pts in series("gpt_unequal", "optimizer", lambda r: r["collective_ops"]).items():
         if pts:
             ax2.plot([p[0] for p in pts], [p[1] for p in pts], marker=markers[t], label=t)
     ax2.set_xscale("log", base=2)
@@ -327,7 +329,7 @@ def write_plot(path: Path, result: dict) -> None:
     ax2.set_title("(b) NCCL ops, gpt_unequal, optimizer path")
     ax2.legend(fontsize=8)
 
-    rows = [r for r in result["timing"] if r["bucket_size"] is None]
+    rows = result["timing"]
     labels, x = [], 0
     for row in rows:
         s = row.get("series_vs_pristine")

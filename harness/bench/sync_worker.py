@@ -4,9 +4,9 @@ The driver starts this file once per tree on gloo ranks, with the tree chosen by
 (harness.launch.torchrun_command): counts, then a timing server.
 
     python -m torch.distributed.run --standalone --nproc-per-node 2 \
-        harness/bench/sync_worker.py --serve 127.0.0.1:PORT
+        harness/bench/sync_worker.py --serve 127.0.0.1:PORT --tree LABEL
 
-Cases: model x bucket size x path (real megatron-core objects):
+Cases: model x path (real megatron-core objects, DDP's default bucket size):
 
 * models (MODELS): "gpt_unequal", a whole GPT (embedding, 4 layers, hidden 256, untied
   output layer) whose per-rank shares differ; "gpt_equal", a middle pipeline stage of a GPT
@@ -20,10 +20,11 @@ Cases: model x bucket size x path (real megatron-core objects):
   gather at the end of step() without overlap); "control", every grad buffer's reset(): code
   that no tree changes (its source hash is recorded), the negative control of the timing.
 
-Per case and rank, ONE sync is counted (harness/bench/counters.py): tensor storages the
-ATen ops allocate (dispatch level), the collectives issued (NCCL calls and group launches, bytes received,
-what ProcessGroupNCCL would allocate), every C++ allocation seen by torch.profiler, and
-that every param afterwards holds its owner's value. Shares per bucket come from
+Per case and rank, ONE sync is counted: tensor storages the ATen ops allocate
+(harness/alloc_counter.py, dispatch level), the collectives issued (the CPU runtime's
+record_collectives(): NCCL calls and group launches, bytes received, what ProcessGroupNCCL
+would allocate), every C++ allocation seen by torch.profiler (harness/bench/counters.py),
+and that every param afterwards holds its owner's value. Shares per bucket come from
 bucket.layerwise_params_list. Timing is done in blocks the driver requests (ABBA over trees, harness/bench/stats.py): {"op": "time", "case": i, "n": k}
 answers the k per-sync wall times in seconds, each the slowest rank's.
 """
@@ -64,13 +65,13 @@ from harness.trees import check_expected_tree  # noqa: E402
 #: name -> (TransformerConfig shape, GPTModel kwargs). Params: gpt_unequal 3,716,608
 #: (7.09 MiB bf16); gpt_equal 3,178,496 (6.06 MiB bf16).
 MODELS = {
-    "gpt_unequal": (
-        dict(num_layers=4, hidden_size=256, num_attention_heads=4, ffn_hidden_size=1024),
-        dict(vocab_size=1024, max_sequence_length=128),
-    ),
     "gpt_equal": (
         dict(num_layers=16, hidden_size=128, num_attention_heads=4, ffn_hidden_size=512),
         dict(vocab_size=1024, max_sequence_length=128, pre_process=False, post_process=False),
+    ),
+    "gpt_unequal": (
+        dict(num_layers=4, hidden_size=256, num_attention_heads=4, ffn_hidden_size=1024),
+        dict(vocab_size=1024, max_sequence_length=128),
     ),
 }
 
@@ -107,14 +108,14 @@ class Setup(LayerwiseModel):
         mc: the dict from _megatron().
         model: a key of MODELS.
         overlap: overlap_param_gather (True: async/forced paths; False: optimizer path).
-        bucket_size: DDPConfig.bucket_size in elements; None: DDP's default
-            (max(40M, 1M * dp_size): one bucket for these models).
+
+    DDPConfig.bucket_size is DDP's default (max(40M, 1M * dp_size): one bucket for these models).
 
     Weights are torch.empty (no init): values do not matter for bytes, NCCL calls or time,
     and scramble()/synced() write and check known values.
     """
 
-    def __init__(self, mc, model: str, overlap: bool, bucket_size):
+    def __init__(self, mc, model: str, overlap: bool):
         shape, gpt_kwargs = MODELS[model]
         config = mc["TransformerConfig"](
             **shape,
@@ -124,7 +125,7 @@ class Setup(LayerwiseModel):
             perform_initialization=False,
         )
         module = gpt_model(config, **gpt_kwargs)
-        self.ddp, self.opt = wrap(config, module, overlap, bucket_size, lr=0.01)
+        self.ddp, self.opt = wrap(config, module, overlap, lr=0.01)
         self._finish_init()
 
     def shares(self):
@@ -244,46 +245,38 @@ def time_block(s: Setup, path: str, n: int) -> list:
     return times
 
 
-def _bucket_arg(text: str):
-    return None if text == "default" else int(text)
-
-
-def build_cases(mc, args, dp_size: int, rank: int):
-    """Every (model, bucket size, path) case: ([(Setup, path)], [record]) with counts."""
+def build_cases(mc, dp_size: int, rank: int):
+    """Every (model, path) case: ([(Setup, path)], [record]) with counts."""
     cases, records = [], []
-    paths = args.paths.split(",") + [CONTROL]
-    for model in args.models.split(","):
-        for bucket_text in args.bucket_sizes.split(","):
-            bucket_size = _bucket_arg(bucket_text)
-            setups = {}
-            for path in paths:
-                overlap = path != "optimizer"
-                if overlap not in setups:
-                    setups[overlap] = Setup(mc, model, overlap, bucket_size)
-                s = setups[overlap]
-                per_bucket, whole = s.shares()
-                rec = dict(
-                    model=model,
-                    path=path,
-                    dp_size=dp_size,
-                    rank=rank,
-                    backend=dist.get_backend(),
-                    bucket_size=bucket_size,
-                    num_buckets=len(s.buckets),
-                    num_bucket_groups=len(s.groups),
-                    param_bytes=sum(p.numel() * p.element_size() for p in s.params),
-                    num_params=len(s.params),
-                    params_owned=len(s.owned(rank)),
-                    bucket_shares=per_bucket,
-                    model_shares=whole,
-                    param_itemsize=PARAM_DTYPE.itemsize,
-                    control_code_sha=control_code_sha(mc),
-                    **s.theory(path, rank),
-                )
-                with cpu_runtime.device_mapping_suspended():
-                    rec.update(count_one_sync(s, path, rank))
-                cases.append((s, path))
-                records.append(rec)
+    for model in MODELS:
+        setups = {}
+        for path in PATHS + (CONTROL,):
+            overlap = path != "optimizer"
+            if overlap not in setups:
+                setups[overlap] = Setup(mc, model, overlap)
+            s = setups[overlap]
+            per_bucket, whole = s.shares()
+            rec = dict(
+                model=model,
+                path=path,
+                dp_size=dp_size,
+                rank=rank,
+                backend=dist.get_backend(),
+                num_buckets=len(s.buckets),
+                num_bucket_groups=len(s.groups),
+                param_bytes=sum(p.numel() * p.element_size() for p in s.params),
+                num_params=len(s.params),
+                params_owned=len(s.owned(rank)),
+                bucket_shares=per_bucket,
+                model_shares=whole,
+                param_itemsize=PARAM_DTYPE.itemsize,
+                control_code_sha=control_code_sha(mc),
+                **s.theory(path, rank),
+            )
+            with cpu_runtime.device_mapping_suspended():
+                rec.update(count_one_sync(s, path, rank))
+            cases.append((s, path))
+            records.append(rec)
     return cases, records
 
 
@@ -351,18 +344,12 @@ def main_real(args, mc, tree_dir: str) -> None:
     dist.init_process_group(backend="gloo")
     mc["ps"].initialize_model_parallel(create_gloo_process_groups=False)
     mc["seed"](1234)
-    channel = _Channel(args.serve, 120) if args.serve and dist.get_rank() == 0 else None
-    cases, records = build_cases(mc, args, dist.get_world_size(), dist.get_rank())
+    channel = _Channel(args.serve, 120) if dist.get_rank() == 0 else None
+    cases, records = build_cases(mc, dist.get_world_size(), dist.get_rank())
     records = _merge_ranks(records)
-    if dist.get_rank() == 0:
-        for rec in records:
-            rec.update(tree=args.tree, tree_dir=tree_dir)
-        if channel is not None:
-            channel.send({"records": records})
-        if args.out:
-            Path(args.out).write_text(json.dumps(records, indent=1))
-    if args.serve:
-        serve(cases, channel)
+    if channel is not None:
+        channel.send({"records": [dict(rec, tree=args.tree, tree_dir=tree_dir) for rec in records]})
+    serve(cases, channel)
     dist.barrier()
     mc["ps"].destroy_model_parallel()
     dist.destroy_process_group()
@@ -370,12 +357,8 @@ def main_real(args, mc, tree_dir: str) -> None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default="", help="JSON list of records (rank 0 writes)")
-    ap.add_argument("--serve", default="", help="HOST:PORT of the driver; then serve timing")
-    ap.add_argument("--tree", default="", help="label stored in each record")
-    ap.add_argument("--models", default=",".join(MODELS))
-    ap.add_argument("--paths", default=",".join(PATHS))
-    ap.add_argument("--bucket-sizes", default="default", help="comma list: default or elements")
+    ap.add_argument("--serve", required=True, help="HOST:PORT of the driver: records, then timing")
+    ap.add_argument("--tree", required=True, help="label stored in each record")
     args = ap.parse_args(argv)
     tree_dir = check_expected_tree()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))

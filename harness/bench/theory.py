@@ -18,7 +18,9 @@ fresh `torch.cat` of them.
 
 The functions take plain per-rank param lists (anything with `.numel()`), or duck-typed
 megatron buckets/bucket groups, so they need no megatron import. Used by
-tests/unit_tests/layerwise_worker.py and the bench (harness/bench/sync_worker.py).
+tests/unit_tests/layerwise_worker.py and the bench (harness/bench/sync_worker.py). What
+ProcessGroupNCCL allocates and launches per call is the collective model's
+(``harness.cpu_runtime.collectives.model_call``).
 """
 
 from __future__ import annotations
@@ -26,8 +28,8 @@ from __future__ import annotations
 from typing import List, Sequence
 
 
-def _flat_sizes(params_by_rank: Sequence[Sequence]) -> List[int]:
-    """Elements each rank owns: [sum(p.numel() for p in ps) for ps in params_by_rank]."""
+def shares(params_by_rank: Sequence[Sequence]) -> List[int]:
+    """Elements each DP rank owns (its share): [sum(p.numel() for p in ps) for ps in params_by_rank]."""
     return [sum(p.numel() for p in ps) for ps in params_by_rank]
 
 
@@ -50,7 +52,7 @@ def theory_upstream_bytes(params_by_rank, rank, itemsize):
     Returns:
         Bytes (int).
     """
-    sizes = _flat_sizes(params_by_rank)
+    sizes = shares(params_by_rank)
     if len(sizes) < 2 or max(sizes) == 0:
         return 0
     local = sizes[rank] if len(params_by_rank[rank]) > 1 else 0
@@ -90,31 +92,3 @@ def async_chain_peak_bytes(group_bytes_in_forward_order: Sequence[int]) -> int:
     """
     t = list(group_bytes_in_forward_order) + [0]
     return max((a + b for a, b in zip(t, t[1:])), default=0)
-
-
-# ---------------------------------------------------------------- collectives on NCCL
-def nccl_list_all_gather(slot_numels: Sequence[int], itemsize: int) -> tuple:
-    """(NCCL ops, temporary bytes) of ``torch.distributed.all_gather(list, input)`` on
-    ProcessGroupNCCL (torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp, ``allgather``).
-
-    Equal slot sizes: one flat output of ``len(slots) * numel`` is allocated through the
-    caching allocator, one ``ncclAllGather`` writes it, then each slot is copied out:
-    (1, that flat size in bytes). Different sizes: one ``_broadcast_oop`` per rank inside
-    a coalescing group, no temporary: (len(slots), 0). One slot or none: (0, 0) for
-    none, the single-rank case is a local copy.
-
-    Args:
-        slot_numels: elements of each output slot, in rank order.
-        itemsize: bytes per element.
-    """
-    n = len(slot_numels)
-    if n == 0:
-        return 0, 0
-    if len(set(slot_numels)) == 1:
-        return 1, n * slot_numels[0] * itemsize
-    return n, 0
-
-
-def shares(params_by_rank: Sequence[Sequence]) -> List[int]:
-    """Elements each DP rank owns (its share) in one bucket: [sum of numel per rank]."""
-    return _flat_sizes(params_by_rank)
