@@ -7,8 +7,8 @@ Run under torchrun (``harness.launch.torchrun_command``), the tree chosen by PYT
         --backend gloo --config param_dominated --steps 4 --out up.json     # 2 ranks, cuda:0
     torchrun --nproc-per-node 8 harness/gpu_check/memory_worker.py --backend nccl ...
 
-The GPU check (``harness/gpu_check/plan.py``) runs it on CUDA ranks; ``scripts/bench_param_sync.py
---step-memory`` on CPU gloo ranks (CPU runtime layer), config ``bench``, overlap on and off.
+The GPU check (``harness/gpu_check/plan.py``) runs it on CUDA ranks; ``scripts/bench_param_sync.py``
+on CPU gloo ranks (CPU runtime layer, its step-memory runs), config ``bench``, overlap on and off.
 
 Model: megatron's GPTModel (local layer spec), bf16 params, fp32 ``grad_data``
 (``grad_reduce_in_fp32``), DDP with ``overlap_grad_reduce`` and, unless ``--overlap off``,
