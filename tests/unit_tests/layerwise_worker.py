@@ -234,20 +234,14 @@ class Setup:
         gen = torch.Generator().manual_seed(10_000 * step + self.index[p])
         return torch.randn(p.shape, generator=gen).to(p.dtype)
 
-    def simulate_step(self, step, grad_fill=None):
-        """State right after an optimizer step: owners hold the new value, others stale.
-
-        grad_fill: if not None, fill grad_data with it (grads the step just consumed).
-        """
+    def simulate_step(self, step):
+        """State right after an optimizer step: owners hold the new value, others stale."""
         with torch.no_grad():
             for p in self.params:
                 if p in self.owned:
                     p.copy_(self.target(p, step))
                 else:
                     p.fill_(GARBAGE)
-            if grad_fill is not None:
-                for g in self.grad_datas():
-                    g.fill_(grad_fill)
 
     def params_equal_targets(self, step):
         return all(torch.equal(p.detach(), self.target(p, step)) for p in self.params)
@@ -281,6 +275,17 @@ class Setup:
 
     def main_grads(self):
         return [p.main_grad.detach().clone() for p in self.params]
+
+
+def overlap_off(cfg, step, n_microbatches=1):
+    """The reference of an overlapped run: the same model without overlap, its params at
+    their values after `step` everywhere, after zero_grad_buffer() and forward_backward(step,
+    n_microbatches)."""
+    b = Setup(cfg, overlap=False)
+    b.set_all_targets(step)
+    b.ddp.zero_grad_buffer()
+    b.forward_backward(step, n_microbatches)
+    return b
 
 
 def all_ranks(flag: bool) -> bool:
@@ -408,19 +413,15 @@ def sc_gather(cfg):
     """Forward pre-hooks gather owners' values; grad_data zero before backward; main_grad
     after backward equals the same model with overlap off."""
     a = Setup(cfg, overlap=True)
-    b = Setup(cfg, overlap=False)
     a.ddp.zero_grad_buffer()
-    b.ddp.zero_grad_buffer()
     a.simulate_step(step=1)
-    b.set_all_targets(step=1)
     # Forward of microbatch 1 runs every pre-hook; check right after it, before backward.
     out = a.ddp(a.batch(1, 0))
     params_ok = a.synced(1)
     grad_zero = grads_all_zero(a)
     out.float().pow(2).mean().backward()
     a.ddp.finish_grad_sync()
-    b.forward_backward(1, 1)
-    diff = max_abs_diff(a.main_grads(), b.main_grads())
+    diff = max_abs_diff(a.main_grads(), overlap_off(cfg, 1).main_grads())
     patterns = pattern_report(a)
     # The pre-hook pair again, over grad_data holding consumed grads (nonzero bytes).
     a.ddp.zero_grad_buffer()
@@ -463,13 +464,10 @@ def sc_microbatches(cfg):
     eps = 1e-5 if cfg.fp32_grad or cfg.dtype == torch.float32 else 2 * torch.finfo(cfg.dtype).eps
     for n in (1, 2, 4):
         a = Setup(cfg, overlap=True)
-        b = Setup(cfg, overlap=False)
         a.ddp.zero_grad_buffer()
         a.simulate_step(step=2)
         a.forward_backward(2, n)
-        b.set_all_targets(step=2)
-        b.ddp.zero_grad_buffer()
-        b.forward_backward(2, n)
+        b = overlap_off(cfg, 2, n)
         b_accumulated = b.main_grads()
         per_mb_sum = [torch.zeros_like(g, dtype=torch.float64) for g in b.main_grads()]
         for mb in range(n):
@@ -642,13 +640,9 @@ def sc_offload(cfg):
 
     res, c = while_offloaded(s, 7, forced_twice)
     # After restore, a normal step must give the same grads as overlap off.
-    b = Setup(cfg, overlap=False)
-    b.set_all_targets(7)
     s.ddp.zero_grad_buffer()
-    b.ddp.zero_grad_buffer()
     s.forward_backward(7, 1)
-    b.forward_backward(7, 1)
-    diff = max_abs_diff(s.main_grads(), b.main_grads())
+    diff = max_abs_diff(s.main_grads(), overlap_off(cfg, 7).main_grads())
     return {
         **res,
         "temporary_is_the_gathered_size": all_ranks(c.temporary_bytes == gathered(s)[0]),

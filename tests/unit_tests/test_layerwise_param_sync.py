@@ -1,8 +1,8 @@
 """Unit tests of the series: the layer-wise param all-gather received into grad_data.
 
 Real megatron-core objects on several gloo ranks (CPU runtime layer): DDP built the way
-training builds it, so `main_grad` IS a view into `grad_data` (upstream's own tests
-replaced main_grad with a clone, which hid the zeroing bug of PR #3751). The ranks run
+training builds it, so `main_grad` IS a view into `grad_data` (a clone of main_grad
+would hide the zeroing bug of PR #3751). The ranks run
 tests/unit_tests/layerwise_worker.py under torchrun, once per (tree, world size); the
 tests below assert on its JSON results.
 
@@ -276,17 +276,24 @@ def test_zero_temporaries_in_layerwise_param_sync(runs, world, config):
     # bucket can exceed them by this rank's share.)
 
 
+#: The collective model's summary of a gather (harness.cpu_runtime.summarize) that tests compare.
+KEYS = ("ops", "zero_size_ops", "launches", "nccl_temporary_bytes")
+
+
+def summary(ops, zero_size_ops=0, nccl_temporary_bytes=0):
+    """A summary of `ops` NCCL ops in one launch (none where there is no op)."""
+    return dict(zip(KEYS, (ops, zero_size_ops, int(ops > 0), nccl_temporary_bytes)))
+
+
 def expected_pristine(shares, itemsize):
     """0.17.1's list all_gather of one bucket (or of the whole model, in step()) in the
     collective model: one launch; equal shapes one ncclAllGather into a DP x share flat
     temporary; unequal ones one broadcast per rank, zero-size shares included."""
     if not shares or max(shares) == 0:
-        return {"ops": 0, "zero_size_ops": 0, "launches": 0, "nccl_temporary_bytes": 0}
+        return summary(0)
     if min(shares) == max(shares):
-        return {"ops": 1, "zero_size_ops": 0, "launches": 1,
-                "nccl_temporary_bytes": len(shares) * shares[0] * itemsize}
-    return {"ops": len(shares), "zero_size_ops": shares.count(0), "launches": 1,
-            "nccl_temporary_bytes": 0}
+        return summary(1, nccl_temporary_bytes=len(shares) * shares[0] * itemsize)
+    return summary(len(shares), zero_size_ops=shares.count(0))
 
 
 def expected_series(shares):
@@ -294,24 +301,12 @@ def expected_series(shares):
     temporary, no zero-size op; one all_gather_into_tensor for equal shares, else one
     broadcast per rank that owns something."""
     if not shares or max(shares) == 0:
-        return {"ops": 0, "zero_size_ops": 0, "launches": 0, "nccl_temporary_bytes": 0}
-    ops = 1 if min(shares) == max(shares) else sum(1 for s in shares if s)
-    return {"ops": ops, "zero_size_ops": 0, "launches": 1, "nccl_temporary_bytes": 0}
+        return summary(0)
+    return summary(1 if min(shares) == max(shares) else sum(1 for s in shares if s))
 
 
-def expected_series_optimizer(n_params):
-    """The series' optimizer-path gather of one DP group (patch 0006): every param
-    broadcast in place by its owner, all in one launch: one op per param, none zero-size,
-    no NCCL temporary."""
-    if not n_params:
-        return {"ops": 0, "zero_size_ops": 0, "launches": 0, "nccl_temporary_bytes": 0}
-    return {"ops": n_params, "zero_size_ops": 0, "launches": 1, "nccl_temporary_bytes": 0}
-
-
-KEYS = ("ops", "zero_size_ops", "launches", "nccl_temporary_bytes")
-
-
-def _totals(summaries):
+def observed(*summaries):
+    """The KEYS of the collective model's summaries, summed."""
     return {k: sum(s[k] for s in summaries) for k in KEYS}
 
 
@@ -337,18 +332,20 @@ def test_nccl_ops_and_launches_at_most_pristine_per_bucket_and_per_step(runs, wo
         ps, us = p[f"{path}_per_bucket_group"], u[f"{path}_per_bucket_group"]
         assert len(ps) == len(us) == len(shares)
         for i, (pb, ub, sh) in enumerate(zip(ps, us, shares)):
-            assert {k: pb[k] for k in KEYS} == expected_series(sh), (path, i, sh, pb)
-            assert {k: ub[k] for k in KEYS} == expected_pristine(sh, itemsize), (path, i, sh, ub)
+            assert observed(pb) == expected_series(sh), (path, i, sh, pb)
+            assert observed(ub) == expected_pristine(sh, itemsize), (path, i, sh, ub)
             assert pb["ops"] <= ub["ops"] and pb["launches"] <= ub["launches"], (path, i, pb, ub)
-        pt, ut = _totals(ps), _totals(us)
+        pt, ut = observed(*ps), observed(*us)
         assert pt["ops"] <= ut["ops"] and pt["launches"] <= ut["launches"], (path, pt, ut)
         assert pt["zero_size_ops"] == pt["nccl_temporary_bytes"] == 0, (path, pt)
     po, uo = p["optimizer_step"], u["optimizer_step"]
     # Every param of the model, each owned by one rank (the overlapped run's bucket lists).
     n_params = sum(n for group in p["bucket_param_counts"] for counts in group for n in counts)
     assert p["optimizer_params"] == n_params > 0, p
-    assert {k: po[k] for k in KEYS} == expected_series_optimizer(p["optimizer_params"]), po
-    assert {k: uo[k] for k in KEYS} == expected_pristine(u["optimizer_shares"], itemsize), uo
+    # The series' optimizer path (patch 0006): every param broadcast in place by its owner,
+    # all in one launch.
+    assert observed(po) == summary(p["optimizer_params"]), po
+    assert observed(uo) == expected_pristine(u["optimizer_shares"], itemsize), uo
     assert po["launches"] <= uo["launches"], (po, uo)
 
 
@@ -428,7 +425,7 @@ def test_every_share_pattern_of_three_ranks(runs, base):
     for key, shares in keys.items():
         got = r[key]
         assert not failed(got), (key, failed(got))
-        assert {k: got["summary"][k] for k in KEYS} == expected_series(list(shares)), (key, got)
+        assert observed(got["summary"]) == expected_series(list(shares)), (key, got)
         equal = min(shares) == max(shares)
         assert got["forms"] == (["all_gather_into_tensor"] if equal else ["broadcast"]), (key, got)
         forms |= set(got["forms"])
@@ -595,7 +592,8 @@ def _failed_checks(results):
     out = []
     for key, checks in results.items():
         if key != "_meta":
-            out += [f"{key}: {checks['error']}"] * ("error" in checks) + [f"{key}.{c}" for c in failed(checks)]
+            out += [f"{key}: {checks['error']}"] if "error" in checks else []
+            out += [f"{key}.{c}" for c in failed(checks)]
     return out
 
 
