@@ -51,6 +51,12 @@ from harness.layerwise_optimizer import layerwise_muon_optimizer  # noqa: E402
 from harness.bench.theory import theory_upstream_bytes  # noqa: E402
 from harness.ranks import Outcomes, exit_rank  # noqa: E402
 from harness.trees import check_expected_tree  # noqa: E402
+from megatron.core import parallel_state  # noqa: E402
+from megatron.core.distributed import DistributedDataParallel as DDP  # noqa: E402
+from megatron.core.distributed import DistributedDataParallelConfig as DDPConfig  # noqa: E402
+from megatron.core.optimizer import OptimizerConfig  # noqa: E402
+from megatron.core.transformer import TransformerConfig  # noqa: E402
+from megatron.core.transformer.module import MegatronModule  # noqa: E402
 
 GARBAGE = -777.0  # what non-owned params hold before a gather ("stale")
 IN_DIM = 16
@@ -107,33 +113,6 @@ def parse_config(name: str) -> Config:
         raise ValueError(
             f"config {name!r}: expected <{'|'.join(DTYPES)}>-<fp32grad|samegrad>-<{'|'.join(MODELS)}>"
         ) from None
-
-
-def _megatron():
-    from megatron.core import parallel_state
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-    from megatron.core.optimizer import OptimizerConfig
-    from megatron.core.transformer import TransformerConfig
-    from megatron.core.transformer.module import MegatronModule
-
-    return (
-        parallel_state,
-        DistributedDataParallel,
-        DistributedDataParallelConfig,
-        OptimizerConfig,
-        TransformerConfig,
-        MegatronModule,
-    )
-
-
-(
-    parallel_state,
-    DDP,
-    DDPConfig,
-    OptimizerConfig,
-    TransformerConfig,
-    MegatronModule,
-) = _megatron()
 
 
 def tiny_config(dtype, **kwargs):
@@ -1021,15 +1000,20 @@ def sc_async_without_ddp(cfg):
     chunk that is not megatron's DDP (it carries a ddp_config, as get_megatron_optimizer
     needs, but no bucket groups to gather through). Raises on every rank; the worker
     records the error."""
-    torch.manual_seed(1234)
-    tc = tiny_config(cfg.dtype)
-    module = TinyNet(tc, widths=cfg.widths).to(cfg.dtype)
-    module.ddp_config = DDPConfig(overlap_param_gather=True, use_distributed_optimizer=False)
-    opt_config = OptimizerConfig(optimizer='muon', lr=0.02, bf16=cfg.dtype == torch.bfloat16,
-                                 params_dtype=cfg.dtype, use_distributed_optimizer=False,
-                                 overlap_param_gather=True)
-    layerwise_muon_optimizer(opt_config, [module])
+    layerwise_without_ddp(cfg.dtype, cfg.widths, overlap=True)
     return {"built": True}
+
+
+def layerwise_without_ddp(dtype, widths, overlap):
+    """TinyNet of `widths` in `dtype`, not wrapped in megatron's DDP (it carries the
+    ddp_config get_megatron_optimizer needs, no bucket groups), and the layer-wise
+    optimizer over it (overlap: --overlap-param-gather). Returns (module, optimizer)."""
+    torch.manual_seed(1234)
+    module = TinyNet(tiny_config(dtype), widths=widths).to(dtype)
+    module.ddp_config = DDPConfig(overlap_param_gather=overlap, use_distributed_optimizer=False)
+    opt_config = OptimizerConfig(optimizer='muon', lr=0.02, bf16=dtype == torch.bfloat16, params_dtype=dtype,
+                                 use_distributed_optimizer=False, overlap_param_gather=overlap)
+    return module, layerwise_muon_optimizer(opt_config, [module])
 
 
 def _non_contiguous_weight(s):
@@ -1069,13 +1053,7 @@ def sc_optimizer_without_ddp(cfg):
     """The layer-wise optimizer without --overlap-param-gather over a model chunk that is
     not megatron's DDP: 2 real steps (fp32, grads from loss.backward() in param.grad), the
     params equal on every rank afterwards, and their bitwise fingerprint for the test."""
-    torch.manual_seed(1234)
-    tc = tiny_config(torch.float32)
-    module = TinyNet(tc, widths=cfg.widths).float()
-    module.ddp_config = DDPConfig(overlap_param_gather=False, use_distributed_optimizer=False)
-    opt_config = OptimizerConfig(optimizer='muon', lr=0.02, params_dtype=torch.float32,
-                                 use_distributed_optimizer=False, overlap_param_gather=False)
-    opt = layerwise_muon_optimizer(opt_config, [module])
+    module, opt = layerwise_without_ddp(torch.float32, cfg.widths, overlap=False)
     x = torch.randn(4, IN_DIM, generator=torch.Generator().manual_seed(5))
     for _ in range(2):
         opt.zero_grad()
@@ -1084,7 +1062,8 @@ def sc_optimizer_without_ddp(cfg):
             dist.all_reduce(p.grad)
             p.grad /= dist.get_world_size()
         opt.step()
-    return {"params_equal_across_ranks": params_equal_across_ranks(list(module.parameters())), "params_sha256": params_sha256(list(module.parameters()))}
+    params = list(module.parameters())
+    return {"params_equal_across_ranks": params_equal_across_ranks(params), "params_sha256": params_sha256(params)}
 
 
 def _forced_sync_after_each_step(s):
