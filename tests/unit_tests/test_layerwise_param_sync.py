@@ -357,7 +357,7 @@ def test_forced_sync(runs, world, config):
     pre-hook neither re-gathers nor skips a needed gather. Pristine: params synced too.
     (A forced sync with a gather pending in idle grad_data, which pristine drops: the
     hazard gather_then_forced_before_step_idle of test_grad_data_guards.py.)"""
-    r = passing(runs("series-0.17.1", world), config, "forced_sync")
+    passing(runs("series-0.17.1", world), config, "forced_sync")
     u = result(runs("pristine-0.17.1", world), config, "forced_sync")
     assert u["idle_params_synced"]
 
@@ -367,7 +367,7 @@ def test_free_overlap_buffers_with_pending_gather(runs, world, config):
     """Series: the pending gather is completed (params synced, grad_data zero, no
     re-gather in the next forward). Pristine: free_overlap_buffers() drops it; params
     stay stale even after the next forward (param_gather_dispatched says they are synced)."""
-    r = passing(runs("series-0.17.1", world), config, "free_overlap_buffers")
+    passing(runs("series-0.17.1", world), config, "free_overlap_buffers")
     u = result(runs("pristine-0.17.1", world), config, "free_overlap_buffers")
     assert not u["params_synced_after_forward"]
 
