@@ -51,6 +51,12 @@ from harness.layerwise_optimizer import layerwise_muon_optimizer  # noqa: E402
 from harness.bench.theory import theory_upstream_bytes  # noqa: E402
 from harness.ranks import Outcomes, exit_rank  # noqa: E402
 from harness.trees import check_expected_tree  # noqa: E402
+from megatron.core import parallel_state  # noqa: E402
+from megatron.core.distributed import DistributedDataParallel as DDP  # noqa: E402
+from megatron.core.distributed import DistributedDataParallelConfig as DDPConfig  # noqa: E402
+from megatron.core.optimizer import OptimizerConfig  # noqa: E402
+from megatron.core.transformer import TransformerConfig  # noqa: E402
+from megatron.core.transformer.module import MegatronModule  # noqa: E402
 
 GARBAGE = -777.0  # what non-owned params hold before a gather ("stale")
 IN_DIM = 16
@@ -109,31 +115,10 @@ def parse_config(name: str) -> Config:
         ) from None
 
 
-def _megatron():
-    from megatron.core import parallel_state
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-    from megatron.core.optimizer import OptimizerConfig
-    from megatron.core.transformer import TransformerConfig
-    from megatron.core.transformer.module import MegatronModule
-
-    return (
-        parallel_state,
-        DistributedDataParallel,
-        DistributedDataParallelConfig,
-        OptimizerConfig,
-        TransformerConfig,
-        MegatronModule,
-    )
-
-
-(
-    parallel_state,
-    DDP,
-    DDPConfig,
-    OptimizerConfig,
-    TransformerConfig,
-    MegatronModule,
-) = _megatron()
+def tiny_config(dtype, **kwargs):
+    """The TransformerConfig every model here is built with (params of `dtype`, on CPU)."""
+    return TransformerConfig(num_layers=1, hidden_size=IN_DIM, num_attention_heads=1, params_dtype=dtype,
+                             bf16=dtype == torch.bfloat16, use_cpu_initialization=True, **kwargs)
 
 
 class TinyNet(MegatronModule):
@@ -175,15 +160,7 @@ class Setup:
         torch.manual_seed(seed)
         dtype = cfg.dtype
         bf16 = dtype == torch.bfloat16
-        self.config = TransformerConfig(
-            num_layers=1,
-            hidden_size=IN_DIM,
-            num_attention_heads=1,
-            params_dtype=dtype,
-            bf16=bf16,
-            use_cpu_initialization=True,
-            **(tc_kwargs or {}),
-        )
+        self.config = tiny_config(dtype, **(tc_kwargs or {}))
         module = TinyNet(self.config, expert=expert, widths=cfg.widths)
         if bf16:
             module = module.bfloat16()
@@ -236,23 +213,25 @@ class Setup:
         gen = torch.Generator().manual_seed(10_000 * step + self.index[p])
         return torch.randn(p.shape, generator=gen).to(p.dtype)
 
-    def simulate_step(self, step, grad_fill=None):
-        """State right after an optimizer step: owners hold the new value, others stale.
-
-        grad_fill: if not None, fill grad_data with it (grads the step just consumed).
-        """
+    def simulate_step(self, step):
+        """State right after an optimizer step: owners hold the new value, others stale."""
         with torch.no_grad():
             for p in self.params:
                 if p in self.owned:
                     p.copy_(self.target(p, step))
                 else:
                     p.fill_(GARBAGE)
-            if grad_fill is not None:
-                for g in self.grad_datas():
-                    g.fill_(grad_fill)
 
     def params_equal_targets(self, step):
         return all(torch.equal(p.detach(), self.target(p, step)) for p in self.params)
+
+    def synced(self, step):
+        """Every param holds its value after `step` on every rank."""
+        return all_ranks(self.params_equal_targets(step))
+
+    def storage_freed(self):
+        """Every grad_data's storage freed (offload_grad_buffers()) on this rank."""
+        return all(g.untyped_storage().nbytes() == 0 for g in self.grad_datas())
 
     def set_all_targets(self, step):
         with torch.no_grad():
@@ -277,6 +256,17 @@ class Setup:
         return [p.main_grad.detach().clone() for p in self.params]
 
 
+def overlap_off(cfg, step, n_microbatches=1):
+    """The reference of an overlapped run: the same model without overlap, its params at
+    their values after `step` everywhere, after zero_grad_buffer() and forward_backward(step,
+    n_microbatches)."""
+    b = Setup(cfg, overlap=False)
+    b.set_all_targets(step)
+    b.ddp.zero_grad_buffer()
+    b.forward_backward(step, n_microbatches)
+    return b
+
+
 def all_ranks(flag: bool) -> bool:
     t = torch.tensor([1 if flag else 0], dtype=torch.int64)
     dist.all_reduce(t, op=dist.ReduceOp.MIN)
@@ -288,6 +278,11 @@ def max_abs_diff(xs, ys):
     t = torch.tensor([d], dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return t.item()
+
+
+def params_diff(a, b):
+    """Largest |difference| between the params of Setups a and b over every rank."""
+    return max_abs_diff([p.detach() for p in a.params], [p.detach() for p in b.params])
 
 
 def params_equal_across_ranks(params) -> bool:
@@ -321,15 +316,13 @@ def shares_of(params_by_rank):
     return [sum(p.numel() for p in ps) for ps in params_by_rank]
 
 
-def written_numel(params_by_rank):
-    """Param-dtype elements of grad_data the series' pre-hook gather of this bucket writes
-    while grad_data is idle (and its copy-out must zero), by the design: every rank's slot,
-    the local one included, packed in rank order from element 0 of
-    grad_data.view(param dtype), whatever the share pattern; nothing where no rank owns a
-    param of the bucket (or it is not sharded)."""
-    if not params_by_rank:
-        return 0
-    return sum(shares_of(params_by_rank))
+def gather_nbytes(bk):
+    """Bytes of bucket bk's layer-wise gather by the design: every rank's slot, the local
+    one included (sum of the shares x the param itemsize), packed in rank order from element
+    0 of the receive buffer: grad_data.view(param dtype) on the pre-hook pair over idle
+    grad_data (whose copy-out must zero exactly them), else one temporary of this size.
+    0 where no rank owns a param of the bucket (or it is not sharded)."""
+    return sum(shares_of(bk.layerwise_params_list or [])) * bk.params_list[0].element_size()
 
 
 def bucket_pattern(params_by_rank):
@@ -347,29 +340,34 @@ def bucket_pattern(params_by_rank):
     }
 
 
+def byte_view(t):
+    """t's bytes (a flat uint8 view)."""
+    return t.detach().view(-1).view(torch.uint8)
+
+
 def grad_bytes(s):
     """Copies of every bucket's grad_data as bytes."""
-    return [g.detach().view(-1).view(torch.uint8).clone() for g in s.grad_datas()]
+    return [byte_view(g).clone() for g in s.grad_datas()]
 
 
-def fill_grad_bytes(s, value=0x11):
-    """Every byte of grad_data = value: nonzero in any dtype view (consumed grads)."""
-    for g in s.grad_datas():
-        g.view(-1).view(torch.uint8).fill_(value)
+def fill_grad_bytes(grad_datas, value=0x11):
+    """Every byte of each grad_data = value: nonzero in any dtype view (consumed grads)."""
+    for g in grad_datas:
+        byte_view(g).fill_(value)
+
+
+def zeroed_first(grad_data, before, n):
+    """The first n bytes of grad_data zero, every byte after them as in `before` (its bytes
+    earlier, nonzero everywhere: fill_grad_bytes), on this rank. With n = gather_nbytes, a
+    slot left unzeroed, a byte zeroed outside the slots and a slot placed elsewhere all
+    fail; with n = 0, grad_data untouched."""
+    new = byte_view(grad_data)
+    return int(torch.count_nonzero(new[:n])) == 0 and torch.equal(new[n:], before[n:])
 
 
 def zeroed_exactly_where_written(s, before):
-    """Per bucket: the first written_numel x param itemsize bytes of grad_data (the packed
-    slots) are zero, every byte after them as it was. grad_data held nonzero bytes
-    everywhere before (fill_grad_bytes), so a slot left unzeroed, a byte zeroed outside the
-    slots and a slot placed elsewhere all fail."""
-    ok = True
-    for bk, old in zip(s.buckets, before):
-        new = bk.grad_data.detach().view(-1).view(torch.uint8)
-        n = written_numel(bk.layerwise_params_list) * bk.params_list[0].element_size()
-        ok &= int(torch.count_nonzero(new[:n])) == 0
-        ok &= torch.equal(new[n:], old[n:])
-    return all_ranks(ok)
+    """zeroed_first(gather_nbytes) for every bucket of s (before: grad_bytes()), on every rank."""
+    return all_ranks(all(zeroed_first(bk.grad_data, old, gather_nbytes(bk)) for bk, old in zip(s.buckets, before)))
 
 
 def grad_data_untouched(s, before):
@@ -377,21 +375,12 @@ def grad_data_untouched(s, before):
     return all_ranks(all(torch.equal(a, b) for a, b in zip(grad_bytes(s), before)))
 
 
-def gathered_bytes(s):
-    """Bytes of every bucket's gather (sum of its shares x param itemsize): the temporaries
-    the design allocates where a sync may not receive into grad_data, one per bucket."""
-    return sum(
-        sum(shares_of(bk.layerwise_params_list)) * bk.params_list[0].element_size()
-        for bk in s.buckets
-        if bk.layerwise_params_list and max(shares_of(bk.layerwise_params_list)) > 0
-    )
-
-
-def gathered_buckets(s):
-    """Buckets whose gather moves anything (one temporary each where one is due)."""
-    return sum(
-        1 for bk in s.buckets if bk.layerwise_params_list and max(shares_of(bk.layerwise_params_list)) > 0
-    )
+def gathered(s):
+    """(bytes, buckets) of every bucket gather of s that moves anything (gather_nbytes):
+    the temporaries the design allocates, one per bucket, where a sync may not receive
+    into grad_data."""
+    sizes = [n for n in map(gather_nbytes, s.buckets) if n]
+    return sum(sizes), len(sizes)
 
 
 def pattern_report(s):
@@ -403,24 +392,20 @@ def sc_gather(cfg):
     """Forward pre-hooks gather owners' values; grad_data zero before backward; main_grad
     after backward equals the same model with overlap off."""
     a = Setup(cfg, overlap=True)
-    b = Setup(cfg, overlap=False)
     a.ddp.zero_grad_buffer()
-    b.ddp.zero_grad_buffer()
     a.simulate_step(step=1)
-    b.set_all_targets(step=1)
     # Forward of microbatch 1 runs every pre-hook; check right after it, before backward.
     out = a.ddp(a.batch(1, 0))
-    params_ok = all_ranks(a.params_equal_targets(1))
+    params_ok = a.synced(1)
     grad_zero = grads_all_zero(a)
     out.float().pow(2).mean().backward()
     a.ddp.finish_grad_sync()
-    b.forward_backward(1, 1)
-    diff = max_abs_diff(a.main_grads(), b.main_grads())
+    diff = max_abs_diff(a.main_grads(), overlap_off(cfg, 1).main_grads())
     patterns = pattern_report(a)
     # The pre-hook pair again, over grad_data holding consumed grads (nonzero bytes).
     a.ddp.zero_grad_buffer()
     a.simulate_step(step=12)
-    fill_grad_bytes(a)
+    fill_grad_bytes(a.grad_datas())
     before = grad_bytes(a)
     for g in a.ddp.bucket_groups:
         sync_bucket_group(g, "async")
@@ -440,10 +425,8 @@ def sc_gather(cfg):
         "grad_data_zero_after_gather": grad_zero,
         "async_zeroed_exactly_where_written": zeroed_exactly,
         "not_idle_grad_data_untouched": grad_data_untouched(a, before),
-        "not_idle_params_synced": all_ranks(a.params_equal_targets(15)),
-        "not_idle_temporaries_are_the_gathered_size": all_ranks(
-            c.temporary_bytes == gathered_bytes(a) and c.alloc_calls == gathered_buckets(a)
-        ),
+        "not_idle_params_synced": a.synced(15),
+        "not_idle_temporaries_are_the_gathered_size": all_ranks((c.temporary_bytes, c.alloc_calls) == gathered(a)),
         "not_idle_temporary_bytes": c.temporary_bytes,
         "main_grad_equals_overlap_off": all_ranks(diff == 0.0),
         "main_grad_max_abs_diff": diff,
@@ -460,13 +443,10 @@ def sc_microbatches(cfg):
     eps = 1e-5 if cfg.fp32_grad or cfg.dtype == torch.float32 else 2 * torch.finfo(cfg.dtype).eps
     for n in (1, 2, 4):
         a = Setup(cfg, overlap=True)
-        b = Setup(cfg, overlap=False)
         a.ddp.zero_grad_buffer()
         a.simulate_step(step=2)
         a.forward_backward(2, n)
-        b.set_all_targets(step=2)
-        b.ddp.zero_grad_buffer()
-        b.forward_backward(2, n)
+        b = overlap_off(cfg, 2, n)
         b_accumulated = b.main_grads()
         per_mb_sum = [torch.zeros_like(g, dtype=torch.float64) for g in b.main_grads()]
         for mb in range(n):
@@ -506,25 +486,41 @@ def train(cfg, steps, overlap, expert=False, tweak=None, **setup_kwargs):
         before = None if overlap else [g.clone() for g in s.grad_datas()]
         norms.append(float(s.opt.step()[1]))
         for g, b in zip(s.grad_datas(), before or []):
-            untouched &= torch.equal(g.view(-1).view(torch.uint8), b.view(-1).view(torch.uint8))
+            untouched &= torch.equal(byte_view(g), byte_view(b))
             zeroed += int(((g == 0) & (b != 0)).sum())
     if overlap:  # the last update is gathered by the next forward's pre-hooks
         s.ddp.start_param_sync(force_sync=True)
     return s, norms, untouched, zeroed
 
 
+def compared(a, na, b, nb, other="sync"):
+    """The record of two trained runs of one model (train()'s Setup and grad norms each):
+    the overlapped one `a` and `b` ("sync": the optimizer path; "forced": a forced sync
+    after each step). params_overlap_equal_<other> and grad_norms_equal bitwise on every
+    rank; the max |param diff|, the norms and each run's params_sha256 (for the test to
+    compare with the pristine tree's run)."""
+    diff = params_diff(a, b)
+    return {
+        f"params_overlap_equal_{other}": all_ranks(diff == 0.0),
+        "params_max_abs_diff": diff,
+        "grad_norms_equal": all_ranks(na == nb),
+        "grad_norms_overlap": na,
+        f"grad_norms_{other}": nb,
+        "params_sha256_overlap": params_sha256(a.params),
+        f"params_sha256_{other}": params_sha256(b.params),
+    }
+
+
 def train_overlap_and_sync(cfg, steps, expert=False, tweak=None):
     """train() the same model with the overlapped gather and with the synchronous one.
 
     Returns:
-        (overlap Setup, its grad norms, sync Setup, its grad norms, max |param diff|,
-        (the sync run's grad_data-untouched check on every rank, its zeroed count on this
-        rank)).
+        (compared() of the two, the overlap Setup, the sync run's grad_data-untouched check
+        on every rank, its zeroed count on this rank).
     """
     a, na, _, _ = train(cfg, steps, True, expert, tweak)
     b, nb, untouched, zeroed = train(cfg, steps, False, expert, tweak)
-    diff = max_abs_diff([p.detach() for p in a.params], [p.detach() for p in b.params])
-    return a, na, b, nb, diff, (all_ranks(untouched), zeroed)
+    return compared(a, na, b, nb), a, all_ranks(untouched), zeroed
 
 
 def sc_training(cfg, steps=4):
@@ -533,19 +529,12 @@ def sc_training(cfg, steps=4):
     synchronous path every grad_data byte (so main_grad) is the reduced grad it held
     before whenever step() returns: the gather never touches grad_data (patch 0006
     broadcasts the params in place; pristine receives into temporaries)."""
-    a, na, b, nb, diff, (untouched, zeroed) = train_overlap_and_sync(cfg, steps)
+    res, a, untouched, zeroed = train_overlap_and_sync(cfg, steps)
     return {
-        "params_overlap_equal_sync": all_ranks(diff == 0.0),
-        "params_max_abs_diff": diff,
-        "grad_norms_equal": all_ranks(na == nb),
-        "grad_norms_overlap": na,
-        "grad_norms_sync": nb,
+        **res,
         "params_equal_across_ranks": params_equal_across_ranks(a.params),
         "grad_data_untouched_by_step": untouched,
         "main_grad_elements_zeroed_by_step": zeroed,
-        # Bitwise fingerprints, compared by the test with the pristine tree's run.
-        "params_sha256_overlap": params_sha256(a.params),
-        "params_sha256_sync": params_sha256(b.params),
     }
 
 
@@ -574,10 +563,10 @@ def sc_forced_sync(cfg):
     # may be there): every byte stays.
     s.ddp.zero_grad_buffer()
     s.simulate_step(step=3)
-    fill_grad_bytes(s)
+    fill_grad_bytes(s.grad_datas())
     before = grad_bytes(s)
     s.ddp.disable_forward_pre_hook(param_sync=True)
-    res["idle_params_synced"] = all_ranks(s.params_equal_targets(3))
+    res["idle_params_synced"] = s.synced(3)
     res["idle_grad_data_untouched"] = grad_data_untouched(s, before)
     res["idle_gather_lists_cleared"] = gather_lists_cleared(s)
     s.ddp.enable_forward_pre_hook()
@@ -585,14 +574,14 @@ def sc_forced_sync(cfg):
     with cpu_runtime.record_collectives() as gathers:
         out = s.ddp(s.batch(3, 0))
     res["no_regather_after_forced_sync"] = all_ranks(len(gathers) == 0)
-    res["params_still_synced_after_forward"] = all_ranks(s.params_equal_targets(3))
+    res["params_still_synced_after_forward"] = s.synced(3)
     out.float().pow(2).mean().backward()
     s.ddp.finish_grad_sync()
     # Next step: the next forward must gather again (not skip a needed gather).
     s.ddp.zero_grad_buffer()
     s.simulate_step(step=4)
     s.ddp(s.batch(4, 0))
-    res["next_step_gathers_fresh_values"] = all_ranks(s.params_equal_targets(4))
+    res["next_step_gathers_fresh_values"] = s.synced(4)
     return res
 
 
@@ -606,14 +595,14 @@ def sc_free_overlap_buffers(cfg):
     s.ddp.start_param_sync()  # async dispatch of every bucket group
     s.ddp.free_overlap_buffers()
     res = {
-        "params_synced": all_ranks(s.params_equal_targets(6)),
+        "params_synced": s.synced(6),
         "grad_data_zero": grads_all_zero(s),
         "gather_lists_cleared": gather_lists_cleared(s),
     }
     with cpu_runtime.record_collectives() as gathers:
         s.ddp(s.batch(6, 0))
     res["no_regather_in_forward"] = all_ranks(len(gathers) == 0)
-    res["params_synced_after_forward"] = all_ranks(s.params_equal_targets(6))
+    res["params_synced_after_forward"] = s.synced(6)
     return res
 
 
@@ -621,31 +610,38 @@ def sc_offload(cfg):
     """offload_grad_buffers() -> forced sync -> restore_grad_buffers(): the gather receives
     into a temporary of the gathered size per bucket, never into the freed storage."""
     s = Setup(cfg, overlap=True)
-    s.ddp.zero_grad_buffer()
-    s.simulate_step(step=7)
-    s.ddp.offload_grad_buffers(synchronize=False, empty_cache=False)
-    with AllocationCounter() as c:
+
+    def forced_twice():
+        with AllocationCounter() as c:
+            s.ddp.start_param_sync(force_sync=True)
         s.ddp.start_param_sync(force_sync=True)
-    s.ddp.start_param_sync(force_sync=True)
-    still_freed = all(g.untyped_storage().nbytes() == 0 for g in s.grad_datas())
-    synced = s.params_equal_targets(7)
-    s.ddp.restore_grad_buffers(synchronize=False)
-    expected = gathered_bytes(s)
+        return c
+
+    res, c = while_offloaded(s, 7, forced_twice)
     # After restore, a normal step must give the same grads as overlap off.
-    b = Setup(cfg, overlap=False)
-    b.set_all_targets(7)
     s.ddp.zero_grad_buffer()
-    b.ddp.zero_grad_buffer()
     s.forward_backward(7, 1)
-    b.forward_backward(7, 1)
-    diff = max_abs_diff(s.main_grads(), b.main_grads())
+    diff = max_abs_diff(s.main_grads(), overlap_off(cfg, 7).main_grads())
     return {
-        "params_synced": all_ranks(synced),
-        "storage_stayed_freed": all_ranks(still_freed),
-        "temporary_is_the_gathered_size": all_ranks(c.temporary_bytes == expected),
+        **res,
+        "temporary_is_the_gathered_size": all_ranks(c.temporary_bytes == gathered(s)[0]),
         "temporary_bytes": c.temporary_bytes,
         "main_grad_after_restore_equals_overlap_off": all_ranks(diff == 0.0),
     }
+
+
+def while_offloaded(s, step, sync):
+    """simulate_step(step) over zeroed grad_data, offload_grad_buffers(), `sync()` (a param
+    sync), restore_grad_buffers(). Returns ({"params_synced", "storage_stayed_freed"} as
+    they stood before the restore, on every rank; the freed storage must never be written),
+    sync()'s return value)."""
+    s.ddp.zero_grad_buffer()
+    s.simulate_step(step=step)
+    s.ddp.offload_grad_buffers(synchronize=False, empty_cache=False)
+    out = sync()
+    checks = {"params_synced": s.synced(step), "storage_stayed_freed": all_ranks(s.storage_freed())}
+    s.ddp.restore_grad_buffers(synchronize=False)
+    return checks, out
 
 
 def _theory_bytes(buckets):
@@ -707,12 +703,11 @@ def sc_alloc(cfg):
         res[f"{path}_bytes"] = total_bytes
         res[f"{path}_alloc_calls"] = total_calls
         res[f"{path}_per_bucket_group"] = per_group
-        res[f"{path}_params_synced"] = all_ranks(s.params_equal_targets(8))
+        res[f"{path}_params_synced"] = s.synced(8)
         for g in s.ddp.bucket_groups:
             g.param_gather_dispatched = False
     # The forced sync's temporaries by the design: one per gathered bucket, of its shares.
-    res["gathered_bytes"] = gathered_bytes(s)
-    res["gathered_buckets"] = gathered_buckets(s)
+    res["gathered_bytes"], res["gathered_buckets"] = gathered(s)
     # The optimizer's synchronous path (no overlap).
     o = Setup(cfg, overlap=False)
     o.simulate_step(step=9)
@@ -721,7 +716,7 @@ def sc_alloc(cfg):
     res["optimizer_bytes"] = c.temporary_bytes
     res["optimizer_alloc_calls"] = c.alloc_calls
     res["optimizer_step"] = cpu_runtime.summarize(calls)
-    res["optimizer_params_synced"] = all_ranks(o.params_equal_targets(9))
+    res["optimizer_params_synced"] = o.synced(9)
     owners = o.opt.dp_cp_params_list
     res["optimizer_shares"] = None if owners is None else shares_of(owners)
     res["optimizer_params"] = 0 if owners is None else sum(len(ps) for ps in owners)
@@ -789,16 +784,27 @@ GATHER_CHECKS = ("form", "one_launch", "in_recv", "disjoint", "packed")
 GATHER_SEEN = ("into_tensor", "broadcast_slot", "single_param_slot")
 
 
+def broadcasts_as(calls, group, expect):
+    """Whether `calls` are exactly one broadcast per (DP rank, numel) of `expect`, in that
+    order, each rooted at that DP rank's global rank and of that numel."""
+    want = [("broadcast", dist.get_global_rank(group, r), n) for r, n in expect]
+    return [(c.name, c.src, c.numel) for c in calls] == want
+
+
+def one_launch(calls, records):
+    """Every call is one record of the collective model, all of one NCCL group launch."""
+    return len(records) == len(calls) and len({r.launch_id for r in records}) == 1
+
+
 def check_gather_calls(params_by_rank, calls, records, group, grad_data, into_grad_data):
     """The calls of one bucket's layer-wise gather (start_param_sync, patches 0003 and 0005)
     against the design.
 
     Returns {check: bool} and {counter: int}. "form": no call where no rank owns a param;
     equal shares -> one all_gather_into_tensor of DP x share elements whose input is this
-    rank's slot of the output; otherwise one broadcast per rank owning a param (none for the
-    others), in rank order, rooted at its global rank, of its share (a single-param owner's
-    too: no in-place broadcast on this path); "one_launch": all of them one NCCL group
-    launch; "in_recv": every tensor lies in the receive buffer: grad_data's storage when
+    rank's slot of the output; otherwise broadcasts_as one per rank owning a param, of its
+    share (a single-param owner's too: no in-place broadcast on this path); "one_launch";
+    "in_recv": every tensor lies in the receive buffer: grad_data's storage when
     `into_grad_data` (the pre-hook pair over idle grad_data), else one temporary of exactly
     the gathered bytes, outside grad_data (forced sync, grad_data not idle); "disjoint":
     slots in rank order, not overlapping; "packed": each slot starts where the previous
@@ -812,77 +818,79 @@ def check_gather_calls(params_by_rank, calls, records, group, grad_data, into_gr
     if max(shares) == 0:
         ok["form"] = not calls
         return ok, seen
-    ok["one_launch"] = len({r.launch_id for r in records}) == 1 and len(records) == len(calls)
-    offsets = [sum(shares[:r]) for r in range(dp)]
+    ok["one_launch"] = one_launch(calls, records)
     if min(shares) == max(shares):
-        ok["form"] = [c.name for c in calls] == ["all_gather_into_tensor"]
-        if not ok["form"]:
+        if [c.name for c in calls] != ["all_gather_into_tensor"]:
+            ok["form"] = False
             return ok, seen
         (c,) = calls
-        inp_ptr, inp_numel = c.inp[0], c.inp[1]
-        ok["form"] = c.numel == dp * shares[0] and inp_numel == shares[0]
-        ok["form"] &= inp_ptr == c.ptr + rank * shares[0] * c.item
-        regions = [(c.ptr, c.numel, c.item, c.storage_ptr, c.storage_nbytes)]
+        ok["form"] = c.numel == dp * shares[0] and c.inp[1] == shares[0]
+        ok["form"] &= c.inp[0] == c.ptr + rank * shares[0] * c.item  # input: this rank's slot
         want = [0]
         seen["into_tensor"] = 1
     else:
         owners = [r for r in range(dp) if shares[r]]
-        expect = [("broadcast", dist.get_global_rank(group, r), shares[r]) for r in owners]
-        ok["form"] = [(c.name, c.src, c.numel) for c in calls] == expect
+        ok["form"] = broadcasts_as(calls, group, [(r, shares[r]) for r in owners])
         if not ok["form"]:
             return ok, seen
-        regions = [(c.ptr, c.numel, c.item, c.storage_ptr, c.storage_nbytes) for c in calls]
-        want = [offsets[r] for r in owners]
+        want = [sum(shares[:r]) for r in owners]
         seen["broadcast_slot"] = len(owners)
         seen["single_param_slot"] = sum(len(params_by_rank[r]) == 1 for r in owners)
-    item = regions[0][2]
+    regions = calls  # the output tensors: all_gather_into_tensor's, or the broadcasts'
+    item = regions[0].item
     gd = grad_data.untyped_storage()
     if into_grad_data:
         base = grad_data.data_ptr()  # element 0 of grad_data.view(param dtype)
         lo, hi = gd.data_ptr(), gd.data_ptr() + gd.nbytes()
-        ok["in_recv"] = all(lo <= p and p + n * i <= hi for p, n, i, _, _ in regions)
+        ok["in_recv"] = all(lo <= c.ptr and c.ptr + c.numel * c.item <= hi for c in regions)
     else:
         # One temporary holding exactly the packed slots, not grad_data's storage.
-        st_ptr, st_bytes = regions[0][3], regions[0][4]
-        base = st_ptr
-        ok["in_recv"] = all(r[3] == st_ptr for r in regions) and st_ptr != gd.data_ptr()
-        ok["in_recv"] &= st_bytes == sum(shares) * item
-    got = [(p - base) // item for p, _, _, _, _ in regions]
-    ends = [o + n for o, (_, n, _, _, _) in zip(got, regions)]
+        base = regions[0].storage_ptr
+        ok["in_recv"] = all(c.storage_ptr == base for c in regions) and base != gd.data_ptr()
+        ok["in_recv"] &= regions[0].storage_nbytes == sum(shares) * item
+    got = [(c.ptr - base) // item for c in regions]
+    ends = [o + c.numel for o, c in zip(got, regions)]
     ok["disjoint"] = all(got[i + 1] >= ends[i] for i in range(len(got) - 1))
-    ok["packed"] = got == want and all((p - base) % item == 0 for p, _, _, _, _ in regions)
+    ok["packed"] = got == want and all((c.ptr - base) % item == 0 for c in regions)
     return ok, seen
 
 
-#: check_optimizer_calls' checks.
-OPTIMIZER_CHECKS = ("form", "one_launch", "in_place")
+def spied_sync(g, path, group, params_by_rank):
+    """sync_bucket_group(g, path) of a bucket group of one bucket (its per-rank params
+    `params_by_rank`) under a CollectiveSpy, checked by check_gather_calls (into grad_data
+    on the "async" path). Returns (checks, counters, the spy)."""
+    (bk,) = g.buckets
+    with CollectiveSpy() as spy:
+        sync_bucket_group(g, path)
+    ok, seen = check_gather_calls(params_by_rank, spy.calls, spy.records, group, bk.grad_data,
+                                  into_grad_data=path == "async")
+    return ok, seen, spy
 
 
 def check_optimizer_calls(params_by_rank, calls, records, group):
     """The calls of the optimizer path's gather (allgather_params(), patch 0006) over one DP
-    group against the design: "form": one broadcast per param, in rank order then the
-    owner's param order, rooted at its owner's global rank, of the param's numel, none of
-    them zero-size, and nothing else; "one_launch": all of them one NCCL group launch;
-    "in_place": each broadcast's tensor is its param's own storage (param.data: no
-    temporary, grad_data untouched)."""
-    ok = dict.fromkeys(OPTIMIZER_CHECKS, True)
+    group against the design: "form": broadcasts_as one per param, in rank order then the
+    owner's param order, of the param's numel, none of them zero-size; "one_launch" (or
+    no call at all); "in_place": each broadcast's tensor is its param's own storage
+    (param.data: no temporary, grad_data untouched)."""
     params = [(r, p) for r, ps in enumerate(params_by_rank) for p in ps]
-    expect = [("broadcast", dist.get_global_rank(group, r), p.numel()) for r, p in params]
-    ok["form"] = [(c.name, c.src, c.numel) for c in calls] == expect and all(c.numel for c in calls)
-    ok["one_launch"] = len({r.launch_id for r in records}) <= 1 and len(records) == len(calls)
-    ok["in_place"] = len(calls) == len(params) and all(
-        c.ptr == p.data_ptr() and c.numel == p.numel() for c, (_, p) in zip(calls, params)
-    )
+    ok = {
+        "form": broadcasts_as(calls, group, [(r, p.numel()) for r, p in params]) and all(c.numel for c in calls),
+        "one_launch": one_launch(calls, records) or not (calls or records),
+        "in_place": len(calls) == len(params) and all(
+            c.ptr == p.data_ptr() and c.numel == p.numel() for c, (_, p) in zip(calls, params)
+        ),
+    }
     return ok, {"optimizer_in_place": len(calls)}
 
 
 def sc_collectives(_cfg=None):
     """Which collectives each path issues, checked against the design on
     COLLECTIVE_MODELS, one bucket group at a time: the pre-hook pair over idle grad_data
-    ("async": check_gather_calls into grad_data), the forced sync ("forced": into one
-    temporary per bucket) and the optimizer's gather in step() ("optimizer":
-    check_optimizer_calls, in place). Call patterns and addresses only: the values gathered
-    are checked by the other scenarios."""
+    ("async") and the forced sync ("forced") by spied_sync, the optimizer's gather in
+    step() ("optimizer") by check_optimizer_calls. Call patterns and addresses only: the
+    values gathered are checked by the other scenarios. Keys "<model>_<path>_<check>" (on
+    every rank, over every bucket group) and "<model>_<path>_n_<counter>" (summed)."""
     res = {}
     group = parallel_state.get_data_parallel_group(with_context_parallel=True)
     for key_model, name in COLLECTIVE_MODELS.items():
@@ -891,31 +899,16 @@ def sc_collectives(_cfg=None):
             s = Setup(cfg, overlap=path != "optimizer")
             s.ddp.zero_grad_buffer()
             s.simulate_step(step=11)
-            checks, counts = {}, {}
-
-            def add(ok, seen):
-                for k, v in ok.items():
-                    checks[k] = checks.get(k, True) and v
-                for k, v in seen.items():
-                    counts[k] = counts.get(k, 0) + v
-
             if path == "optimizer":
                 with CollectiveSpy() as spy:
                     s.opt.allgather_params()
-                add(*check_optimizer_calls(s.opt.dp_cp_params_list, spy.calls, spy.records, group))
+                found = [check_optimizer_calls(s.opt.dp_cp_params_list, spy.calls, spy.records, group)]
             else:
-                for g in s.ddp.bucket_groups:
-                    (bk,) = g.buckets
-                    with CollectiveSpy() as spy:
-                        sync_bucket_group(g, path)
-                    add(*check_gather_calls(
-                        bk.layerwise_params_list, spy.calls, spy.records, group, bk.grad_data,
-                        into_grad_data=path == "async",
-                    ))
-            for k, v in checks.items():
-                res[f"{key_model}_{path}_{k}"] = all_ranks(v)
-            for k, v in counts.items():
-                res[f"{key_model}_{path}_n_{k}"] = v
+                found = [spied_sync(g, path, group, g.buckets[0].layerwise_params_list)[:2] for g in s.ddp.bucket_groups]
+            for k in found[0][0]:
+                res[f"{key_model}_{path}_{k}"] = all_ranks(all(ok[k] for ok, _ in found))
+            for k in found[0][1]:
+                res[f"{key_model}_{path}_n_{k}"] = sum(seen[k] for _, seen in found)
     return res
 
 
@@ -950,9 +943,7 @@ def _share_pattern_bucket(shares, dtype, fp32_grad):
     grad_data) over ShareNet whose bucket's per-rank param lists give `shares`: set through
     the bucket's set_layerwise_params_list(), the call by which the layer-wise optimizer
     hands each bucket its owners. Returns (ddp, bucket group, per-rank params)."""
-    config = TransformerConfig(num_layers=1, hidden_size=IN_DIM, num_attention_heads=1,
-                               params_dtype=dtype, bf16=dtype == torch.bfloat16,
-                               use_cpu_initialization=True)
+    config = tiny_config(dtype)
     owners = share_pattern_owners(shares)
     module = ShareNet(config, [n for ns in owners for n in ns]).to(dtype)
     ddp = DDP(config, DDPConfig(grad_reduce_in_fp32=fp32_grad, overlap_grad_reduce=True,
@@ -968,14 +959,12 @@ def _share_pattern_bucket(shares, dtype, fp32_grad):
 def sc_share_patterns(_cfg=None):
     """Every share pattern of this world's ranks (share_patterns: 0 to 2 elements each;
     run at 3 ranks), through megatron's real bucket group on real gloo ranks, on each
-    SHARE_PATTERN_DTYPES setting: the pre-hook pair (start_param_sync, finish_param_sync)
-    over idle grad_data holding consumed grads, then a forced sync. Per pattern and path:
-    check_gather_calls' checks (equal shares: one all_gather_into_tensor from this rank's
-    slot; unequal: one broadcast per non-empty slot, rooted at its owner; one launch;
-    packed slots in grad_data, or in one temporary when forced), every param its owner's
-    value on every rank, grad_data zero exactly where the pre-hook gather wrote (untouched
-    by the forced sync), and the collective model's summary for the test to compare with
-    the design. Keys "<dtypes>/<s0>-<s1>-...:<path>"."""
+    SHARE_PATTERN_DTYPES setting: the pre-hook pair over idle grad_data holding consumed
+    grads, then a forced sync. Per pattern and path: spied_sync's checks, every param its
+    owner's value on every rank ("owner_values"), grad_data zero exactly where the
+    pre-hook gather wrote and untouched by the forced sync ("grad_data": zeroed_first), the
+    forms called and the collective model's summary for the test to compare with the
+    design. Keys "<dtypes>/<s0>-<s1>-...:<path>"."""
     res = {}
     rank = dist.get_rank()
     group = parallel_state.get_data_parallel_group(with_context_parallel=True)
@@ -993,16 +982,12 @@ def sc_share_patterns(_cfg=None):
                 with torch.no_grad():
                     for p, t in zip(params, targets):
                         p.copy_(t if p in mine else torch.full_like(t, GARBAGE))
-                bk.grad_data.view(-1).view(torch.uint8).fill_(0x11)
-                before = bk.grad_data.view(-1).view(torch.uint8).clone()
-                with CollectiveSpy() as spy:
-                    sync_bucket_group(g, path)
-                ok, _ = check_gather_calls(params_by_rank, spy.calls, spy.records, group,
-                                           bk.grad_data, into_grad_data=path == "async")
-                now = bk.grad_data.view(-1).view(torch.uint8)
-                n = written_numel(params_by_rank) * params[0].element_size() if path == "async" else 0
+                fill_grad_bytes([bk.grad_data])
+                before = byte_view(bk.grad_data).clone()
+                ok, _, spy = spied_sync(g, path, group, params_by_rank)
+                n = gather_nbytes(bk) if path == "async" else 0
                 ok["owner_values"] = all(torch.equal(p.detach(), t) for p, t in zip(params, targets))
-                ok["grad_data"] = int(torch.count_nonzero(now[:n])) == 0 and torch.equal(now[n:], before[n:])
+                ok["grad_data"] = zeroed_first(bk.grad_data, before, n)
                 key = f"{dname}/{'-'.join(map(str, shares))}:{path}"
                 res[key] = {k: all_ranks(v) for k, v in ok.items()}
                 res[key]["forms"] = sorted({c.name for c in spy.calls})
@@ -1015,17 +1000,20 @@ def sc_async_without_ddp(cfg):
     chunk that is not megatron's DDP (it carries a ddp_config, as get_megatron_optimizer
     needs, but no bucket groups to gather through). Raises on every rank; the worker
     records the error."""
-    torch.manual_seed(1234)
-    tc = TransformerConfig(num_layers=1, hidden_size=IN_DIM, num_attention_heads=1,
-                           params_dtype=cfg.dtype, bf16=cfg.dtype == torch.bfloat16,
-                           use_cpu_initialization=True)
-    module = TinyNet(tc, widths=cfg.widths).to(cfg.dtype)
-    module.ddp_config = DDPConfig(overlap_param_gather=True, use_distributed_optimizer=False)
-    opt_config = OptimizerConfig(optimizer='muon', lr=0.02, bf16=cfg.dtype == torch.bfloat16,
-                                 params_dtype=cfg.dtype, use_distributed_optimizer=False,
-                                 overlap_param_gather=True)
-    layerwise_muon_optimizer(opt_config, [module])
+    layerwise_without_ddp(cfg.dtype, cfg.widths, overlap=True)
     return {"built": True}
+
+
+def layerwise_without_ddp(dtype, widths, overlap):
+    """TinyNet of `widths` in `dtype`, not wrapped in megatron's DDP (it carries the
+    ddp_config get_megatron_optimizer needs, no bucket groups), and the layer-wise
+    optimizer over it (overlap: --overlap-param-gather). Returns (module, optimizer)."""
+    torch.manual_seed(1234)
+    module = TinyNet(tiny_config(dtype), widths=widths).to(dtype)
+    module.ddp_config = DDPConfig(overlap_param_gather=overlap, use_distributed_optimizer=False)
+    opt_config = OptimizerConfig(optimizer='muon', lr=0.02, bf16=dtype == torch.bfloat16, params_dtype=dtype,
+                                 use_distributed_optimizer=False, overlap_param_gather=overlap)
+    return module, layerwise_muon_optimizer(opt_config, [module])
 
 
 def _non_contiguous_weight(s):
@@ -1049,10 +1037,7 @@ def sc_unusual_params(cfg):
     pristine tree, and overlap == sync."""
     res = {}
     for name, tweak in (("non_contiguous", _non_contiguous_weight), ("uint8_buffer_dtype", _fp8_buffer_param_dtype)):
-        a, na, b, nb, diff, _ = train_overlap_and_sync(cfg, 3, tweak=tweak)
-        res[f"{name}_overlap_equal_sync"] = all_ranks(diff == 0.0 and na == nb)
-        res[f"{name}_params_sha256_overlap"] = params_sha256(a.params)
-        res[f"{name}_params_sha256_sync"] = params_sha256(b.params)
+        res.update({f"{name}_{k}": v for k, v in train_overlap_and_sync(cfg, 3, tweak=tweak)[0].items()})
     return res
 
 
@@ -1061,28 +1046,14 @@ def sc_optimizer_offloaded(cfg):
     ends with) called while offload_grad_buffers() has freed grad_data: the params are
     gathered (through temporaries) and the freed storage is never written."""
     s = Setup(cfg, overlap=False)
-    s.ddp.zero_grad_buffer()
-    s.simulate_step(step=7)
-    s.ddp.offload_grad_buffers(synchronize=False, empty_cache=False)
-    s.opt.allgather_params()
-    still_freed = all(g.untyped_storage().nbytes() == 0 for g in s.grad_datas())
-    synced = s.params_equal_targets(7)
-    s.ddp.restore_grad_buffers(synchronize=False)
-    return {"params_synced": all_ranks(synced), "storage_stayed_freed": all_ranks(still_freed)}
+    return while_offloaded(s, 7, s.opt.allgather_params)[0]
 
 
 def sc_optimizer_without_ddp(cfg):
     """The layer-wise optimizer without --overlap-param-gather over a model chunk that is
     not megatron's DDP: 2 real steps (fp32, grads from loss.backward() in param.grad), the
     params equal on every rank afterwards, and their bitwise fingerprint for the test."""
-    torch.manual_seed(1234)
-    tc = TransformerConfig(num_layers=1, hidden_size=IN_DIM, num_attention_heads=1,
-                           params_dtype=torch.float32, use_cpu_initialization=True)
-    module = TinyNet(tc, widths=cfg.widths).float()
-    module.ddp_config = DDPConfig(overlap_param_gather=False, use_distributed_optimizer=False)
-    opt_config = OptimizerConfig(optimizer='muon', lr=0.02, params_dtype=torch.float32,
-                                 use_distributed_optimizer=False, overlap_param_gather=False)
-    opt = layerwise_muon_optimizer(opt_config, [module])
+    module, opt = layerwise_without_ddp(torch.float32, cfg.widths, overlap=False)
     x = torch.randn(4, IN_DIM, generator=torch.Generator().manual_seed(5))
     for _ in range(2):
         opt.zero_grad()
@@ -1091,7 +1062,8 @@ def sc_optimizer_without_ddp(cfg):
             dist.all_reduce(p.grad)
             p.grad /= dist.get_world_size()
         opt.step()
-    return {"params_equal_across_ranks": params_equal_across_ranks(list(module.parameters())), "params_sha256": params_sha256(list(module.parameters()))}
+    params = list(module.parameters())
+    return {"params_equal_across_ranks": params_equal_across_ranks(params), "params_sha256": params_sha256(params)}
 
 
 def _forced_sync_after_each_step(s):
@@ -1118,16 +1090,12 @@ def sc_bucket_group_of_two(cfg):
     with collectives.defer_async_completion():
         a, na, _, _ = train(cfg, 3, True, fp32_last_layer=True)
     b, nb, _, _ = train(cfg, 3, True, tweak=_forced_sync_after_each_step, fp32_last_layer=True)
-    diff = max_abs_diff([p.detach() for p in a.params], [p.detach() for p in b.params])
     return {
         "buckets_per_group": [len(g.buckets) for g in a.bucket_groups],
         "buckets_gathered_per_group": [
             sum(bk.layerwise_params_list is not None for bk in g.buckets) for g in a.bucket_groups
         ],
-        "params_overlap_equal_forced": all_ranks(diff == 0.0),
-        "grad_norms_equal": all_ranks(na == nb),
-        "params_sha256_overlap": params_sha256(a.params),
-        "params_sha256_forced": params_sha256(b.params),
+        **compared(a, na, b, nb, "forced"),
     }
 
 
@@ -1136,13 +1104,7 @@ def sc_small_dp(cfg, expert=False):
     optimizer builds, training runs, params match the synchronous path; bitwise
     fingerprints of both for the test to compare with pristine's synchronous path
     (sc_small_dp_sync: pristine crashes with --overlap-param-gather there)."""
-    a, na, b, nb, diff, _ = train_overlap_and_sync(cfg, 3, expert)
-    return {
-        "params_overlap_equal_sync": all_ranks(diff == 0.0),
-        "grad_norms_equal": all_ranks(na == nb),
-        "params_sha256_overlap": params_sha256(a.params),
-        "params_sha256_sync": params_sha256(b.params),
-    }
+    return train_overlap_and_sync(cfg, 3, expert)[0]
 
 
 def sc_small_dp_sync(cfg, expert=False):
@@ -1199,11 +1161,11 @@ def sc_private_state_gather(cfg):
         if dist.get_rank() != 0:
             kept = True
         elif state == "offloaded":
-            kept = all(g.untyped_storage().nbytes() == 0 for g in s.grad_datas())
+            kept = s.storage_freed()
         else:
             kept = all(torch.equal(a, b) for a, b in zip(grad_bytes(s), before))
         res[f"{state}_same_collective_on_every_rank"] = all(sig == every[0] for sig in every)
-        res[f"{state}_params_equal_owner_values"] = all_ranks(s.params_equal_targets(13))
+        res[f"{state}_params_equal_owner_values"] = s.synced(13)
         res[f"{state}_private_state_kept"] = all_ranks(kept)
         res[f"{state}_forms_by_rank"] = [sorted({c[0] for c in sig}) for sig in every]
         if state == "offloaded":
@@ -1218,8 +1180,7 @@ def _plain_ddp_with_adam(cfg):
 
     torch.manual_seed(1234)
     bf16 = cfg.dtype == torch.bfloat16
-    tc = TransformerConfig(num_layers=1, hidden_size=IN_DIM, num_attention_heads=1,
-                           params_dtype=cfg.dtype, bf16=bf16, use_cpu_initialization=True)
+    tc = tiny_config(cfg.dtype)
     module = TinyNet(tc, widths=cfg.widths).to(cfg.dtype)
     ddp = DDP(tc, DDPConfig(grad_reduce_in_fp32=cfg.fp32_grad, overlap_grad_reduce=True,
                             use_distributed_optimizer=False, bucket_size=cfg.bucket_size), module)
@@ -1313,12 +1274,12 @@ def sc_optimizer_two_dtypes(cfg):
             raise RuntimeError(f"{type(exc).__name__} after {len(calls)} gather collectives: {exc}") from exc
     res = {
         "param_dtypes": sorted({str(p.dtype) for p in s.params}),
-        "params_equal_owner_values": all_ranks(s.params_equal_targets(14)),
+        "params_equal_owner_values": s.synced(14),
         "gather_dtypes": sorted({c.dtype for c in calls}),
     }
     a, na, _, _ = train(cfg, 3, True, fp32_last_layer=True)
     b, nb, untouched, _ = train(cfg, 3, False, fp32_last_layer=True)
-    diff = max_abs_diff([p.detach() for p in a.params], [p.detach() for p in b.params])
+    diff = params_diff(a, b)
     res.update(
         training_equals_overlapped=all_ranks(diff == 0.0 and na == nb),
         params_equal_across_ranks=params_equal_across_ranks(b.params),
@@ -1376,7 +1337,7 @@ def sc_post_param_sync_order(cfg):
             path()
             res[f"{name}_calls"] = seen["calls"]
             res[f"{name}_copied_back_before_post_param_sync"] = all_ranks(seen["early"] == 0)
-            res[f"{name}_params_synced"] = all_ranks(s.params_equal_targets(20 + i))
+            res[f"{name}_params_synced"] = s.synced(20 + i)
     finally:
         G._post_param_sync = orig
     return res
@@ -1415,7 +1376,7 @@ def sc_local_cuda_graphs(cfg):
         s, norms, _, _ = train(cfg, 3, True, tc_kwargs=kwargs)
         res[f"{name}_cuda_graph_impl"] = s.config.cuda_graph_impl
         res[f"{name}_built"] = True
-        diff = max_abs_diff([p.detach() for p in s.params], [p.detach() for p in ref.params])
+        diff = params_diff(s, ref)
         res[f"{name}_trains_equal_without_cuda_graphs"] = all_ranks(diff == 0.0 and norms == nref)
         res[f"{name}_params_equal_across_ranks"] = params_equal_across_ranks(s.params)
     return res

@@ -1,8 +1,8 @@
 """Unit tests of the series: the layer-wise param all-gather received into grad_data.
 
 Real megatron-core objects on several gloo ranks (CPU runtime layer): DDP built the way
-training builds it, so `main_grad` IS a view into `grad_data` (upstream's own tests
-replaced main_grad with a clone, which hid the zeroing bug of PR #3751). The ranks run
+training builds it, so `main_grad` IS a view into `grad_data` (a clone of main_grad
+would hide the zeroing bug of PR #3751). The ranks run
 tests/unit_tests/layerwise_worker.py under torchrun, once per (tree, world size); the
 tests below assert on its JSON results.
 
@@ -153,6 +153,13 @@ def failed(r):
     return [k for k, v in r.items() if v is False]
 
 
+def passing(results, config, scenario):
+    """result() whose boolean checks all hold."""
+    r = result(results, config, scenario)
+    assert not failed(r), f"{config}/{scenario} failed checks: {failed(r)}"
+    return r
+
+
 WORLDS = [2, 4]
 CASES = [(w, c) for w in WORLDS for c in CONFIGS]
 
@@ -269,17 +276,24 @@ def test_zero_temporaries_in_layerwise_param_sync(runs, world, config):
     # bucket can exceed them by this rank's share.)
 
 
+#: The collective model's summary of a gather (harness.cpu_runtime.summarize) that tests compare.
+KEYS = ("ops", "zero_size_ops", "launches", "nccl_temporary_bytes")
+
+
+def summary(ops, zero_size_ops=0, nccl_temporary_bytes=0):
+    """A summary of `ops` NCCL ops in one launch (none where there is no op)."""
+    return dict(zip(KEYS, (ops, zero_size_ops, int(ops > 0), nccl_temporary_bytes)))
+
+
 def expected_pristine(shares, itemsize):
     """0.17.1's list all_gather of one bucket (or of the whole model, in step()) in the
     collective model: one launch; equal shapes one ncclAllGather into a DP x share flat
     temporary; unequal ones one broadcast per rank, zero-size shares included."""
     if not shares or max(shares) == 0:
-        return {"ops": 0, "zero_size_ops": 0, "launches": 0, "nccl_temporary_bytes": 0}
+        return summary(0)
     if min(shares) == max(shares):
-        return {"ops": 1, "zero_size_ops": 0, "launches": 1,
-                "nccl_temporary_bytes": len(shares) * shares[0] * itemsize}
-    return {"ops": len(shares), "zero_size_ops": shares.count(0), "launches": 1,
-            "nccl_temporary_bytes": 0}
+        return summary(1, nccl_temporary_bytes=len(shares) * shares[0] * itemsize)
+    return summary(len(shares), zero_size_ops=shares.count(0))
 
 
 def expected_series(shares):
@@ -287,24 +301,12 @@ def expected_series(shares):
     temporary, no zero-size op; one all_gather_into_tensor for equal shares, else one
     broadcast per rank that owns something."""
     if not shares or max(shares) == 0:
-        return {"ops": 0, "zero_size_ops": 0, "launches": 0, "nccl_temporary_bytes": 0}
-    ops = 1 if min(shares) == max(shares) else sum(1 for s in shares if s)
-    return {"ops": ops, "zero_size_ops": 0, "launches": 1, "nccl_temporary_bytes": 0}
+        return summary(0)
+    return summary(1 if min(shares) == max(shares) else sum(1 for s in shares if s))
 
 
-def expected_series_optimizer(n_params):
-    """The series' optimizer-path gather of one DP group (patch 0006): every param
-    broadcast in place by its owner, all in one launch: one op per param, none zero-size,
-    no NCCL temporary."""
-    if not n_params:
-        return {"ops": 0, "zero_size_ops": 0, "launches": 0, "nccl_temporary_bytes": 0}
-    return {"ops": n_params, "zero_size_ops": 0, "launches": 1, "nccl_temporary_bytes": 0}
-
-
-KEYS = ("ops", "zero_size_ops", "launches", "nccl_temporary_bytes")
-
-
-def _totals(summaries):
+def observed(*summaries):
+    """The KEYS of the collective model's summaries, summed."""
     return {k: sum(s[k] for s in summaries) for k in KEYS}
 
 
@@ -330,18 +332,20 @@ def test_nccl_ops_and_launches_at_most_pristine_per_bucket_and_per_step(runs, wo
         ps, us = p[f"{path}_per_bucket_group"], u[f"{path}_per_bucket_group"]
         assert len(ps) == len(us) == len(shares)
         for i, (pb, ub, sh) in enumerate(zip(ps, us, shares)):
-            assert {k: pb[k] for k in KEYS} == expected_series(sh), (path, i, sh, pb)
-            assert {k: ub[k] for k in KEYS} == expected_pristine(sh, itemsize), (path, i, sh, ub)
+            assert observed(pb) == expected_series(sh), (path, i, sh, pb)
+            assert observed(ub) == expected_pristine(sh, itemsize), (path, i, sh, ub)
             assert pb["ops"] <= ub["ops"] and pb["launches"] <= ub["launches"], (path, i, pb, ub)
-        pt, ut = _totals(ps), _totals(us)
+        pt, ut = observed(*ps), observed(*us)
         assert pt["ops"] <= ut["ops"] and pt["launches"] <= ut["launches"], (path, pt, ut)
         assert pt["zero_size_ops"] == pt["nccl_temporary_bytes"] == 0, (path, pt)
     po, uo = p["optimizer_step"], u["optimizer_step"]
     # Every param of the model, each owned by one rank (the overlapped run's bucket lists).
     n_params = sum(n for group in p["bucket_param_counts"] for counts in group for n in counts)
     assert p["optimizer_params"] == n_params > 0, p
-    assert {k: po[k] for k in KEYS} == expected_series_optimizer(p["optimizer_params"]), po
-    assert {k: uo[k] for k in KEYS} == expected_pristine(u["optimizer_shares"], itemsize), uo
+    # The series' optimizer path (patch 0006): every param broadcast in place by its owner,
+    # all in one launch.
+    assert observed(po) == summary(p["optimizer_params"]), po
+    assert observed(uo) == expected_pristine(u["optimizer_shares"], itemsize), uo
     assert po["launches"] <= uo["launches"], (po, uo)
 
 
@@ -353,8 +357,7 @@ def test_forced_sync(runs, world, config):
     pre-hook neither re-gathers nor skips a needed gather. Pristine: params synced too.
     (A forced sync with a gather pending in idle grad_data, which pristine drops: the
     hazard gather_then_forced_before_step_idle of test_grad_data_guards.py.)"""
-    r = result(runs("series-0.17.1", world), config, "forced_sync")
-    assert not failed(r), f"failed checks: {failed(r)}"
+    passing(runs("series-0.17.1", world), config, "forced_sync")
     u = result(runs("pristine-0.17.1", world), config, "forced_sync")
     assert u["idle_params_synced"]
 
@@ -364,8 +367,7 @@ def test_free_overlap_buffers_with_pending_gather(runs, world, config):
     """Series: the pending gather is completed (params synced, grad_data zero, no
     re-gather in the next forward). Pristine: free_overlap_buffers() drops it; params
     stay stale even after the next forward (param_gather_dispatched says they are synced)."""
-    r = result(runs("series-0.17.1", world), config, "free_overlap_buffers")
-    assert not failed(r), f"failed checks: {failed(r)}"
+    passing(runs("series-0.17.1", world), config, "free_overlap_buffers")
     u = result(runs("pristine-0.17.1", world), config, "free_overlap_buffers")
     assert not u["params_synced_after_forward"]
 
@@ -375,8 +377,7 @@ def test_offload_sync_restore(runs, world, config):
     """offload_grad_buffers() -> forced sync -> restore: the gather receives into a
     temporary of exactly the gathered bytes per bucket, the freed storage is never
     written, grads are right after restore."""
-    r = result(runs("series-0.17.1", world), config, "offload")
-    assert not failed(r), f"failed checks: {failed(r)}"
+    r = passing(runs("series-0.17.1", world), config, "offload")
     assert r["temporary_bytes"] > 0
 
 
@@ -391,8 +392,7 @@ def test_each_path_issues_the_designed_collectives(runs, world):
     pre-hook pair (idle), one temporary of exactly the gathered bytes on the forced sync.
     Optimizer path: one in-place broadcast per param (param.data), rooted at its owner,
     all in one launch. Every form is exercised at this world size."""
-    r = result(runs("series-0.17.1", world), "models", "collectives")
-    assert not failed(r), f"failed checks: {failed(r)}"
+    r = passing(runs("series-0.17.1", world), "models", "collectives")
     seen = {k.split("_n_")[1] for k, v in r.items() if "_n_" in k and v}
     want = {"into_tensor", "broadcast_slot", "single_param_slot", "optimizer_in_place"}
     assert want <= seen, f"not exercised: {sorted(want - seen)}"
@@ -413,8 +413,7 @@ def test_every_share_pattern_of_three_ranks(runs, base):
     of grad_data (pre-hook pair) or of one temporary (forced); every param ends as its
     owner's value on every rank; grad_data is zero exactly where the pre-hook gather wrote
     and untouched by the forced sync. Both forms occur."""
-    if base != "0.17.1":
-        _skip_without_019()
+    _skip_without_019(base)
     r = result(runs(f"series-{base}", 3, "share_patterns", CONFIGS[:1]), "models", "share_patterns")
     patterns = [s for s in itertools.product(range(3), repeat=3) if max(s) > 0]
     keys = {
@@ -426,7 +425,7 @@ def test_every_share_pattern_of_three_ranks(runs, base):
     for key, shares in keys.items():
         got = r[key]
         assert not failed(got), (key, failed(got))
-        assert {k: got["summary"][k] for k in KEYS} == expected_series(list(shares)), (key, got)
+        assert observed(got["summary"]) == expected_series(list(shares)), (key, got)
         equal = min(shares) == max(shares)
         assert got["forms"] == (["all_gather_into_tensor"] if equal else ["broadcast"]), (key, got)
         forms |= set(got["forms"])
@@ -439,8 +438,8 @@ def test_async_gather_without_ddp_chunks_fails_at_construction(runs, world):
     groups): the layer-wise optimizer fails at construction on every rank, as pristine
     does: AttributeError on bucket_groups."""
     for tree in ("series-0.17.1", "pristine-0.17.1"):
-        r = runs(tree, world)[f"{CONFIGS[0]}/async_without_ddp"]
-        assert r.get("error", "").startswith("AttributeError") and "bucket_groups" in r["error"], (tree, r)
+        error = error_of(runs(tree, world), "async_without_ddp")
+        assert error.startswith("AttributeError") and "bucket_groups" in error, (tree, error)
 
 
 def test_one_rank_failure_ends_the_run_fast_with_its_traceback(tmp_path):
@@ -459,34 +458,56 @@ def test_one_rank_failure_ends_the_run_fast_with_its_traceback(tmp_path):
     assert ended - failed_at < 30, f"the run ended {ended - failed_at:.0f} s after rank 1 failed"
 
 
+def error_of(results, scenario):
+    """The error CONFIGS[0]/scenario raised on every rank ("" where none)."""
+    return results[f"{CONFIGS[0]}/{scenario}"].get("error", "")
+
+
+def assert_trains_like_pristine_sync(r, pristine, scenario):
+    """r (a small_dp record of the series) trains overlap == sync, grad norms equal, params
+    bitwise those of pristine's run `scenario` without --overlap-param-gather; returns
+    that fingerprint."""
+    ref = result(pristine, CONFIGS[0], scenario)["params_sha256_sync"]
+    assert r["params_overlap_equal_sync"] and r["grad_norms_equal"], r
+    assert r["params_sha256_overlap"] == r["params_sha256_sync"] == ref, (r, ref)
+    return ref
+
+
 def test_dp_size_1(runs):
-    """DP=1: optimizer builds and trains, overlap == sync, nothing gathered or allocated.
-    Pristine: TypeError while building the optimizer (set_bucket_layerwise_params_list
-    zips over None)."""
+    """DP=1: optimizer builds and trains like pristine's synchronous path (which works at
+    DP 1), nothing gathered or allocated. Pristine: TypeError while building the optimizer
+    (set_bucket_layerwise_params_list zips over None)."""
     r = result(runs("series-0.17.1", 1, "small_dp,gather,alloc"), CONFIGS[0], "small_dp")
-    assert r["params_overlap_equal_sync"] and r["grad_norms_equal"]
     a = result(runs("series-0.17.1", 1, "small_dp,gather,alloc"), CONFIGS[0], "alloc")
     assert a["async_bytes"] == a["forced_bytes"] == a["optimizer_bytes"] == 0
     assert all(b["calls"] == 0 for b in a["async_per_bucket_group"] + a["forced_per_bucket_group"])
     u = runs("pristine-0.17.1", 1, "small_dp,small_dp_sync")
-    assert u[f"{CONFIGS[0]}/small_dp"].get("error", "").startswith("TypeError"), u
-    # Bitwise equal to pristine's run without --overlap-param-gather (which works at DP 1).
-    ref = result(u, CONFIGS[0], "small_dp_sync")["params_sha256_sync"]
-    assert r["params_sha256_overlap"] == r["params_sha256_sync"] == ref
+    assert error_of(u, "small_dp").startswith("TypeError"), u
+    assert_trains_like_pristine_sync(r, u, "small_dp_sync")
 
 
-def test_expert_dp_size_1(runs):
-    """EP=2 on 2 ranks gives expert-DP size 1: trains, overlap == sync.
-    Pristine: TypeError from max(None) in the first forward pre-hook."""
-    r = result(runs("series-0.17.1", 2, "expert_dp1", CONFIGS[:1], ep=2), CONFIGS[0], "expert_dp1")
-    assert r["params_overlap_equal_sync"] and r["grad_norms_equal"]
-    u = runs("pristine-0.17.1", 2, "expert_dp1,expert_dp1_sync", CONFIGS[:1], ep=2)
-    assert u[f"{CONFIGS[0]}/expert_dp1"].get("error", "").startswith("TypeError"), u
-    ref = result(u, CONFIGS[0], "expert_dp1_sync")["params_sha256_sync"]
-    assert r["params_sha256_overlap"] == r["params_sha256_sync"] == ref
+@pytest.mark.parametrize("base", BASES)
+def test_expert_dp_size_1(runs, base):
+    """EP 2 on 2 ranks: dense DP 2, expert-DP 1. The series trains like pristine's
+    synchronous path. Pristine's overlapped run: 0.17.1 raises TypeError (max(None) in the
+    first forward pre-hook); 0.19.2 returns early from a gather over one rank and trains
+    the same."""
+    _skip_without_019(base)
+    u = runs(f"pristine-{base}", 2, "expert_dp1,expert_dp1_sync", CONFIGS[:1], ep=2)
+    r = result(runs(f"series-{base}", 2, "expert_dp1", CONFIGS[:1], ep=2), CONFIGS[0], "expert_dp1")
+    ref = assert_trains_like_pristine_sync(r, u, "expert_dp1_sync")
+    if base == "0.17.1":
+        assert error_of(u, "expert_dp1").startswith("TypeError"), u
+    else:
+        assert result(u, CONFIGS[0], "expert_dp1")["params_sha256_overlap"] == ref, u
 
 
 EDGE_SCENARIOS = "optimizer_without_ddp,optimizer_offloaded,unusual_params"
+
+
+def edge(runs, tree, scenario):
+    """CONFIGS[0]/scenario of the tree's one run of EDGE_SCENARIOS on 2 ranks."""
+    return result(runs(tree, 2, EDGE_SCENARIOS, CONFIGS[:1]), CONFIGS[0], scenario)
 
 
 def test_optimizer_path_without_ddp_chunks(runs):
@@ -494,8 +515,8 @@ def test_optimizer_path_without_ddp_chunks(runs):
     gathers the 0.17.1 way (nothing to receive into): trains, ranks agree, bitwise equal
     to pristine. Such a chunk has no DDP ``buffers`` list (``nn.Module.buffers`` is a method),
     so the series must not look for grad buffers there."""
-    r = result(runs("series-0.17.1", 2, EDGE_SCENARIOS, CONFIGS[:1]), CONFIGS[0], "optimizer_without_ddp")
-    u = result(runs("pristine-0.17.1", 2, EDGE_SCENARIOS, CONFIGS[:1]), CONFIGS[0], "optimizer_without_ddp")
+    r = edge(runs, "series-0.17.1", "optimizer_without_ddp")
+    u = edge(runs, "pristine-0.17.1", "optimizer_without_ddp")
     assert r["params_equal_across_ranks"] and r["params_sha256"] == u["params_sha256"], (r, u)
 
 
@@ -505,7 +526,7 @@ def test_optimizer_path_with_offloaded_grad_buffers(runs):
     on CPU).
     Pristine (temporaries only): the same."""
     for tree in ("series-0.17.1", "pristine-0.17.1"):
-        r = result(runs(tree, 2, EDGE_SCENARIOS, CONFIGS[:1]), CONFIGS[0], "optimizer_offloaded")
+        r = edge(runs, tree, "optimizer_offloaded")
         assert r["params_synced"] and r["storage_stayed_freed"], (tree, r)
 
 
@@ -514,10 +535,10 @@ def test_params_that_are_not_plain_tensors(runs):
     runtime's collective model enforces) and grad buffers whose param_dtype is uint8 (as
     for FP8 params; the receive dtype comes from the params): overlapped and
     optimizer-path training bitwise equal to pristine, and to each other."""
-    r = result(runs("series-0.17.1", 2, EDGE_SCENARIOS, CONFIGS[:1]), CONFIGS[0], "unusual_params")
-    u = result(runs("pristine-0.17.1", 2, EDGE_SCENARIOS, CONFIGS[:1]), CONFIGS[0], "unusual_params")
+    r = edge(runs, "series-0.17.1", "unusual_params")
+    u = edge(runs, "pristine-0.17.1", "unusual_params")
     for case in ("non_contiguous", "uint8_buffer_dtype"):
-        assert r[f"{case}_overlap_equal_sync"], (case, r)
+        assert r[f"{case}_params_overlap_equal_sync"] and r[f"{case}_grad_norms_equal"], (case, r)
         for path in ("overlap", "sync"):
             key = f"{case}_params_sha256_{path}"
             assert r[key] == u[key], (key, r, u)
@@ -534,20 +555,24 @@ def _bucket_group_of_two(tree):
     return r
 
 
-def test_every_gather_of_a_bucket_group_is_waited_on(runs):
+@pytest.mark.parametrize("base", BASES)
+def test_every_gather_of_a_bucket_group_is_waited_on(runs, base):
     """A bucket group of two buckets (disable_bucketing over bf16 and fp32 params, as for
     VPP chunks after the first), each bucket's gather landing only when its own work is
     waited on (collectives.defer_async_completion(), a schedule c10d allows and Gloo's
     worker threads can produce): the overlapped run equals, bitwise, the run that syncs
     synchronously after each step, on the same tree and on pristine (patch 0001).
     Pristine (waits on the last work only): the first bucket's params are copied from
-    receive buffers nothing was written into, and training parts. So does the mutant
-    that reverts 0001 on the series (test_the_mutant_waiting_on_the_last_work_only_is_caught)."""
-    r = _bucket_group_of_two(runs("series-0.17.1", 2, TWO_DTYPES_SERIES, CONFIGS[:1]))
-    u = _bucket_group_of_two(runs("pristine-0.17.1", 2, "bucket_group_of_two", CONFIGS[:1]))
+    receive buffers nothing was written into, and the params part (0.17.1: the grad norms
+    too). So does the mutant that reverts 0001 on the series
+    (test_the_mutant_waiting_on_the_last_work_only_is_caught)."""
+    _skip_without_019(base)
+    r = _bucket_group_of_two(runs(f"series-{base}", 2, TWO_DTYPES_SERIES, CONFIGS[:1]))
+    u = _bucket_group_of_two(runs(f"pristine-{base}", 2, "bucket_group_of_two", CONFIGS[:1]))
     assert r["params_overlap_equal_forced"] and r["grad_norms_equal"], r
     assert r["params_sha256_overlap"] == r["params_sha256_forced"] == u["params_sha256_forced"], (r, u)
-    assert not u["params_overlap_equal_forced"] and not u["grad_norms_equal"], u
+    assert not u["params_overlap_equal_forced"], u
+    assert base != "0.17.1" or not u["grad_norms_equal"], u
 
 
 @pytest.mark.extended
@@ -563,14 +588,12 @@ def test_the_mutant_waiting_on_the_last_work_only_is_caught(runs, tmp_path, base
 
 
 def _failed_checks(results):
-    """Names of every failed boolean check (or error) in a worker result."""
+    """Names of every failed boolean check (failed()) or error in a worker result."""
     out = []
     for key, checks in results.items():
-        if key == "_meta":
-            continue
-        if "error" in checks:
-            out.append(f"{key}: {checks['error']}")
-        out += [f"{key}.{c}" for c, v in checks.items() if v is False]
+        if key != "_meta":
+            out += [f"{key}: {checks['error']}"] if "error" in checks else []
+            out += [f"{key}.{c}" for c in failed(checks)]
     return out
 
 
@@ -696,8 +719,7 @@ MUTANT_CASES = tiered([(b, m) for b in BASES for m in sorted(MUTANT_MUST_FAIL_BY
 def base_mutant_tree(base, rel, dest):
     """make_mutant_tree() of the base's mutant `rel` (a path in its MUTANT_DIRS folder) on
     the base's series tree; skips where build/patched-0.19 is missing."""
-    if base != "0.17.1":
-        _skip_without_019()
+    _skip_without_019(base)
     return make_mutant_tree(MUTANT_DIRS[base] / rel, dest, f"series-{base}")
 
 
@@ -705,7 +727,7 @@ def series_main_run(runs, base):
     """The series tree's main run of `base` on 2 ranks (every main scenario, collectives)."""
     if base == "0.17.1":
         return runs("series-0.17.1", 2)
-    _skip_without_019()
+    _skip_without_019(base)
     return runs("series-0.19", 2, SERIES_SCENARIOS_019, CONFIGS_019)
 
 
@@ -713,7 +735,7 @@ def pristine_main_run(runs, base):
     """The pristine tree's main run of `base` on 2 ranks."""
     if base == "0.17.1":
         return runs("pristine-0.17.1", 2)
-    _skip_without_019()
+    _skip_without_019(base)
     return runs("pristine-0.19", 2, SCENARIOS_019, CONFIGS_019)
 
 
@@ -795,8 +817,9 @@ SCENARIOS_019 = MAIN_SCENARIOS.replace(",async_without_ddp", "")
 SERIES_SCENARIOS_019 = SCENARIOS_019 + ",collectives"
 
 
-def _skip_without_019():
-    if not (REPO_ROOT / "build" / "patched-0.19" / "megatron" / "core").is_dir():
+def _skip_without_019(base="0.19"):
+    """Skip a test of `base` 0.19 where build/patched-0.19 is missing."""
+    if base != "0.17.1" and not (REPO_ROOT / "build" / "patched-0.19" / "megatron" / "core").is_dir():
         pytest.skip("build/patched-0.19 is missing; run scripts/setup.sh")
 
 
@@ -834,38 +857,9 @@ def test_019_expert_dp_index_error_confirmed_and_fixed(runs):
     sync, bitwise equal to pristine's synchronous path (which works there)."""
     _skip_without_019()
     u = runs("pristine-0.19", 2, "dp1_expert_dp2,expert_dp1_sync", CONFIGS[:1], tp=2)
-    assert u[f"{CONFIGS[0]}/dp1_expert_dp2"].get("error", "").startswith("IndexError"), u
+    assert error_of(u, "dp1_expert_dp2").startswith("IndexError"), u
     r = result(runs("series-0.19", 2, "dp1_expert_dp2", CONFIGS[:1], tp=2), CONFIGS[0], "dp1_expert_dp2")
-    assert r["params_overlap_equal_sync"] and r["grad_norms_equal"], r
-    ref = result(u, CONFIGS[0], "expert_dp1_sync")["params_sha256_sync"]
-    assert r["params_sha256_overlap"] == r["params_sha256_sync"] == ref
-
-
-def test_019_expert_dp_size_1(runs):
-    """EP 2 on 2 ranks on 0.19: dense DP 2, expert-DP 1 (the converse of the case above,
-    where pristine 0.19.2 raised IndexError). The series trains, overlap == sync, bitwise
-    equal to pristine 0.19.2's synchronous path; pristine's overlapped run, for
-    reference, trains the same (0.19.2 returns early from a gather over one rank)."""
-    _skip_without_019()
-    u = runs("pristine-0.19", 2, "expert_dp1,expert_dp1_sync", CONFIGS[:1], ep=2)
-    r = result(runs("series-0.19", 2, "expert_dp1", CONFIGS[:1], ep=2), CONFIGS[0], "expert_dp1")
-    assert r["params_overlap_equal_sync"] and r["grad_norms_equal"], r
-    ref = result(u, CONFIGS[0], "expert_dp1_sync")["params_sha256_sync"]
-    assert r["params_sha256_overlap"] == r["params_sha256_sync"] == ref
-    pristine = result(u, CONFIGS[0], "expert_dp1")
-    assert pristine["params_sha256_overlap"] == ref, pristine
-
-
-def test_019_every_gather_of_a_bucket_group_is_waited_on(runs):
-    """Patch 0001 on 0.19: the bucket group of two buckets under deferred completion (see
-    test_every_gather_of_a_bucket_group_is_waited_on) equals its forced-sync run on the
-    series; pristine 0.19.2 (waits on the last work only) parts."""
-    _skip_without_019()
-    r = _bucket_group_of_two(runs("series-0.19", 2, TWO_DTYPES_SERIES, CONFIGS[:1]))
-    u = _bucket_group_of_two(runs("pristine-0.19", 2, "bucket_group_of_two", CONFIGS[:1]))
-    assert r["params_overlap_equal_forced"] and r["grad_norms_equal"], r
-    assert r["params_sha256_overlap"] == r["params_sha256_forced"] == u["params_sha256_forced"], (r, u)
-    assert not u["params_overlap_equal_forced"], u
+    assert_trains_like_pristine_sync(r, u, "expert_dp1_sync")
 
 
 # ---------------------------------------------------------------------------- prefixes
@@ -902,8 +896,7 @@ def test_every_prefix_of_the_series_keeps_numerics(runs, tmp_path, base, k):
     if k == len(series_patches(base=base)):
         res = series_main_run(runs, base)
     else:
-        if base != "0.17.1":
-            _skip_without_019()
+        _skip_without_019(base)
         tree = make_prefix_tree(k, tmp_path / "tree", base)
         res = runs(tree, 2, PREFIX_SCENARIOS, CONFIGS[:1])
     keep = {f"{CONFIGS[0]}/{s}" for s in PREFIX_SCENARIOS.split(",")}
@@ -926,8 +919,7 @@ PRIVATE_STATES = ("offloaded", "unconsumed_grads")
 
 
 def agreement_run(runs, tree):
-    if "0.19" in str(tree):
-        _skip_without_019()
+    _skip_without_019("0.19" if "0.19" in str(tree) else "0.17.1")
     return runs(tree, 2, AGREEMENT_SCENARIOS, AGREEMENT_CONFIGS)
 
 
@@ -943,8 +935,7 @@ def test_optimizer_gather_takes_the_same_collective_whatever_a_rank_holds(runs, 
     a rank's own state would differ between ranks: on NCCL, a hang or wrong params).
     Pristine, for reference: every rank its list all_gather of flattened
     temporaries."""
-    if base != "0.17.1":
-        _skip_without_019()
+    _skip_without_019(base)
     r = agreement_run(runs, f"series-{base}")
     for config in AGREEMENT_CONFIGS:
         res = result(r, config, "private_state_gather")
@@ -972,8 +963,7 @@ def test_zero_grad_buffer_of_plain_ddp_runs_no_param_sync_work(runs, base):
     (reset()), no param-sync entry point (free_overlap_buffers(), start/finish_param_sync())
     or layer-wise helper, and issue no gather collective: the series' param-sync work stays
     on layer-wise buckets."""
-    if base != "0.17.1":
-        _skip_without_019()
+    _skip_without_019(base)
     r = agreement_run(runs, f"series-{base}")
     u = agreement_run(runs, f"pristine-{base}")
     for config in AGREEMENT_CONFIGS:
@@ -1001,8 +991,7 @@ def test_cuda_graph_configs_build_and_train_like_without_them(runs, base):
     steps bitwise equal (params and grad norms) to the run without the config, params equal
     on every rank. The series' grad_data_idle flag needs no backward hook to keep a forced
     sync out of grad_data, so it accepts "local" graphs, which skip DDP's hooks."""
-    if base != "0.17.1":
-        _skip_without_019()
+    _skip_without_019(base)
     for tree in (f"pristine-{base}", f"series-{base}"):
         for config in AGREEMENT_CONFIGS:
             r = result(agreement_run(runs, tree), config, "local_cuda_graphs")
@@ -1042,8 +1031,7 @@ def test_optimizer_gather_of_two_param_dtypes(runs, base):
     broadcasts ran in both), and 3 real steps equal the overlapped run bitwise, params
     equal on every rank, grad_data untouched by each step(). Pristine 0.17.1's helper
     raises on rank 0 only (a dtype mismatch) while rank 1 waits in the collective."""
-    if base != "0.17.1":
-        _skip_without_019()
+    _skip_without_019(base)
     r = result(runs(f"series-{base}", 2, TWO_DTYPES_SERIES, CONFIGS[:1]), CONFIGS[0], "optimizer_two_dtypes")
     assert r["param_dtypes"] == ["torch.bfloat16", "torch.float32"], r
     assert r["gather_dtypes"] == ["torch.bfloat16", "torch.float32"], r
